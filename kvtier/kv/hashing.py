@@ -1,0 +1,133 @@
+"""Content hashes of KV blocks: the keys of the prefix cache.
+
+A block's hash names the exact KV it holds. KV of a token depends on every token before it, so the
+hash of block ``i`` chains the hash of block ``i - 1`` (its *parent*) with block ``i``'s own tokens::
+
+    root_hash(extra_keys) ──► hash_block(·, tokens[0:B]) ──► hash_block(·, tokens[B:2B]) ──► ...
+          h_root                        h_0                            h_1
+
+    h_i = sha256(DOMAIN | "block" | h_{i-1} | len | tokens of block i as int64 little endian)
+
+Two sequences share ``h_i`` only if they share the root and all ``(i + 1) * B`` leading tokens,
+so a hash hit means a whole prefix hit, never just one block in the middle.
+
+The root carries ``extra_keys``: everything besides the tokens that changes the KV or must keep
+two requests apart. The engine passes the model fingerprint (a hex string) and the request's
+``cache_salt``; a different salt starts a different chain, so tenants never see each other's blocks.
+
+The hashes are stable: the same in every process and after a restart (sha256 over an explicit,
+length-prefixed byte encoding; never Python's ``hash()``, which changes with ``PYTHONHASHSEED``).
+That matters once blocks outlive the process on a lower tier.
+
+Only *full* blocks have a hash. A partial tail block is still being written and is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""A 32-byte sha256 digest naming the KV of one full block and of everything before it."""
+
+BLOCK_HASH_NUM_BYTES = 32
+
+# Bump the version if the encoding below ever changes: old hashes (e.g. on disk) must not match.
+_DOMAIN = b"kvtier-block-v1"
+_ROOT_TAG = b"\x00root"
+_BLOCK_TAG = b"\x01block"
+
+ExtraKey = str | bytes | int
+
+
+def _encode_extra_key(key: ExtraKey) -> bytes:
+    """Type tag + 8-byte length + payload: no two different keys (or key lists) share an encoding."""
+    if isinstance(key, bool):  # bool is an int subclass; True must not collide with 1
+        tag, payload = b"?", b"1" if key else b"0"
+    elif isinstance(key, int):
+        tag, payload = b"i", str(key).encode("ascii")
+    elif isinstance(key, str):
+        tag, payload = b"s", key.encode("utf-8")
+    elif isinstance(key, bytes):
+        tag, payload = b"b", key
+    else:
+        raise TypeError(f"extra key must be str, bytes or int, got {type(key).__name__}")
+    return tag + struct.pack("<Q", len(payload)) + payload
+
+
+def root_hash(extra_keys: tuple[ExtraKey, ...]) -> BlockHash:
+    """The parent hash of a sequence's first block.
+
+    ``extra_keys`` (model fingerprint, ``cache_salt``, ...) are order-sensitive: ``("a", "b")`` and
+    ``("b", "a")`` give different roots, and so do ``("ab",)`` and ``("a", "b")``.
+    """
+    h = hashlib.sha256(_DOMAIN + _ROOT_TAG)
+    h.update(struct.pack("<Q", len(extra_keys)))
+    for key in extra_keys:
+        h.update(_encode_extra_key(key))
+    return BlockHash(h.digest())
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """``H(parent, tokens)``: the hash of a full block given its parent's hash.
+
+    Tokens are encoded as a count followed by int64 little endian values, so the encoding does
+    not depend on the platform's byte order and ``[1, 2]`` never collides with ``[258]``.
+    """
+    if len(parent) != BLOCK_HASH_NUM_BYTES:
+        raise ValueError(f"parent hash must be {BLOCK_HASH_NUM_BYTES} bytes, got {len(parent)}")
+    num_tokens = len(token_ids)
+    h = hashlib.sha256(_DOMAIN + _BLOCK_TAG)
+    h.update(parent)
+    h.update(struct.pack(f"<Q{num_tokens}q", num_tokens, *token_ids))
+    return BlockHash(h.digest())
+
+
+def hash_full_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash,
+    start_block: int = 0,
+    num_tokens: int | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks ``start_block, start_block + 1, ...`` of ``token_ids[:num_tokens]``.
+
+    ``parent`` is the hash of block ``start_block - 1`` (the root hash when ``start_block`` is 0).
+    Only full blocks are hashed: a trailing partial block yields nothing. Cost is proportional to
+    the number of *new* blocks, so a growing sequence extends its chain each step without rehashing
+    its prefix (see :func:`extend_block_hashes`).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if start_block < 0:
+        raise ValueError(f"start_block must be >= 0, got {start_block}")
+    if num_tokens is None:
+        num_tokens = len(token_ids)
+    elif not 0 <= num_tokens <= len(token_ids):
+        raise ValueError(f"num_tokens {num_tokens} out of range for {len(token_ids)} tokens")
+    hashes: list[BlockHash] = []
+    for block_index in range(start_block, num_tokens // block_size):
+        start = block_index * block_size
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    root: BlockHash,
+    num_tokens: int | None = None,
+) -> int:
+    """Append to ``block_hashes`` (the chain so far) the hashes of blocks that became full.
+
+    ``block_hashes[i]`` must be the hash of block ``i`` of ``token_ids``; the chain resumes from its
+    last entry (or ``root`` when empty). Returns how many hashes were appended.
+    """
+    parent = block_hashes[-1] if block_hashes else root
+    new_hashes = hash_full_blocks(token_ids, block_size, parent, len(block_hashes), num_tokens)
+    block_hashes.extend(new_hashes)
+    return len(new_hashes)

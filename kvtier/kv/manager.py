@@ -1,0 +1,326 @@
+"""``KVCacheManager``: per-sequence block tables over one :class:`BlockPool`.
+
+This is the only KV API the scheduler calls. A sequence's *block table* maps its token slots to
+blocks: slot ``s`` lives in ``table[s // block_size]`` at offset ``s % block_size``::
+
+    token slots   0 ........ 15 | 16 ....... 31 | 32 ....... 47 | 48 .. 52
+    block table   [   b4        |    b9         |    b1         |  b6 (partial)  ]
+                   cached, shared   cached         computed        being written
+                   (prefix hit)                    (not yet        this step
+                                                    cached)
+
+Life of a sequence, as the scheduler drives it::
+
+    computed = get_computed_blocks(tokens, extra_keys)        # pure lookup of the cached prefix
+    allocate_slots(seq, tokens, computed.num_computed_tokens,  # adopt the hit, add blocks for the
+                   num_new, computed, extra_keys)              # new slots (False: no room, no change)
+    ... worker runs the step: take_block_copies(), then KV written into the new slots ...
+    cache_blocks(seq, tokens, num_computed)                    # newly full blocks enter the hash map
+    allocate_slots(seq, tokens, num_computed, 1)               # decode steps, one slot each
+    fork(seq, child)                                           # n > 1 sampling: share the table
+    free(seq)                                                  # finished, aborted or preempted
+
+Preemption by recomputation is ``free`` now and a fresh lookup later; the sequence's full blocks
+stay cached idle in the free queue, so if nothing evicted them the recomputation is mostly hits.
+
+Writers never share a block: before slots are written, ``allocate_slots`` gives the writing
+sequence a private copy of any block another sequence also references (copy-on-write, after a
+fork) and records ``(src_block_id, dst_block_id)``; the worker must apply those copies (from
+``take_block_copies``) before the step's forward pass writes KV.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.kv.block_pool import BlockPool, KVBlock
+from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
+
+
+@dataclass(frozen=True)
+class ComputedBlocks:
+    """Result of a prefix lookup: cached blocks covering a prompt's leading tokens. Owned by no one
+    until ``allocate_slots`` adopts it, so use it in the same scheduling decision that made it."""
+
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int  # == len(block_ids) * block_size
+    # The hashes the lookup matched, so ``allocate_slots`` can tell if a block was evicted since.
+    block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+
+
+NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
+
+
+@dataclass
+class KVCacheStats:
+    """Counters since the manager was created. Queries and hits are counted in tokens."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_evicted_blocks: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class _SeqBlocks:
+    """What the manager knows about one live sequence."""
+
+    blocks: list[KVBlock]
+    root: BlockHash
+    # block_hashes[i] is the chained hash of block i; grows as blocks become full and computed.
+    block_hashes: list[BlockHash]
+    # Blocks [0, num_cached_blocks) have been offered to the hash map (a duplicate may have lost).
+    num_cached_blocks: int
+
+
+class KVCacheManager:
+    """Block tables for live sequences, prefix reuse, copy-on-write after fork."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool,
+        on_evict: Callable[[KVBlock], None] | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.stats = KVCacheStats()
+        self._on_evict = on_evict
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def _evicted(self, block: KVBlock) -> None:
+        if self._on_evict is not None:
+            self._on_evict(block)
+        self.stats.num_evicted_blocks += 1
+
+    # ---------------------------------------------------------------- lookup
+
+    def get_computed_blocks(
+        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
+    ) -> ComputedBlocks:
+        """The longest cached prefix of full blocks of ``token_ids``; takes no reference.
+
+        Never covers the whole prompt: at most ``(len(token_ids) - 1) // block_size`` blocks, so at
+        least the last token is computed and produces logits. Stops at the first miss (a later
+        block cannot be valid without its parent). Counts ``prefix_cache_queries/hits``.
+        """
+        if not self.enable_caching:
+            return NO_COMPUTED_BLOCKS
+        bs = self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        block_ids: list[int] = []
+        block_hashes: list[BlockHash] = []
+        parent = root_hash(extra_keys)
+        for i in range(max_blocks):
+            block_tokens = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, block_tokens)
+            block = self.pool.get_cached_block(parent, block_tokens)
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+            block_hashes.append(parent)
+        num_computed_tokens = len(block_ids) * bs
+        self.stats.prefix_cache_queries += len(token_ids)
+        self.stats.prefix_cache_hits += num_computed_tokens
+        return ComputedBlocks(tuple(block_ids), num_computed_tokens, tuple(block_hashes))
+
+    # ---------------------------------------------------------------- allocation
+
+    def allocate_slots(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        computed: ComputedBlocks | None = None,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> bool:
+        """Make ``seq_id``'s table cover slots ``[0, num_computed_tokens + num_new_tokens)``.
+
+        On the sequence's first call the ``computed`` blocks (if any) become its table prefix and
+        ``num_computed_tokens`` must equal ``computed.num_computed_tokens``; ``extra_keys`` fixes
+        the root of its hash chain. Returns False, changing nothing, if the pool cannot supply the
+        blocks needed: new blocks, copy-on-write copies, and idle hit blocks taken off the queue.
+        """
+        bs = self.block_size
+        seq = self._seqs.get(seq_id)
+        if num_computed_tokens < 0 or num_new_tokens < 0:
+            raise ValueError(f"negative token counts: computed={num_computed_tokens} new={num_new_tokens}")
+        num_total = num_computed_tokens + num_new_tokens
+        if num_total > len(token_ids):
+            raise ValueError(
+                f"{seq_id}: {num_total} slots requested but the sequence has {len(token_ids)} tokens"
+            )
+
+        hit_blocks: list[KVBlock] = []
+        if seq is None:
+            computed = computed or NO_COMPUTED_BLOCKS
+            if num_computed_tokens != computed.num_computed_tokens:
+                raise ValueError(
+                    f"{seq_id}: first allocation with num_computed_tokens={num_computed_tokens}, but the "
+                    f"adopted prefix covers {computed.num_computed_tokens}"
+                )
+            if computed.num_computed_tokens != len(computed.block_ids) * bs:
+                raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
+            hit_blocks = [self.pool.blocks[block_id] for block_id in computed.block_ids]
+            for i, block in enumerate(hit_blocks):
+                expected = computed.block_hashes[i] if computed.block_hashes else block.block_hash
+                if block.block_hash is None or block.block_hash != expected:
+                    raise ValueError(
+                        f"{seq_id}: stale ComputedBlocks: block {block.block_id} was evicted after the lookup"
+                    )
+            table = hit_blocks
+        else:
+            if computed is not None and computed.block_ids:
+                raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
+            table = seq.blocks
+            if num_computed_tokens > len(table) * bs:
+                raise ValueError(
+                    f"{seq_id}: {num_computed_tokens} computed tokens but the table covers {len(table) * bs}"
+                )
+
+        # Blocks the new slots will be written into that another sequence also references.
+        cow_indices: list[int] = []
+        if num_new_tokens > 0:
+            first = num_computed_tokens // bs
+            last = min((num_total - 1) // bs, len(table) - 1)
+            cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 99]
+        num_new_blocks = max(0, -(-num_total // bs) - len(table))
+        num_hits_from_queue = sum(1 for block in hit_blocks if block.ref_cnt == 0)
+        if num_new_blocks + len(cow_indices) + num_hits_from_queue > self.pool.num_free_blocks:
+            return False
+
+        # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them.
+        if seq is None:
+            self.pool.touch(hit_blocks)
+            seq = _SeqBlocks(
+                blocks=list(hit_blocks),
+                root=root_hash(extra_keys),
+                block_hashes=[block.block_hash for block in hit_blocks if block.block_hash is not None],
+                num_cached_blocks=len(hit_blocks),
+            )
+            self._seqs[seq_id] = seq
+        fresh = self.pool.get_new_blocks(len(cow_indices) + num_new_blocks)
+        for i, dst in zip(cow_indices, fresh, strict=False):
+            src = seq.blocks[i]
+            self._pending_copies.append((src.block_id, dst.block_id))
+            seq.blocks[i] = dst
+            self.pool.free_blocks([src])  # ref_cnt was > 1: stays in use by the other sequence(s)
+        seq.blocks.extend(fresh[len(cow_indices) :])
+        return True
+
+    def cache_blocks(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        extra_keys: tuple[ExtraKey, ...] = (),
+    ) -> None:
+        """Register every block of ``seq_id`` that is now full and computed in the hash map.
+
+        Called after a step computed KV for ``token_ids[:num_computed_tokens]``. The chained hashes
+        are kept per sequence and extended, never recomputed from block 0. The chain's root was
+        fixed by the first ``allocate_slots``; non-empty ``extra_keys`` are checked against it.
+        """
+        if not self.enable_caching:
+            return
+        seq = self._seq(seq_id)
+        if num_computed_tokens > len(token_ids):
+            raise ValueError(
+                f"{seq_id}: {num_computed_tokens} computed tokens but only {len(token_ids)} tokens"
+            )
+        if extra_keys and root_hash(extra_keys) != seq.root:
+            raise ValueError(f"{seq_id}: extra_keys differ from the ones of its first allocation")
+        bs = self.block_size
+        num_full = min(num_computed_tokens // bs, len(seq.blocks))
+        if num_full <= seq.num_cached_blocks:
+            return
+        if len(seq.block_hashes) < num_full:
+            extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
+        for i in range(seq.num_cached_blocks, num_full):
+            self.pool.cache_block(seq.blocks[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+        seq.num_cached_blocks = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` shares ``parent_id``'s whole table (each block one more reference) and its
+        hash progress. The first write into a shared partial block copies it (see allocate_slots)."""
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into {child_id}: it already has blocks")
+        parent = self._seq(parent_id)
+        self.pool.touch(parent.blocks)
+        self._seqs[child_id] = _SeqBlocks(
+            blocks=list(parent.blocks),
+            root=parent.root,
+            block_hashes=list(parent.block_hashes),
+            num_cached_blocks=parent.num_cached_blocks,
+        )
+
+    def free(self, seq_id: str) -> None:
+        """Release ``seq_id``'s blocks, last block first (so its tail is evicted before its head), and
+        forget the sequence. Freeing an unknown sequence (never allocated) does nothing."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self.pool.free_blocks(reversed(seq.blocks))
+
+    # ---------------------------------------------------------------- queries
+
+    def _seq(self, seq_id: str) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"unknown sequence {seq_id!r}: allocate_slots was never called or it was freed")
+        return seq
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        """The sequence's current block table (a copy)."""
+        return [block.block_id for block in self._seq(seq_id).blocks]
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def num_free_blocks(self) -> int:
+        """Blocks available for new slots (free plus cached idle)."""
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by some sequence."""
+        return self.pool.usage
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: every table block is in use, and each block's ``ref_cnt`` equals the
+        number of references the tables hold to it. Raises ``AssertionError``."""
+        self.pool.check_integrity()
+        refs: Counter[int] = Counter()
+        for seq_id, seq in self._seqs.items():
+            ids = [block.block_id for block in seq.blocks]
+            assert len(set(ids)) == len(ids), f"{seq_id}: a block appears twice in its table"
+            assert seq.num_cached_blocks <= len(seq.blocks), f"{seq_id}: more cached blocks than blocks"
+            if self.enable_caching:
+                assert seq.num_cached_blocks <= len(seq.block_hashes), f"{seq_id}: cached blocks without hash"
+            for i, block in enumerate(seq.blocks):
+                assert self.pool.blocks[block.block_id] is block, f"{seq_id}: foreign block {block.block_id}"
+                assert block.ref_cnt > 0, f"{seq_id}: table holds block {block.block_id} with ref_cnt 0"
+                # A fork child may not have hashed a block its parent cached since; if it has, they agree.
+                if block.block_hash is not None and i < len(seq.block_hashes):
+                    assert seq.block_hashes[i] == block.block_hash, (
+                        f"{seq_id}: block {block.block_id} is cached under a hash other than the sequence's"
+                    )
+            refs.update(ids)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} table references"
+            )

@@ -1,0 +1,138 @@
+"""The offline Python API, shaped like vLLM's ``LLM`` so users can switch.
+
+    from kvtier import LLM, SamplingParams
+    llm = LLM()                                     # embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from kvtier.config import ConfigError, EngineArgs
+from kvtier.engine import LLMEngine, PromptType
+from kvtier.outputs import RequestOutput
+from kvtier.sampling_params import SamplingParams
+
+Conversation = list[dict[str, str]]
+
+
+def _engine_args(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+    return EngineArgs(model=model, **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, progress: bool = False, **engine_kwargs: Any):
+        self.engine = LLMEngine(_engine_args(model, engine_kwargs), progress=progress)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - kvtier.tokenizer.Tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuously batched); outputs in prompt order."""
+        prompt_list = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompt_list))
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompt_list, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+        except Exception:
+            for rid in ids:  # a bad prompt queues nothing: withdraw the ones already added
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template and generate; one output per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+
+    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
+        if not conversation:
+            raise ConfigError("messages must not be empty")
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        # The template already contains any special tokens it wants: don't add BOS again.
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+               cache_salt: str | None = None) -> Iterator[RequestOutput]:
+        """Yield a ``RequestOutput`` after every step that adds to this request (text_delta)."""
+        rid = self.engine.add_request(prompt, sampling_params, cache_salt=cache_salt)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+
+    # ----------------------------------------------------------------------------------------
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req", dynamic_ncols=True)
+        try:
+            while len(final) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[rid] for rid in ids]
+
+    @staticmethod
+    def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, str | Mapping):
+            return [prompts]
+        items = list(prompts)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return [items]  # one prompt given as token ids
+        return items
+
+    @staticmethod
+    def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        plist = list(params)
+        if len(plist) != n:
+            raise ConfigError(f"got {len(plist)} SamplingParams for {n} prompts")
+        return plist

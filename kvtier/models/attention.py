@@ -1,0 +1,126 @@
+"""Paged attention over the block-major KV pool.
+
+The device KV pool is one tensor::
+
+    kv_cache: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
+               └─ one block = every layer's K and V for block_size tokens, contiguous,
+                  so a tier transfer moves a block with a single indexed copy.
+
+A step's tokens are flattened to ``T`` rows (decodes first, then prefill chunks). Attention reads
+K/V only through block tables and writes new K/V only through slot mappings (block id, offset):
+
+    write:  kv_cache[slot_block_ids[t], layer, slot_offsets[t]] = kv_new[t]          # [2, KVH, D]
+    read:   rows = kv_layer.index_select(0, block_table)  ->  [n_blocks, BS, 2, KVH, D]
+                                                          ->  [ctx, 2, KVH, D] (a view)
+
+Decode rows (one query token each) run as one batched group padded to the longest context with a
+boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
+already has in cache. Grouped-query attention folds the query heads that share a KV head into the
+query-length axis, so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """``num_seqs`` sequences with one new token each: rows [0, num_seqs) of the step."""
+
+    num_seqs: int
+    block_tables: torch.Tensor  # [B * max_blocks] long, flattened padded block tables
+    max_blocks: int
+    max_context: int  # longest context in the group (tokens incl. the new one)
+    mask: torch.Tensor | None  # [B, 1, 1, max_context] bool (True = attend); None when B == 1
+
+
+@dataclass
+class PrefillGroup:
+    """One sequence's chunk of ``num_tokens`` new tokens after ``num_cached`` tokens already in cache."""
+
+    start: int  # first row of this chunk in the step
+    num_tokens: int
+    num_cached: int
+    block_table: torch.Tensor | None  # [n_blocks] long; None when num_cached == 0 (no gather needed)
+    mask: torch.Tensor | None  # [num_tokens, num_cached + num_tokens] bool; None when num_cached == 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built by the model runner, read by every layer."""
+
+    slot_block_ids: torch.Tensor  # [T] long: where each new token's K/V is written
+    slot_offsets: torch.Tensor  # [T] long
+    decode: DecodeGroup | None
+    prefills: list[PrefillGroup]
+
+
+def write_kv(kv_cache: torch.Tensor, layer: int, kv_new: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the step's new K/V (``kv_new``: [T, 2, KVH, D]) into their slots."""
+    kv_cache[meta.slot_block_ids, layer, meta.slot_offsets] = kv_new
+
+
+def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[n_blocks] block ids -> [n_blocks * BS, 2, KVH, D] (one copy of just those blocks)."""
+    num_blocks, block_size = kv_layer.shape[0], kv_layer.shape[1]
+    flat = kv_layer.view(num_blocks, -1).index_select(0, block_table)
+    return flat.view(block_table.shape[0] * block_size, *kv_layer.shape[2:])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D] (RoPE applied)
+    kv_new: torch.Tensor,  # [T, 2, KVH, D] this step's K/V (RoPE applied to K)
+    kv_cache: torch.Tensor,  # [NB, L, BS, 2, KVH, D]
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H * D]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_new.shape[2]
+    group = num_heads // num_kv_heads
+    kv_layer = kv_cache.select(1, layer)  # [NB, BS, 2, KVH, D]
+    outs: list[torch.Tensor] = []
+
+    if meta.decode is not None:
+        d = meta.decode
+        b = d.num_seqs
+        ctx = _gather(kv_layer, d.block_tables).view(
+            b, d.max_blocks * kv_layer.shape[1], 2, num_kv_heads, head_dim
+        )
+        ctx = ctx[:, : d.max_context]
+        k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
+        v = ctx[:, :, 1].transpose(1, 2)
+        qd = q[:b].view(b, num_kv_heads, group, head_dim)  # query heads sharing a KV head as rows
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
+        outs.append(o.reshape(b, num_heads * head_dim))
+
+    for p in meta.prefills:
+        qs = q[p.start : p.start + p.num_tokens].transpose(0, 1)  # [H, n, D]
+        if p.block_table is None:
+            kv = kv_new[p.start : p.start + p.num_tokens]  # fresh prompt: nothing to gather
+            causal, mask = True, None
+        else:
+            kv = _gather(kv_layer, p.block_table)[: p.num_cached + p.num_tokens]
+            causal, mask = False, p.mask
+        k = _expand_heads(kv[:, 0], group)  # [H, ctx, D]
+        v = _expand_heads(kv[:, 1], group)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, is_causal=causal, scale=scale
+        )  # [H, n, D]
+        outs.append(o.transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
+
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[ctx, KVH, D] -> [KVH * group, ctx, D]. CPU SDPA's fused kernel has no GQA path for long
+    queries (``enable_gqa`` falls back to unfused math), so prefill repeats the KV heads."""
+    x = x.transpose(0, 1)  # [KVH, ctx, D]
+    if group == 1:
+        return x
+    kvh, ctx, d = x.shape
+    return x[:, None].expand(kvh, group, ctx, d).reshape(kvh * group, ctx, d)

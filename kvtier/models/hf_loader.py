@@ -1,0 +1,239 @@
+"""Loading an HF-format directory: ``config.json`` + ``*.safetensors`` (+ index when sharded) + tokenizer.
+
+Weights are opened with ``safetensors.safe_open`` (memory-mapped: pages are read when first touched), kept
+in the dtype they were stored in, and checked against the config's shapes. This module is on the warm
+start-up path: it imports nothing heavier than safetensors (torch comes in through ``safe_open``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors import safe_open
+
+from kvtier.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("llama3", "linear")
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+_DTYPE_NAMES.update({"half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
+_TORCH_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; ConfigError when unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _id_list(value: Any) -> list[int]:
+    """``eos_token_id`` as HF writes it (int, list of ints, or null) as a list."""
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5).
+
+    The scaling dict is normalised to HF's form with a ``rope_type`` key ("llama3" or "linear"); the default
+    rope gives None. Other types (yarn, dynamic, longrope...) are a ConfigError.
+    """
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form: take full attention
+        params = params["full_attention"]
+    scaling = cfg.get("rope_scaling") or (params if isinstance(params, dict) else None)
+    theta = cfg.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    theta = float(theta) if theta is not None else 10000.0
+    if not isinstance(scaling, dict):
+        return theta, None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
+    if "factor" not in out:
+        raise ConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
+    required = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if rope_type == "llama3" and (missing := [k for k in required if k not in out]):
+        raise ConfigError(f"llama3 rope scaling is missing {', '.join(missing)}")
+    return theta, {"rope_type": rope_type, **out}
+
+
+def _native_dtype(cfg: dict[str, Any]) -> str | None:
+    """The published precision from ``dtype`` / ``torch_dtype``, or None when the config does not say."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name is None:
+        return None
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ConfigError(f"unsupported checkpoint dtype {name!r} (supported: float32, bfloat16, float16)")
+    return _DTYPE_NAMES[name]
+
+
+def _max_positions(cfg: dict[str, Any], arch: str) -> int:
+    """Context length; a sliding window (not implemented here) caps it so attention stays exact."""
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_window and isinstance(window, int) and 0 < window < max_pos:
+        return window
+    return max_pos
+
+
+def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelConfig:
+    """A ``ModelConfig`` from an HF ``config.json`` dict (and ``generation_config.json`` for eos/bos)."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else f"model_type={cfg.get('model_type')!r}"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"unsupported architecture {arch} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"unsupported activation {act!r} (kvtier runs SiLU-gated MLPs)")
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        theta, scaling = parse_rope(cfg)
+        generation_cfg = generation_cfg or {}
+        eos = _id_list(cfg.get("eos_token_id")) + _id_list(generation_cfg.get("eos_token_id"))
+        bos = cfg.get("bos_token_id", generation_cfg.get("bos_token_id"))
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=_max_positions(cfg, arch),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            native_dtype=_native_dtype(cfg) or "float32",
+        )
+    except KeyError as exc:
+        raise ConfigError(f"config.json is missing {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"config.json has an invalid value: {exc}") from exc
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the engine reads, HF-named, with its shape. Biases are listed as optional elsewhere."""
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q, inter = config.num_heads * config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)  # [out, in]
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def optional_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Bias tensors, kept when the checkpoint has them (Qwen2 has q/k/v biases but no o_proj bias)."""
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q, inter = config.num_heads * config.head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        for name, size in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", h)):
+            shapes[f"{p}self_attn.{name}.bias"] = (size,)
+        for name, size in (("gate_proj", inter), ("up_proj", inter), ("down_proj", h)):
+            shapes[f"{p}mlp.{name}.bias"] = (size,)
+    return shapes
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files: from ``model.safetensors.index.json`` or by globbing."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index} has no weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise ConfigError(f"{path} is missing weight shards: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
+        hint = f" (found {', '.join(sorted(other))}: only safetensors is supported)" if other else ""
+        raise ConfigError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def load_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name, memory-mapped, as stored; shapes checked against ``config``."""
+    required, optional = expected_shapes(config), optional_shapes(config)
+    weights: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 -- safe_open objects are not iterable
+                    if name in required or name in optional:
+                        weights[name] = f.get_tensor(name)
+        except ConfigError:
+            raise
+        except Exception as exc:  # safetensors raises SafetensorError / OSError on corrupt files
+            raise ConfigError(f"cannot read weights from {file}: {exc}") from exc
+    if missing := [name for name in required if name not in weights]:
+        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise ConfigError(f"checkpoint {path} is missing {', '.join(missing[:3])}{more}")
+    for name, tensor in weights.items():
+        want = required.get(name) or optional[name]
+        if tuple(tensor.shape) != want:
+            raise ConfigError(f"{name} has shape {tuple(tensor.shape)} but config.json implies {want}")
+    return weights
+
+
+def stored_dtype(weights: dict[str, torch.Tensor]) -> str:
+    """The precision of the large matrices (what the checkpoint was published in)."""
+    tensor = weights["model.embed_tokens.weight"]
+    return _TORCH_DTYPE_NAMES.get(str(tensor.dtype), "float32")
+
+
+def load_config(path: Path) -> tuple[dict[str, Any], ModelConfig]:
+    """Raw ``config.json`` dict and the parsed ``ModelConfig`` (eos merged with generation_config.json)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"no config.json in {path}")
+    raw = read_json(config_file)
+    gen_file = path / "generation_config.json"
+    generation = read_json(gen_file) if gen_file.is_file() else None
+    return raw, parse_config(raw, generation)

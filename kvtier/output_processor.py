@@ -1,0 +1,94 @@
+"""Turns sampled tokens into text: incremental detokenization, stop strings, streaming deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.sequence import Request, Sequence, SequenceStatus
+from kvtier.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def on_token(self, seq: Sequence, token_id: int) -> str | None:
+        """Feed one new token of ``seq``; returns the stop string it completed, if any."""
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            state = self._states[seq.seq_id] = _TextState(self.tokenizer.detokenizer(prompt))
+        delta = state.detokenizer.step([token_id])
+        if not delta:
+            return None
+        state.text += delta
+        stops = seq.params.stop
+        if not stops:
+            return None
+        longest = max(len(s) for s in stops)
+        search_from = max(0, len(state.text) - len(delta) - longest + 1)
+        hits = [(idx, s) for s in stops if (idx := state.text.find(s, search_from)) != -1]
+        if not hits:
+            return None
+        idx, stop = min(hits)
+        state.text = state.text[:idx]
+        return stop
+
+    def make_output(self, request: Request, prompt: str | None) -> RequestOutput:
+        outputs = []
+        for seq in request.seqs:
+            state = self._states.get(seq.seq_id)
+            text = state.text if state else ""
+            finished = seq.status.finished
+            if not finished and seq.params.stop:  # hold back what could be the start of a stop string
+                text = text[: max(0, len(text) - (max(len(s) for s in seq.params.stop) - 1))]
+            emitted_chars = state.num_emitted_chars if state else 0
+            emitted_tokens = state.num_emitted_tokens if state else 0
+            if state:
+                state.num_emitted_chars = max(emitted_chars, len(text))
+                state.num_emitted_tokens = seq.num_output_tokens
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.status.value if finished else None,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    text_delta=text[emitted_chars:],
+                    num_new_tokens=seq.num_output_tokens - emitted_tokens,
+                )
+            )
+        seq0 = request.seqs[0]
+        metrics = {"arrival_time": request.arrival_time}
+        if seq0.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = seq0.first_scheduled_time
+        if seq0.first_token_time is not None:
+            metrics["first_token_time"] = seq0.first_token_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=outputs,
+            finished=request.finished,
+            num_cached_tokens=seq0.num_cached_tokens or 0,
+            metrics=metrics,
+        )
+
+    def release(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.FINISHED_ABORTED:
+            self._states.pop(seq.seq_id, None)
+
+    def forget(self, request: Request) -> None:
+        for seq in request.seqs:
+            self._states.pop(seq.seq_id, None)

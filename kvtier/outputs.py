@@ -1,0 +1,34 @@
+"""What ``LLM.generate`` and ``LLMEngine.step`` return (vLLM-compatible field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.sequence import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop string / stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None
+    text_delta: str = ""  # text added by the latest step (for streaming)
+    num_new_tokens: int = 0  # tokens added by the latest step
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish (monotonic s)

@@ -1,0 +1,86 @@
+"""Sampling parameters of one request (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvtier.config import ConfigError
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    ``temperature == 0`` is greedy. ``seed`` makes a random request reproducible regardless of
+    what else shares its batch. ``stop`` strings end generation and are not part of the output.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs reported per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def number(name: str, value: object) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ConfigError(f"{name} must be finite, got {value!r}")
+            return float(value)
+
+        def integer(name: str, value: object) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+            return value
+
+        if integer("n", self.n) < 1:
+            raise ConfigError(f"n must be at least 1, got {self.n}")
+        if number("temperature", self.temperature) < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < number("top_p", self.top_p) <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if integer("top_k", self.top_k) < 0:
+            raise ConfigError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
+        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if integer("min_tokens", self.min_tokens) < 0:
+            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ConfigError(f"stop must be a list of non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ConfigError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
+            raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,97 @@
+"""Sequences and requests: plain data, no torch.
+
+A *request* (one prompt, one ``SamplingParams``) owns ``n`` *sequences*; with ``n > 1`` sequence 0
+prefills the prompt and, when the prompt is done, the others fork from it and share its blocks.
+
+A sequence's state is its token ids and how many of them have K/V in the cache::
+
+    token_ids:  [ p0 p1 ... p(P-1) | o0 o1 ... o(k-1) ]
+                 └── prompt ───────┘└── output ──────┘
+    num_computed_tokens: tokens whose K/V are in the device pool; a decoding sequence has
+                         len(token_ids) - 1 (the newest sampled token is computed next step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvtier.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of the chosen token and the top-k alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request_id: str
+    index: int  # 0..n-1 within its request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    extra_keys: tuple[str, ...]  # block-hash chain keys: model fingerprint, cache salt
+    max_total_tokens: int  # prompt + output may not exceed this (max_model_len)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token still to compute (the prompt, or everything after a recompute preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def forks_on_prompt_done(self) -> bool:
+        return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.status.finished for s in self.seqs)

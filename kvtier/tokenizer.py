@@ -1,0 +1,282 @@
+"""A fast tokenizer: the ``tokenizers`` library directly, never ``transformers`` (its import costs seconds).
+
+``Tokenizer.from_dir`` reads an HF-style directory (``tokenizer.json`` + ``tokenizer_config.json``, optionally
+``chat_template.jinja``). Chat templates render in a sandboxed jinja2 environment set up the way
+``transformers`` sets up its own, so prompts match ``apply_chat_template(..., tokenize=False)`` byte for byte.
+``IncrementalDetokenizer`` turns streamed token ids into text deltas without ever cutting a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _Backend
+
+from kvtier.config import ConfigError
+
+_REPLACEMENT_CHAR = "\ufffd"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` spells it: a string, or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``; ConfigError when it is unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _find_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """The default chat template: ``tokenizer_config.json``, else ``chat_template.jinja`` / ``.json``."""
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if isinstance(template, str) and template:
+        return template
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = path / "chat_template.json"
+    if json_file.is_file():
+        value = _read_json(json_file).get("chat_template")
+        return value if isinstance(value, str) else None
+    return None
+
+
+class Tokenizer:
+    """Encode / decode / chat-template rendering for one model.
+
+    Attributes: ``vocab_size`` (ids the tokenizer knows, added tokens included), ``bos_token_id``,
+    ``eos_token_ids`` (every id that ends a generation), ``add_bos`` (``encode`` prepends BOS), and
+    ``chat_template`` (jinja source, or None).
+    """
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        special_tokens: dict[str, str] | None = None,
+        add_bos: bool | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._backend = backend
+        self.special_tokens: dict[str, str] = dict(special_tokens or {})
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        bos = self.special_tokens.get("bos_token")
+        self.bos_token_id: int | None = backend.token_to_id(bos) if bos is not None else None
+        eos = self.special_tokens.get("eos_token")
+        eos_ids = [backend.token_to_id(eos)] if eos is not None else []
+        eos_ids += list(extra_eos_token_ids)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        self._post_processor_adds_bos = self._detect_post_processor_bos()
+        self.add_bos: bool = self._post_processor_adds_bos if add_bos is None else bool(add_bos)
+
+    @classmethod
+    def from_dir(cls, path: Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``) from ``path``."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ConfigError(f"no tokenizer.json in {path} (kvtier needs a fast tokenizer file)")
+        try:
+            backend = _Backend.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception on malformed files
+            raise ConfigError(f"cannot read {tokenizer_file}: {exc}") from exc
+        config_file = path / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        specials = {key: tok for key in _SPECIAL_TOKEN_KEYS if (tok := _token_content(config.get(key)))}
+        add_bos = config.get("add_bos_token")
+        return cls(
+            backend,
+            special_tokens=specials,
+            add_bos=add_bos if isinstance(add_bos, bool) else None,
+            chat_template=_find_chat_template(path, config),
+            extra_eos_token_ids=extra_eos_token_ids,
+        )
+
+    @property
+    def backend(self) -> _Backend:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    def _detect_post_processor_bos(self) -> bool:
+        """Whether ``tokenizer.json``'s post-processor already prepends BOS."""
+        if self.bos_token_id is None:
+            return False
+        with_special = self._backend.encode("a", add_special_tokens=True).ids
+        without = self._backend.encode("a", add_special_tokens=False).ids
+        return with_special[:1] == [self.bos_token_id] and without[:1] != [self.bos_token_id]
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary token, or None."""
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` BOS is prepended when the model wants it."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if not add_special_tokens or self.bos_token_id is None:
+            return ids
+        if self.add_bos and not self._post_processor_adds_bos:
+            return [self.bos_token_id, *ids]
+        if not self.add_bos and self._post_processor_adds_bos and ids[:1] == [self.bos_token_id]:
+            return ids[1:]
+        return ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids`` (special tokens dropped unless ``skip_special_tokens`` is False)."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's chat template, exactly as ``transformers`` renders it."""
+        if self.chat_template is None:
+            raise ConfigError("this model has no chat template; send a plain prompt instead of chat messages")
+        chat = _plain_messages(messages)
+        import jinja2  # deferred: only chat requests pay for jinja2
+
+        template = _compile_template(self.chat_template)
+        try:
+            return template.render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **template_kwargs},
+            )
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"chat template error: {exc}") from exc
+
+    def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
+        """A streaming detokenizer for one sequence's output (``prompt_token_ids`` is kept for reference)."""
+        return IncrementalDetokenizer(self, prompt_token_ids)
+
+
+def _plain_messages(messages: Any) -> list[dict[str, Any]]:
+    """Copy chat messages into plain dicts, checking each has a string role."""
+    if not isinstance(messages, list | tuple):
+        raise ConfigError("chat messages must be a list of {'role': ..., 'content': ...} objects")
+    chat: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ConfigError(f"chat message {i} must be an object with a string 'role'")
+        chat.append(dict(message))
+    return chat
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str) -> Any:
+    """Compile a chat template in the sandboxed environment ``transformers`` uses (same globals/filters)."""
+    from datetime import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}`` renders its body (HF tracks assistant spans with it)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller: Any) -> str:
+            return str(caller())
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"the model's chat template does not compile: {exc}") from exc
+
+
+class IncrementalDetokenizer:
+    """Streams one sequence's output text.
+
+    Each ``step`` returns only new text. A delta never ends in a half-decoded multi-byte character: while the
+    tail decodes to U+FFFD it is held back. ``"".join(deltas) + flush()`` equals ``decode(all output ids)``.
+    Only a short window of ids is decoded per step (``prefix_offset``..end): a step's cost does not grow
+    with the output's length.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded and emitted already
+        self._read_offset = 0
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Add ``new_token_ids``; return the text they complete (may be "" while a character is partial)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence: the held-back tail (e.g. a character the model never finished)."""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset)
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,120 @@
+"""Model runner: owns the device KV pool and turns a ``SchedulerOutput`` into one forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from kvtier.models.llama import LlamaModel
+from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+
+
+def allocate_kv_pool(model: LlamaModel, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[num_blocks, L, BS, 2, KVH, D] zeros in the model's dtype."""
+    c = model.config
+    shape = (num_blocks, c.num_layers, block_size, 2, c.num_kv_heads, c.head_dim)
+    return torch.zeros(shape, dtype=model.dtype, device=device)
+
+
+def kv_block_bytes(model: LlamaModel, block_size: int) -> int:
+    c = model.config
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    return c.num_layers * block_size * 2 * c.num_kv_heads * c.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.kv_cache = allocate_kv_pool(model, num_blocks, block_size, device)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: whole blocks (every layer) from src to dst, one indexed copy."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run the step; returns logits [N, V] (float32) for the scheduled seqs whose ``samples`` is
+        True, in row order (decodes, then prefills)."""
+        self.copy_blocks(out.block_copies)
+        input_ids, positions, meta, logits_rows = self._prepare(out)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if len(logits_rows) != hidden.shape[0]:
+            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        return self.model.compute_logits(hidden)
+
+    # ----------------------------------------------------------------------------------------
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        logits_rows: list[int] = []
+
+        decode = None
+        if out.decodes:
+            decode = self._decode_group(out.decodes)
+            for s in out.decodes:
+                p = s.num_computed_tokens
+                ids.append(s.seq.token_ids[p])
+                pos.append(p)
+                slot_blocks.append(s.block_ids[p // bs])
+                slot_offsets.append(p % bs)
+                logits_rows.append(len(ids) - 1)
+
+        prefills: list[PrefillGroup] = []
+        for s in out.prefills:
+            start, c, n = len(ids), s.num_computed_tokens, s.num_new_tokens
+            ids.extend(s.seq.token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            slot_blocks.extend(s.block_ids[p // bs] for p in range(c, c + n))
+            slot_offsets.extend(p % bs for p in range(c, c + n))
+            if s.samples:
+                logits_rows.append(len(ids) - 1)
+            if c == 0:
+                prefills.append(PrefillGroup(start, n, 0, None, None))
+            else:
+                num_blocks = -(-(c + n) // bs)
+                table = torch.tensor(s.block_ids[:num_blocks], dtype=torch.long, device=dev)
+                q_pos = torch.arange(c, c + n, device=dev)
+                mask = torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, c+n]
+                prefills.append(PrefillGroup(start, n, c, table, mask))
+
+        meta = AttentionMetadata(
+            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=dev),
+            decode=decode,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, logits_rows
+
+    def _decode_group(self, decodes: list[ScheduledSeq]) -> DecodeGroup:
+        bs = self.block_size
+        context_lens = [s.num_computed_tokens + 1 for s in decodes]
+        max_context = max(context_lens)
+        max_blocks = -(-max_context // bs)
+        table: list[int] = []
+        for s in decodes:
+            row = list(s.block_ids[:max_blocks])
+            table.extend(row + [0] * (max_blocks - len(row)))  # padding is masked out
+        mask = None
+        if len(decodes) > 1 and min(context_lens) != max_context:
+            lens = torch.tensor(context_lens, device=self.device)
+            mask = (torch.arange(max_context, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+        return DecodeGroup(
+            num_seqs=len(decodes),
+            block_tables=torch.tensor(table, dtype=torch.long, device=self.device),
+            max_blocks=max_blocks,
+            max_context=max_context,
+            mask=mask,
+        )

@@ -1,0 +1,272 @@
+"""The engine end to end on a tiny random checkpoint: batching, chunked prefill, preemption, prefix
+caching, n > 1, sampling options, stop conditions, abort and bad input.
+
+The rule under test everywhere: caching, batching and preemption never change a greedy answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.config import ConfigError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(3, vocab, (21,), generator=gen).tolist()
+    out = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (1, 3, 15, 16, 17, 33, 60)]
+    out += [shared + torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (2, 9, 30)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_llama_dir):
+    return str(tiny_llama_dir(num_heads=4, num_kv_heads=2, hidden_size=64))
+
+
+def make(tiny_dir: str, **kwargs) -> LLM:
+    kwargs.setdefault("block_size", 4)
+    return LLM(tiny_dir, **kwargs)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_pool_idle(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks() == llm.engine.cache_config.num_device_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir) -> list[list[int]]:
+    """Greedy outputs of HF transformers, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    refs = []
+    for p in prompts(vocab):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                min_new_tokens=12,
+            )
+        refs.append(out[0, len(p) :].tolist())
+    return refs
+
+
+def test_one_at_a_time_matches_transformers(tiny_dir, reference) -> None:
+    llm = make(tiny_dir, enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    got = [token_ids(llm.generate([p], GREEDY))[0] for p in prompts(vocab)]
+    assert got == reference
+    check_pool_idle(llm)
+
+
+def test_batched_with_small_chunks_matches(tiny_dir, reference) -> None:
+    llm = make(tiny_dir, max_num_batched_tokens=7, enable_prefix_caching=False)
+    outs = llm.generate(prompts(llm.engine.model_config.vocab_size), GREEDY)
+    assert token_ids(outs) == reference
+    check_pool_idle(llm)
+
+
+def test_tiny_pool_preempts_and_still_matches(tiny_dir, reference) -> None:
+    # 28 blocks of 4 tokens: the longest sequence (60 + 12) fits alone, the batch does not.
+    llm = make(tiny_dir, kv_device_blocks=28, max_model_len=100, enable_prefix_caching=False)
+    outs = llm.generate(prompts(llm.engine.model_config.vocab_size), GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert token_ids(outs) == reference
+    check_pool_idle(llm)
+
+
+def test_prefix_cache_hits_and_matches(tiny_dir, reference) -> None:
+    llm = make(tiny_dir, max_num_batched_tokens=16)
+    ps = prompts(llm.engine.model_config.vocab_size)
+    first = llm.generate(ps, GREEDY)
+    again = llm.generate(ps, GREEDY)
+    assert token_ids(first) == reference
+    assert token_ids(again) == reference
+    # a second pass finds every full block of each prompt except the one holding its last token
+    assert [o.num_cached_tokens for o in again] == [((len(p) - 1) // 4) * 4 for p in ps]
+    assert sum(o.num_cached_tokens for o in first) > 0  # the shared 21-token prefix
+    assert llm.engine.kv.stats.prefix_cache_hits > 0
+    check_pool_idle(llm)
+
+
+def test_cache_salt_isolates_tenants(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    p = prompts(llm.engine.model_config.vocab_size)[5]
+    llm.generate([p], GREEDY, cache_salt="alice")
+    assert llm.generate([p], GREEDY, cache_salt="bob")[0].num_cached_tokens == 0
+    assert llm.generate([p], GREEDY, cache_salt="alice")[0].num_cached_tokens == 32
+
+
+def test_seeded_sampling_ignores_batch_composition(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    ps = prompts(llm.engine.model_config.vocab_size)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = token_ids(llm.generate([ps[4]], seeded))[0]
+    others = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    batch = llm.generate([ps[0], ps[4], ps[6]], [others, seeded, others])
+    assert token_ids(batch)[1] == alone
+    assert (
+        token_ids(
+            llm.generate([ps[4]], SamplingParams(temperature=0.9, seed=99, max_tokens=10, ignore_eos=True))
+        )[0]
+        != alone
+    )
+
+
+def test_n_shares_prompt_blocks_with_copy_on_write(tiny_dir) -> None:
+    llm = make(tiny_dir, enable_prefix_caching=False)
+    p = prompts(llm.engine.model_config.vocab_size)[5]  # 33 tokens: the last block is partial
+    single = llm.generate([p], GREEDY)[0]
+    many = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in many.outputs] == [single.outputs[0].token_ids] * 3
+    check_pool_idle(llm)
+    seeded = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([p], seeded)[0].outputs
+    assert (
+        outs[0].token_ids
+        == llm.generate([p], SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_copy_on_write_copies_the_shared_partial_block(tiny_dir) -> None:
+    llm = make(tiny_dir, enable_prefix_caching=False)
+    p = prompts(llm.engine.model_config.vocab_size)[5]
+    engine = llm.engine
+    engine.add_request(p, SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True))
+    engine.step()  # prefill + fork
+    out = engine.scheduler.schedule()
+    assert len(out.block_copies) == 1  # the second writer of the partial block got its own copy
+    src, dst = out.block_copies[0]
+    engine.runner.execute(out)
+    assert torch.equal(engine.runner.kv_cache[dst, :, :1], engine.runner.kv_cache[src, :, :1])
+    engine.scheduler.advance(out)
+    while engine.has_unfinished_requests():
+        engine.abort_request(next(iter(engine.requests)))
+    check_pool_idle(llm)
+
+
+def test_stop_strings_tokens_and_lengths(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    p = prompts(llm.engine.model_config.vocab_size)[6]
+    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    assert stop
+    cut = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True))[0]
+    o = cut.outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop
+    assert o.text == full.text[: full.text.find(stop)]
+    stop_id = full.token_ids[4]
+    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_id]))[
+        0
+    ].outputs[0]
+    assert o.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+    assert o.stop_reason == stop_id
+
+
+def test_min_tokens_bans_eos_until_reached(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    p = prompts(llm.engine.model_config.vocab_size)[6]
+    first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=1))[0].outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=4, stop_token_ids=[first])
+    o = llm.generate([p], params)[0].outputs[0]
+    assert first not in o.token_ids[:4]
+    assert len(o.token_ids) >= 4
+
+
+def test_logprobs(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    p = prompts(llm.engine.model_config.vocab_size)[3]
+    o = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))[
+        0
+    ].outputs[0]
+    assert o.logprobs is not None and len(o.logprobs) == 5
+    for token, lp in zip(o.token_ids, o.logprobs, strict=True):
+        assert lp.token_id == token and lp.logprob <= 0
+        assert len(lp.top) == 3 and max(lp.top, key=lp.top.get) == token  # greedy picks the top one
+        assert lp.logprob == pytest.approx(max(lp.top.values()))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(top_k=-2),
+        dict(min_p=2),
+        dict(max_tokens=0),
+        dict(n=0),
+        dict(logprobs=99),
+        dict(temperature=float("nan")),
+        dict(stop=[""]),
+        dict(seed="x"),
+        dict(max_tokens=2.5),
+        dict(min_tokens=5, max_tokens=2),
+    ],
+)
+def test_invalid_sampling_values_are_clear_errors(bad) -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_are_rejected_and_engine_keeps_serving(tiny_dir) -> None:
+    llm = make(tiny_dir, max_model_len=64, kv_device_blocks=64)
+    vocab = llm.engine.model_config.vocab_size
+    good = prompts(vocab)[3]
+    with pytest.raises(ConfigError, match="max_model_len"):
+        llm.generate([good, list(range(3, 70))], GREEDY)
+    with pytest.raises(ConfigError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        llm.generate([[1, vocab + 5]], GREEDY)
+    with pytest.raises(ConfigError, match="SamplingParams"):
+        llm.generate([good, good], [GREEDY])
+    assert not llm.engine.has_unfinished_requests()  # nothing half-queued
+    assert len(llm.generate([good], GREEDY)[0].outputs[0].token_ids) == 12
+    check_pool_idle(llm)
+
+
+def test_abort_frees_blocks_at_once(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    engine = llm.engine
+    p = prompts(engine.model_config.vocab_size)[6]
+    rid = engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_free_blocks() < engine.cache_config.num_device_blocks
+    assert engine.abort_request(rid)
+    check_pool_idle(llm)
+
+
+def test_prompt_forms_and_streaming(tiny_dir) -> None:
+    llm = make(tiny_dir)
+    text = "The quick brown fox"
+    ids = llm.tokenizer.encode(text)
+    a = llm.generate(text, GREEDY)[0]
+    b = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    c = llm.generate(ids, GREEDY)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    deltas = [o.outputs[0].text_delta for o in llm.stream(text, GREEDY)]
+    assert "".join(deltas) == a.outputs[0].text
+    chat = llm.chat([{"role": "user", "content": "Hi"}], GREEDY)[0]
+    assert chat.prompt_token_ids[0] == 1  # <|im_start|> from the template, no BOS added twice
