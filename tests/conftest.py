@@ -321,14 +321,36 @@ def _tokenizer_metadata(writer: Any, *, add_bos: bool, chat_template: str | None
     return len(tokens)
 
 
+def _sentencepiece_metadata(writer: Any, *, chat_template: str | None) -> int:
+    """A synthetic SentencePiece (``llama``) vocabulary: specials, 256 byte tokens, scored word prefixes."""
+    pieces: dict[str, None] = {}
+    for word in " ".join(_CORPUS).split():
+        word = "\u2581" + word
+        pieces.update(dict.fromkeys(word))
+        pieces.update(dict.fromkeys(word[:k] for k in range(2, len(word) + 1)))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *list(pieces)[:700]]
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    return len(tokens)
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGUF]:
     """Factory: a tiny llama GGUF written with ``gguf.GGUFWriter``, weights quantized with ``gguf.quants``.
 
     ``make(qtype="Q8_0", ffn_down_qtype=None, tie_word_embeddings=True, num_heads=4, num_kv_heads=2,
     intermediate_size=128, rope=None | {"linear": f} | {"llama3": (factor, low, high, orig)}, arch="llama",
-    add_bos=False, chat_template=CHATML_TEMPLATE, pre="default", seed=0)``. Norms are stored F32 (as llama.cpp
-    does). ``ffn_down_qtype`` (e.g. "Q4_K", random blocks) needs intermediate_size % 256 == 0.
+    add_bos=False, chat_template=CHATML_TEMPLATE, pre="default", tokenizer="gpt2"|"llama", seed=0)``.
+    Norms are stored F32 (as llama.cpp does). ``ffn_down_qtype`` (e.g. "Q4_K", random blocks) needs
+    intermediate_size % 256 == 0.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
@@ -348,15 +370,19 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGU
         add_bos: bool = False,
         chat_template: str | None = CHATML_TEMPLATE,
         pre: str = "default",
+        tokenizer: str = "gpt2",
         seed: int = 0,
     ) -> TinyGGUF:
         key = repr((qtype, ffn_down_qtype, tie_word_embeddings, num_heads, num_kv_heads, intermediate_size))
-        key += repr((rope, arch, add_bos, chat_template, pre, seed))
+        key += repr((rope, arch, add_bos, chat_template, pre, tokenizer, seed))
         if key in made:
             return made[key]
         path = tmp_path_factory.mktemp("tiny_gguf") / f"tiny-{qtype}.gguf"
         writer = GGUFWriter(str(path), arch)
-        vocab = _tokenizer_metadata(writer, add_bos=add_bos, chat_template=chat_template, pre=pre)
+        if tokenizer == "llama":
+            vocab = _sentencepiece_metadata(writer, chat_template=chat_template)
+        else:
+            vocab = _tokenizer_metadata(writer, add_bos=add_bos, chat_template=chat_template, pre=pre)
         cfg = dict(
             hidden=64, intermediate=intermediate_size, layers=2, heads=num_heads, kv_heads=num_kv_heads
         )

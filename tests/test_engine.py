@@ -50,6 +50,7 @@ def reference(tiny_dir) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # like ignore_eos
     vocab = hf.config.vocab_size
     refs = []
     for p in prompts(vocab):

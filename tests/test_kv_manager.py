@@ -297,26 +297,17 @@ def test_argument_errors() -> None:
 SALTS = ("a", "b")
 # Prompts are a cut of one of a few "documents" plus a short random tail, so prefixes collide a lot.
 DOCUMENTS = ((0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2), (0, 1, 2, 0, 2, 2, 2, 2, 1, 0), (1,) * 12)
-token = st.integers(0, 2)
-seq_index = st.integers(0, 7)
-op = st.one_of(
-    st.tuples(
-        st.just("add"),
-        st.sampled_from(DOCUMENTS),
-        st.integers(0, 12),
-        st.lists(token, max_size=3),
-        st.sampled_from(SALTS),
-    ),
-    st.tuples(st.just("step"), seq_index, st.integers(1, 6), token),
-    st.tuples(st.just("step"), seq_index, st.integers(1, 6), token),
-    st.tuples(st.just("step"), seq_index, st.integers(1, 6), token),
-    st.tuples(st.just("fork"), seq_index, token),
-    st.tuples(st.just("free"), seq_index),
-    st.tuples(st.just("preempt"), seq_index),
-    st.tuples(st.just("preempt"), seq_index),
-    st.tuples(st.just("resume"), seq_index),
-    st.tuples(st.just("resume"), seq_index),
-)
+# An operation is one int (fast to generate and to shrink), decoded by ``decode`` into
+# (kind, a, b, c): kind indexes KINDS, whose repeats weight the draw.
+KINDS = ("add", "add", "step", "step", "step", "step", "fork", "free", "preempt", "preempt", "resume")
+op = st.integers(0, len(KINDS) * 16 * 16 * 64 - 1)
+
+
+def decode(operation: int) -> tuple[str, int, int, int]:
+    rest, kind = divmod(operation, len(KINDS))
+    rest, a = divmod(rest, 16)
+    c, b = divmod(rest, 16)
+    return KINDS[kind], a, b, c
 
 
 class Harness:
@@ -406,24 +397,25 @@ class Harness:
             event("growth refused")
             assert snapshot(self.kv) == before
 
-    def run(self, operation: tuple) -> None:
-        kind, *args = operation
-        if kind == "add":
-            document, cut, tail, salt = args
-            self.admit([*document[:cut], *tail] or [0], salt)
+    def run(self, operation: int) -> None:
+        kind, a, b, c = decode(operation)
+        if kind == "add":  # a cut of a document plus a tail of up to 3 tokens (base-3 digits of c)
+            tail = [(c // 4) // 3**i % 3 for i in range(c % 4)]
+            self.admit([*DOCUMENTS[a % 3][: b % 13], *tail] or [0], SALTS[a // 3 % 2])
             return
         if kind == "resume":
             if self.waiting and self.admit(*self.waiting[0]):
                 self.waiting.pop(0)
             return
-        seq_id = self.pick(args[0])
+        seq_id = self.pick(a)
         if seq_id is None:
             return
+        sampled = c % 3
         if kind == "step":
-            self.complete(seq_id, args[2])
-            self.schedule(seq_id, args[1])
+            self.complete(seq_id, sampled)
+            self.schedule(seq_id, chunk=1 + b % 6)
         elif kind == "fork" and len(self.live) < 5:  # n > 1 sampling: fork once the step is done
-            self.complete(seq_id, args[1])
+            self.complete(seq_id, sampled)
             child = f"s{self.next_id}"
             self.next_id += 1
             self.kv.fork(seq_id, child)
@@ -463,7 +455,7 @@ class Harness:
     enable_caching=st.booleans(),
 )
 def test_random_schedules_keep_the_cache_consistent(
-    operations: list[tuple], num_blocks: int, block_size: int, enable_caching: bool
+    operations: list[int], num_blocks: int, block_size: int, enable_caching: bool
 ) -> None:
     harness = Harness(num_blocks, block_size, enable_caching)
     for operation in operations:

@@ -353,6 +353,42 @@ def test_cache_dir_from_environment(
     assert (tmp_path / "env-cache" / model.fingerprint / MANIFEST).is_file()
 
 
+def test_progress_goes_to_stderr(
+    tiny_gguf: Callable[..., TinyGGUF], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    load_model(tiny_gguf(qtype="Q8_0").path, cache_dir=tmp_path, progress=True)
+    captured = capsys.readouterr()
+    assert "converting" in captured.err and "dequantizing" in captured.err and captured.out == ""
+    load_model(tiny_gguf(qtype="Q8_0").path, cache_dir=tmp_path, progress=True)
+    assert capsys.readouterr().err == ""  # warm loads are silent
+
+
+def test_concurrent_first_loads_convert_once(tiny_gguf: Callable[..., TinyGGUF], tmp_path: Path) -> None:
+    """Two processes racing on a cold cache: one converts, the other waits for it and reuses the result."""
+    path = tiny_gguf(qtype="Q4_1").path
+    code = (
+        "import sys; from kvtier.models import gguf_loader, loader\n"
+        "real = gguf_loader.convert_gguf\n"
+        "def counting(*a, **k):\n    print('converted'); real(*a, **k)\n"
+        "gguf_loader.convert_gguf = counting\n"
+        "print(loader.load_model(sys.argv[1], cache_dir=sys.argv[2]).fingerprint)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(path), str(tmp_path)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(out.count("converted") for out in outputs) == 1
+    assert {out[-1] for out in outputs} == {fingerprint_path(path)}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+
+
 def test_converted_dir_loads_in_transformers(tiny_gguf: Callable[..., TinyGGUF], tmp_path: Path) -> None:
     """The cache is a plain HF directory: transformers reads back the same weights."""
     model = load_model(tiny_gguf(qtype="Q4_1", tie_word_embeddings=False).path, cache_dir=tmp_path)

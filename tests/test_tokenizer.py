@@ -217,6 +217,20 @@ def test_tiny_gguf_add_bos(tiny_gguf: Callable[..., TinyGGUF], tmp_path: Path) -
     _assert_parity(ours, _hf_tokenizer(gguf.path.parent, gguf_file=gguf.path.name), SAMPLES[:6])
 
 
+def test_tiny_sentencepiece_gguf_parity(tiny_gguf: Callable[..., TinyGGUF], tmp_path: Path) -> None:
+    """``llama`` (SentencePiece) GGUF vocabularies: merges from scores, byte fallback, BOS by default."""
+    gguf = tiny_gguf(qtype="Q8_0", tokenizer="llama")
+    ours = load_model(gguf.path, cache_dir=tmp_path).tokenizer
+    hf = _hf_tokenizer(gguf.path.parent, gguf_file=gguf.path.name)
+    _assert_parity(ours, hf, SAMPLES + _random_strings(200, 3, _FUZZ_ALPHABET + "0123456789"))
+    assert ours.add_bos and ours.encode("The cache")[0] == 1
+    assert ours.decode(ours.encode("two  spaces, 你好 🙂")) == "two  spaces, 你好 🙂"  # byte fallback
+    ids = ours.encode("memory 🙂 東京", add_special_tokens=False)
+    detok = ours.detokenizer([])
+    deltas = [detok.step([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == ours.decode(ids)
+
+
 # -------------------------------------------------------------------------- the real default model (SmolLM2)
 
 

@@ -194,7 +194,7 @@ class KVCacheManager:
         if num_new_tokens > 0:
             first = num_computed_tokens // bs
             last = min((num_total - 1) // bs, len(table) - 1)
-            cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 99]
+            cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
         num_new_blocks = max(0, -(-num_total // bs) - len(table))
         num_hits_from_queue = sum(1 for block in hit_blocks if block.ref_cnt == 0)
         if num_new_blocks + len(cow_indices) + num_hits_from_queue > self.pool.num_free_blocks:
