@@ -38,11 +38,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
         if f.name == "enable_prefix_caching":
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=_ENGINE_HELP[f.name])
+            g.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=True, help=_ENGINE_HELP[f.name]
+            )
             continue
         kind: Callable[[str], Any] = str
-        if f.name in ("block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens",
-                      "max_model_len", "seed", "num_threads"):
+        if f.name in (
+            "block_size",
+            "kv_device_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "seed",
+            "num_threads",
+        ):
             kind = int
         elif f.name == "kv_device_gb":
             kind = float
@@ -70,8 +79,14 @@ def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201
     from kvtier.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, seed=ns.sampling_seed, stop=ns.stop, ignore_eos=ns.ignore_eos,
+        max_tokens=ns.max_tokens,
+        temperature=ns.temperature,
+        top_p=ns.top_p,
+        top_k=ns.top_k,
+        min_p=ns.min_p,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
     )
 
 
@@ -182,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = p.add_subparsers(dest="bench", required=True)
     from kvtier.bench.throughput import add_args as add_throughput_args
 
-    b = bsub.add_parser("throughput", help="kvtier vs HF transformers: decode, prefill, mixed, cached, start-up")
+    b = bsub.add_parser(
+        "throughput", help="kvtier vs HF transformers: decode, prefill, mixed, cached, start-up"
+    )
     add_throughput_args(b)
     b.set_defaults(func=cmd_bench)
     return parser

@@ -105,9 +105,7 @@ class EngineArgs:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
-            )
+            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

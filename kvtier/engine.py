@@ -16,7 +16,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Mapping, Sequence as Seq
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.scheduler import Scheduler
 from kvtier.sequence import Request, Sequence, SequenceStatus
 from kvtier.worker.runner import ModelRunner, kv_block_bytes
-from kvtier.worker.sampler import SampleRequest, Sampler
+from kvtier.worker.sampler import Sampler, SampleRequest
 
 PromptType = str | list[int] | Mapping[str, Any]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -63,7 +64,9 @@ class LLMEngine:
         else:
             num_blocks = int((args.kv_device_gb or DEFAULT_KV_DEVICE_GB) * 2**30 // block_bytes)
             if num_blocks < 2:
-                raise ConfigError(f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B")
+                raise ConfigError(
+                    f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B"
+                )
         capacity = num_blocks * args.block_size
         if args.max_model_len is not None and args.max_model_len > capacity:
             raise ConfigError(
@@ -72,7 +75,9 @@ class LLMEngine:
             )
         self.max_model_len = min(model_len, capacity)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len
+        )
 
         self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
         eos = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
@@ -100,7 +105,9 @@ class LLMEngine:
             raise ConfigError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
         if isinstance(prompt, Seq) and not isinstance(prompt, bytes | bytearray):
             return None, list(prompt)
-        raise ConfigError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ConfigError(
+            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def add_request(
         self,
@@ -131,7 +138,9 @@ class LLMEngine:
         max_total = self.max_model_len
         if params.max_tokens is not None:
             max_total = min(max_total, len(token_ids) + params.max_tokens)
-        seq = Sequence(f"{request_id}-0", request_id, 0, list(token_ids), len(token_ids), params, extra_keys, max_total)
+        seq = Sequence(
+            f"{request_id}-0", request_id, 0, list(token_ids), len(token_ids), params, extra_keys, max_total
+        )
         if params.logprobs is not None:
             seq.logprobs = []
         self.requests[request_id] = Request(request_id, list(token_ids), params, [seq])
@@ -207,9 +216,14 @@ class LLMEngine:
         if index == parent.index:
             return parent
         child = Sequence(
-            f"{parent.request_id}-{index}", parent.request_id, index,
-            parent.token_ids[: parent.num_prompt_tokens], parent.num_prompt_tokens, parent.params,
-            parent.extra_keys, parent.max_total_tokens,
+            f"{parent.request_id}-{index}",
+            parent.request_id,
+            index,
+            parent.token_ids[: parent.num_prompt_tokens],
+            parent.num_prompt_tokens,
+            parent.params,
+            parent.extra_keys,
+            parent.max_total_tokens,
         )
         child.logprobs = [] if parent.logprobs is not None else None
         child.first_scheduled_time = parent.first_scheduled_time

@@ -1,10 +1,10 @@
 """The offline Python API, shaped like vLLM's ``LLM`` so users can switch.
 
-    from kvtier import LLM, SamplingParams
-    llm = LLM()                                     # embedded SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
-    outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
-    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+from kvtier import LLM, SamplingParams
+llm = LLM()                                     # embedded SmolLM2-135M-Instruct
+outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
+llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class LLM:
         # The template already contains any special tokens it wants: don't add BOS again.
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
 
-    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-               cache_salt: str | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None, cache_salt: str | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield a ``RequestOutput`` after every step that adds to this request (text_delta)."""
         rid = self.engine.add_request(prompt, sampling_params, cache_salt=cache_salt)
         try:
@@ -127,7 +128,9 @@ class LLM:
         return items
 
     @staticmethod
-    def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _as_params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(n)]
         if isinstance(params, SamplingParams):

@@ -71,7 +71,9 @@ class SamplingParams:
         if integer("min_tokens", self.min_tokens) < 0:
             raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ConfigError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise ConfigError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop must be a list of non-empty strings, got {s!r}")

@@ -57,11 +57,10 @@ def reference(tiny_dir) -> list[list[int]]:
         with torch.no_grad():
             out = hf.generate(
                 torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
                 max_new_tokens=12,
                 do_sample=False,
-                eos_token_id=None,
                 pad_token_id=0,
-                min_new_tokens=12,
             )
         refs.append(out[0, len(p) :].tolist())
     return refs
@@ -77,6 +76,14 @@ def test_one_at_a_time_matches_transformers(tiny_dir, reference) -> None:
 
 def test_batched_with_small_chunks_matches(tiny_dir, reference) -> None:
     llm = make(tiny_dir, max_num_batched_tokens=7, enable_prefix_caching=False)
+    outs = llm.generate(prompts(llm.engine.model_config.vocab_size), GREEDY)
+    assert token_ids(outs) == reference
+    check_pool_idle(llm)
+
+
+def test_token_budget_of_two_splits_prompts_into_single_token_chunks(tiny_dir, reference) -> None:
+    # a decode plus a 1-token chunk from the middle of a prompt: only the decode yields logits
+    llm = make(tiny_dir, max_num_batched_tokens=2, enable_prefix_caching=False)
     outs = llm.generate(prompts(llm.engine.model_config.vocab_size), GREEDY)
     assert token_ids(outs) == reference
     check_pool_idle(llm)

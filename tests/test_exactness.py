@@ -94,8 +94,9 @@ def reference(default_gguf_path, cases: list[Case]) -> dict[str, tuple[list[int]
         with torch.no_grad():
             gen = hf.generate(
                 torch.tensor([case.token_ids]),
+                # explicit mask: otherwise HF infers one from pad id 2 and masks every <|im_end|>
+                attention_mask=torch.ones(1, len(case.token_ids), dtype=torch.long),
                 max_new_tokens=MAX_TOKENS,
-                min_new_tokens=MAX_TOKENS,
                 do_sample=False,
                 output_logits=True,
                 return_dict_in_generate=True,

@@ -7,7 +7,8 @@ The result is written as ``config.json`` + ``model.safetensors`` (fp32, streamed
 ``tokenizer.json`` + ``tokenizer_config.json``, which the HF loader then memory-maps on every later start.
 
 The tokenizer is rebuilt from GGUF metadata with the ``tokenizers`` library (no transformers at run time),
-the way ``transformers`` builds it from a GGUF (byte-level BPE, control tokens as special added tokens).
+the way ``transformers`` builds it from a GGUF (byte-level BPE or SentencePiece BPE, control tokens as
+special added tokens).
 """
 
 from __future__ import annotations
@@ -321,16 +322,10 @@ def _pre_tokenizer(pre: str | None) -> Any:
     return byte_level
 
 
-def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizers.Tokenizer, tokenizer_config dict)`` for a byte-level BPE (``gpt2``) GGUF vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+def _byte_level_model(tokens: list[str], meta: dict[str, Any]) -> tuple[Any, Callable[[str], bool]]:
+    """``gpt2`` vocabularies: byte-level BPE with the merges the file lists."""
+    from tokenizers import Tokenizer, decoders, models
 
-    model = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
-    if not tokens:
-        raise ConfigError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    if model != "gpt2":
-        raise ConfigError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)")
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
 
@@ -342,10 +337,64 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tok.decoder = decoders.ByteLevel()
+    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel: skip it.
+    return tok, lambda token: set(token) <= alphabet
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens, best score
+    first (transformers' ``generate_merges``, same order)."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges: list[tuple[str, str, float]] = []
+    for merge, score in dict(zip(tokens, scores, strict=True)).items():
+        local = [(merge[:k], merge[k:], score) for k in range(1, len(merge))]
+        local = [m for m in local if m[0] in vocab and m[1] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_model(tokens: list[str], meta: dict[str, Any]) -> tuple[Any, Callable[[str], bool]]:
+    """``llama`` vocabularies (SentencePiece BPE): ``▁`` for spaces, byte fallback, merges from scores."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        scores = list(meta.get("tokenizer.ggml.scores") or [])
+        if len(scores) != len(tokens):
+            raise ConfigError("GGUF SentencePiece tokenizer has neither merges nor one score per token")
+        merges = _merges_from_scores(tokens, scores)
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return tok, lambda token: True
+
+
+_TOKENIZER_MODELS = {"gpt2": (_byte_level_model, False), "llama": (_sentencepiece_model, True)}
+
+
+def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` from GGUF metadata, built like transformers does."""
+    from tokenizers import AddedToken, processors
+
+    model = meta.get("tokenizer.ggml.model")
+    tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise ConfigError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
+    if model not in _TOKENIZER_MODELS:
+        supported = "gpt2 (byte-level BPE), llama (SentencePiece)"
+        raise ConfigError(f"unsupported GGUF tokenizer model {model!r} (supported: {supported})")
+    builder, default_add_bos = _TOKENIZER_MODELS[model]
+    tok, may_be_special = builder(tokens, meta)
     types = list(meta.get("tokenizer.ggml.token_type") or [])
     control = [
-        t for t, ty in zip(tokens, types, strict=False) if ty == CONTROL_TOKEN_TYPE and set(t) <= alphabet
+        t for t, ty in zip(tokens, types, strict=False) if ty == CONTROL_TOKEN_TYPE and may_be_special(t)
     ]
+    vocab = tok.get_vocab(with_added_tokens=False)
     user = [t for t, ty in zip(tokens, types, strict=False) if ty == USER_DEFINED_TOKEN_TYPE and t in vocab]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
@@ -356,11 +405,10 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
     specials = {k: token_at(f"{v}_token_id") for k, v in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"))}
     specials["pad"] = token_at("padding_token_id")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and specials["bos"] is not None
-    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)) and specials["bos"] is not None
     single = f"{specials['bos']} $A" if add_bos else "$A"
     pair = f"{single} {specials['bos']} $B:1" if add_bos else "$A $B:1"
-    special_ids = [(specials["bos"], int(bos_id))] if add_bos else []
+    special_ids = [(specials["bos"], int(meta["tokenizer.ggml.bos_token_id"]))] if add_bos else []
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_ids)
     config: dict[str, Any] = {f"{k}_token": v for k, v in specials.items() if v is not None}
     config.update(
@@ -372,6 +420,19 @@ def build_tokenizer(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     if isinstance(meta.get("tokenizer.chat_template"), str):
         config["chat_template"] = meta["tokenizer.chat_template"]
     return tok, config
+
+
+def save_tokenizer_json(tokenizer: Any, path: Path) -> None:
+    """Write ``tokenizer.json`` compactly, merges as "a b" strings when no token has a space.
+
+    That form parses ~25% faster than the pretty pair-list ``Tokenizer.save`` writes, and the tokenizer
+    is parsed on every start.
+    """
+    data = json.loads(tokenizer.to_str())
+    merges = data["model"].get("merges") or []
+    if all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
+        data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
 
 
 def convert_gguf(
@@ -394,7 +455,7 @@ def convert_gguf(
         write_safetensors(dst / "model.safetensors", entries, hf_tensors(reader, config, plan), bar.update)
     finally:
         bar.close()
-    tokenizer.save(str(dst / "tokenizer.json"))
+    save_tokenizer_json(tokenizer, dst / "tokenizer.json")
     (dst / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
     )

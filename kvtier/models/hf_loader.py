@@ -135,11 +135,11 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
             eos_token_ids=tuple(dict.fromkeys(eos)),
             native_dtype=_native_dtype(cfg) or "float32",
         )
+    except ConfigError:
+        raise
     except KeyError as exc:
         raise ConfigError(f"config.json is missing {exc.args[0]!r}") from exc
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ConfigError(f"config.json has an invalid value: {exc}") from exc
 
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["LoadedModel", "default_model_path", "default_cache_dir", "load_model", "fingerprint_path"]
 
 CACHE_ENV = "KVTIER_CACHE_DIR"
-CONVERTER_VERSION = 1  # bump when the conversion output changes: older cache dirs are then rebuilt
+CONVERTER_VERSION = 2  # bump when the conversion output changes: older cache dirs are then rebuilt
 MANIFEST = "kvtier_manifest.json"
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -289,6 +289,7 @@ def _build_cache(source: Path, root: Path, target: Path, fingerprint: str, progr
 
     _remove_leftovers(root, fingerprint)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{fingerprint}-", dir=root))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a shared $KVTIER_CACHE_DIR must stay readable
     try:
         extra = {
             "kvtier": {
@@ -312,7 +313,7 @@ def _build_cache(source: Path, root: Path, target: Path, fingerprint: str, progr
 
 
 def converted_dir(
-    gguf_path: Path, *, cache_dir: Path | None = None, progress: bool = False
+    gguf_path: Path, *, cache_dir: Path | str | None = None, progress: bool = False
 ) -> tuple[Path, str]:
     """``(HF directory, fingerprint)`` of a GGUF's conversion, converting it first when needed."""
     fingerprint = fingerprint_gguf(gguf_path)
@@ -332,14 +333,17 @@ def converted_dir(
     return target, fingerprint
 
 
-def _load_gguf(path: Path, *, cache_dir: Path | None, progress: bool) -> LoadedModel:
+def _load_gguf(path: Path, *, cache_dir: Path | str | None, progress: bool) -> LoadedModel:
     """Load a GGUF through its conversion (made first when missing or damaged)."""
     target, fingerprint = converted_dir(path, cache_dir=cache_dir, progress=progress)
     return _load_hf_dir(target, fingerprint=fingerprint, user_path=path)
 
 
 def load_model(
-    model: str | os.PathLike[str] | None = None, *, cache_dir: Path | None = None, progress: bool = False
+    model: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: Path | str | None = None,
+    progress: bool = False,
 ) -> LoadedModel:
     """Load a model: None (the embedded default), a ``.gguf`` file, or an HF directory.
 
@@ -355,6 +359,6 @@ def load_model(
             return _load_gguf(_gguf_in(path), cache_dir=cache_dir, progress=progress)
         if not _is_gguf(path):
             raise ConfigError(f"{path} is neither a GGUF file nor an HF model directory")
+        return _load_gguf(path, cache_dir=cache_dir, progress=progress)
     except PermissionError as exc:
-        raise ConfigError(f"cannot read {path}: permission denied") from exc
-    return _load_gguf(path, cache_dir=cache_dir, progress=progress)
+        raise ConfigError(f"cannot read {exc.filename or path}: permission denied") from exc

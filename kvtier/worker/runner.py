@@ -9,7 +9,9 @@ from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
-def allocate_kv_pool(model: LlamaModel, num_blocks: int, block_size: int, device: torch.device) -> torch.Tensor:
+def allocate_kv_pool(
+    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
+) -> torch.Tensor:
     """[num_blocks, L, BS, 2, KVH, D] zeros in the model's dtype."""
     c = model.config
     shape = (num_blocks, c.num_layers, block_size, 2, c.num_kv_heads, c.head_dim)
@@ -50,7 +52,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     # ----------------------------------------------------------------------------------------
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         dev = self.device
         ids: list[int] = []
@@ -68,7 +72,8 @@ class ModelRunner:
                 pos.append(p)
                 slot_blocks.append(s.block_ids[p // bs])
                 slot_offsets.append(p % bs)
-                logits_rows.append(len(ids) - 1)
+                if s.samples:  # a 1-token chunk in the middle of a prompt yields no logits
+                    logits_rows.append(len(ids) - 1)
 
         prefills: list[PrefillGroup] = []
         for s in out.prefills:

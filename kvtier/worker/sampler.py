@@ -52,7 +52,9 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[tuple[int, TokenLogprobs | None]]:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[SampleRequest]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
         results: list[tuple[int, TokenLogprobs | None]] = []
         greedy_rows = [r.row for r in reqs if r.params.greedy and not r.banned_token_ids]
