@@ -1,24 +1,34 @@
 """``kvtier`` command line: generate · chat · bench.
 
 Engine flags have the names of ``LLM(...)`` keyword arguments (``--kv-device-blocks`` is
-``kv_device_blocks``). Bad input ends with one line on stderr and exit status 2, never a traceback.
+``kv_device_blocks``). Bad input ends with one line on stderr and exit status 2, never a traceback
+(set ``KVTIER_DEBUG=1`` to get the traceback). Status messages (loading...) go to stderr when it is a
+terminal; results go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvtier.config import ConfigError, EngineArgs
+from kvtier.config import ConfigError, DType, EngineArgs
+
+if TYPE_CHECKING:
+    from kvtier.llm import LLM
+    from kvtier.outputs import RequestOutput
+    from kvtier.sampling_params import SamplingParams
 
 _ENGINE_HELP = {
     "model": "model path: an HF directory or a .gguf file (default: embedded SmolLM2-135M-Instruct)",
     "dtype": "auto (the model's own precision), float32 (exact), bfloat16 (fast)",
-    "block_size": "tokens per KV block",
+    "block_size": "tokens per KV block (a power of two)",
     "kv_device_blocks": "device KV pool size in blocks",
     "kv_device_gb": "device KV pool size in GiB (default 1)",
     "max_num_seqs": "most sequences in one step",
@@ -28,54 +38,82 @@ _ENGINE_HELP = {
     "seed": "engine seed (unseeded requests draw from it)",
     "num_threads": "torch CPU threads",
 }
+_INT_FLAGS = {"block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens"}
+_INT_FLAGS |= {"max_model_len", "seed", "num_threads"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one ``kvtier: error:`` line (exit status 2), like every bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(f"{message} (see '{self.prog} --help')")
+
+
+class _LazyParser(_Parser):
+    """A subcommand whose arguments are added when it is used (the bench module imports torch)."""
+
+    populate: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self.populate is not None:
+            populate, self.populate = self.populate, None
+            populate(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+def _fail(message: object) -> NoReturn:
+    print(f"kvtier: error: {_one_line(message)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _status(message: str) -> None:
+    """A progress/status line on stderr, only for a person watching a terminal."""
+    if sys.stderr.isatty():
+        print(f"kvtier: {message}", file=sys.stderr, flush=True)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
+    g = parser.add_argument_group("engine (the keyword arguments of LLM(...))")
     for f in dataclasses.fields(EngineArgs):
         if f.name not in _ENGINE_HELP:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
+        help_text = _ENGINE_HELP[f.name]
         if f.name == "enable_prefix_caching":
-            g.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=True, help=_ENGINE_HELP[f.name]
-            )
-            continue
-        kind: Callable[[str], Any] = str
-        if f.name in (
-            "block_size",
-            "kv_device_blocks",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "seed",
-            "num_threads",
-        ):
-            kind = int
-        elif f.name == "kv_device_gb":
-            kind = float
-        g.add_argument(flag, type=kind, default=default, help=_ENGINE_HELP[f.name])
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif f.name == "dtype":
+            g.add_argument(flag, choices=typing.get_args(DType), default=default, help=help_text)
+        else:
+            kind: Callable[[str], Any] = int if f.name in _INT_FLAGS else str
+            kind = float if f.name == "kv_device_gb" else kind
+            g.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     kwargs = {name: getattr(ns, name) for name in _ENGINE_HELP if hasattr(ns, name)}
-    return EngineArgs(**kwargs)
+    args = EngineArgs(**kwargs)
+    args.validate()  # before anything slow: a bad flag value fails at once
+    return args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="0 disables")
+    g.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
 
-def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201
+def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
     from kvtier.sampling_params import SamplingParams
 
     return SamplingParams(
@@ -90,84 +128,124 @@ def sampling_params_from(ns: argparse.Namespace):  # noqa: ANN201
     )
 
 
-def _make_llm(ns: argparse.Namespace):  # noqa: ANN202
+def _make_llm(args: EngineArgs) -> LLM:
+    t0 = time.monotonic()
+    from kvtier.models.loader import _resolve
+
+    _resolve(args.model)  # an unknown path fails now, not after importing torch
+    _status(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     from kvtier.llm import LLM
 
-    args = engine_args_from(ns)
-    print("kvtier: loading model ...", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
     kwargs = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("model", "extra")}
-    llm = LLM(args.model, progress=True, **kwargs)
-    print(f"kvtier: model ready in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+    llm = LLM(args.model, progress=sys.stderr.isatty(), **kwargs)
+    engine = llm.engine
+    _status(
+        f"model ready in {time.monotonic() - t0:.1f}s ({engine.device.type}, {engine.dtype}, "
+        f"max_model_len {engine.max_model_len})"
+    )
     return llm
+
+
+def _stream(llm: LLM, request: Any, params: SamplingParams) -> tuple[RequestOutput | None, float, float]:
+    """Stream one request's text to stdout; ``(final output, seconds to first token, total seconds)``."""
+    t0 = time.monotonic()
+    first, final, written = None, None, ""
+    for out in llm.stream(request, params):
+        completion = out.outputs[0]
+        if first is None and completion.num_new_tokens:
+            first = time.monotonic() - t0
+        sys.stdout.write(completion.text_delta)
+        sys.stdout.flush()
+        written += completion.text_delta
+        final = out
+    if final is not None and final.outputs[0].text.startswith(written):
+        sys.stdout.write(final.outputs[0].text[len(written) :])  # anything the deltas held back
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return final, first or 0.0, time.monotonic() - t0
+
+
+def _stats(final: RequestOutput, first: float, total: float) -> str:
+    n = len(final.outputs[0].token_ids)
+    return (
+        f"{final.num_cached_tokens}/{len(final.prompt_token_ids)} prompt tokens from cache, "
+        f"{n} tokens in {total:.2f}s, first token after {first:.2f}s"
+    )
 
 
 # ------------------------------------------------------------------------------- commands
 def cmd_generate(ns: argparse.Namespace) -> int:
-    prompt = ns.prompt if ns.prompt is not None else sys.stdin.read()
+    params = sampling_params_from(ns)
+    args = engine_args_from(ns)
+    if ns.prompt is None or ns.prompt == "-":
+        if sys.stdin.isatty():
+            _status("reading the prompt from stdin (end it with Ctrl-D)")
+        prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # `echo prompt |` adds one newline
+    else:
+        prompt = ns.prompt
     if not prompt.strip():
         raise ConfigError("no prompt: pass it as an argument or on stdin")
-    params = sampling_params_from(ns)
-    llm = _make_llm(ns)
+    llm = _make_llm(args)
     request: Any = llm.render_chat([{"role": "user", "content": prompt}]) if ns.chat else prompt
-    t0 = time.monotonic()
-    first = None
-    final = None
-    for out in llm.stream(request, params):
-        if first is None and out.outputs[0].num_new_tokens:
-            first = time.monotonic() - t0
-        sys.stdout.write(out.outputs[0].text_delta)
-        sys.stdout.flush()
-        final = out
-    sys.stdout.write("\n")
+    final, first, total = _stream(llm, request, params)
     if final is not None:
-        n = len(final.outputs[0].token_ids)
-        dt = time.monotonic() - t0
-        print(
-            f"kvtier: {n} tokens in {dt:.2f}s, first token after {first or 0:.2f}s, "
-            f"{final.num_cached_tokens}/{len(final.prompt_token_ids)} prompt tokens from cache",
-            file=sys.stderr,
-        )
+        print(f"kvtier: {_stats(final, first, total)}", file=sys.stderr)
     return 0
+
+
+_CHAT_KEYS = "Ctrl-D or /quit to leave, /reset to clear the history"
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
     params = sampling_params_from(ns)
-    llm = _make_llm(ns)
-    history: list[dict[str, str]] = []
-    if ns.system:
-        history.append({"role": "system", "content": ns.system})
-    print("kvtier chat — empty line or Ctrl-D to quit, /reset to clear the history", file=sys.stderr)
+    llm = _make_llm(engine_args_from(ns))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401 - line editing for input()
+        print(f"kvtier chat: {_CHAT_KEYS}", file=sys.stderr)
+    system = [{"role": "system", "content": ns.system}] if ns.system else []
+    history: list[dict[str, str]] = list(system)
     while True:
         try:
-            line = input("you> ")
+            line = input("you> " if interactive else "")
         except EOFError:
-            break
-        if not line.strip():
-            break
-        if line.strip() == "/reset":
-            history = history[:1] if ns.system else []
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/reset":
+            history = list(system)
+            print("kvtier: history cleared", file=sys.stderr)
+            continue
+        if text.startswith("/") and " " not in text:
+            print(f"kvtier: unknown command {text} ({_CHAT_KEYS})", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
-        t0 = time.monotonic()
-        reply, final, first = "", None, None
-        sys.stdout.write("assistant> ")
-        for out in llm.stream(llm.render_chat(history), params):
-            if first is None and out.outputs[0].num_new_tokens:
-                first = time.monotonic() - t0
-            sys.stdout.write(out.outputs[0].text_delta)
-            sys.stdout.flush()
-            reply = out.outputs[0].text
-            final = out
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": reply})
-        if final is not None:
-            print(
-                f"  [{final.num_cached_tokens}/{len(final.prompt_token_ids)} prompt tokens from cache, "
-                f"first token {first or 0:.2f}s]",
-                file=sys.stderr,
-            )
-    return 0
+        if interactive:
+            sys.stdout.write("assistant> ")
+        try:
+            final, first, total = _stream(llm, llm.render_chat(history), params)
+        except ConfigError as exc:
+            history.pop()
+            if not interactive:
+                raise
+            print(f"kvtier: error: {_one_line(exc)} (/reset clears the history)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # stop this answer, keep the session
+            history.pop()
+            print("\nkvtier: interrupted", file=sys.stderr)
+            continue
+        if final is None:
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": final.outputs[0].text})
+        print(f"  [{_stats(final, first, total)}]", file=sys.stderr, flush=True)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -176,12 +254,22 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return throughput.main(ns)
 
 
+def _add_throughput_args(b: argparse.ArgumentParser) -> None:
+    try:  # generate and chat must keep working whatever the benchmark module does
+        from kvtier.bench.throughput import add_args
+    except Exception as exc:
+        _fail(f"the benchmark is unavailable: {type(exc).__name__}: {exc}")
+    else:
+        add_args(b)
+        b.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="LLM inference on a tiered, paged KV cache")
+    parser = _Parser(prog="kvtier", description="LLM inference on a tiered, paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text from a prompt (argument or stdin), streamed")
-    p.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted")
+    p.add_argument("prompt", nargs="?", help="the prompt; read from stdin when omitted or '-'")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(p)
     add_sampling_args(p)
@@ -194,30 +282,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks (print a table)")
-    bsub = p.add_subparsers(dest="bench", required=True)
-    from kvtier.bench.throughput import add_args as add_throughput_args
-
+    bsub = p.add_subparsers(dest="bench", required=True, parser_class=_LazyParser)
     b = bsub.add_parser(
         "throughput", help="kvtier vs HF transformers: decode, prefill, mixed, cached, start-up"
     )
-    add_throughput_args(b)
-    b.set_defaults(func=cmd_bench)
+    assert isinstance(b, _LazyParser)
+    b.populate = _add_throughput_args
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = build_parser().parse_args(argv)
     try:
         return int(ns.func(ns) or 0)
-    except ConfigError as e:
-        print(f"kvtier: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:  # `kvtier generate ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError; OSError: unreadable files
+        if os.environ.get("KVTIER_DEBUG"):
+            raise
+        print(f"kvtier: error: {_one_line(exc) or type(exc).__name__}", file=sys.stderr, flush=True)
+        return 2
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
 
 
@@ -87,7 +87,7 @@ class EngineArgs:
     kv_device_blocks: int | None = None
     kv_device_gb: float | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0

@@ -1,0 +1,343 @@
+"""``kvtier bench throughput``: kvtier and HF transformers side by side in one process.
+
+Rows (each a ratio against its target, measured in this run):
+
+* single-stream decode (ms/token after the first token), and this machine's fp32 decode floor
+  (weight bytes read per step / measured memory read bandwidth);
+* prefill of a 1,000-token prompt: kvtier fp32 and bf16 vs HF fp32;
+* a mixed workload of 64 requests (prompts 20-400, outputs 16-256, seeded, ``ignore_eos``): useful
+  tokens/s, HF batched 16 at a time with left padding;
+* time to first token of a 1,000-token prompt whose first 900 tokens are cached vs uncached;
+* start-up: the second launch of ``kvtier generate`` until its first token appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Row:
+    metric: str
+    kvtier: float
+    baseline: float | None
+    unit: str
+    ratio: float | None  # >1 means kvtier is better
+    target: str
+    met: bool | None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=2, help="torch threads for both engines")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=1000)
+    p.add_argument("--mixed-requests", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not for reporting)")
+    p.add_argument("--skip-hf", action="store_true", help="kvtier rows only")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def _best(fn: Callable[[], object], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def read_bandwidth_gbs() -> float:
+    """Memory read bandwidth with the current torch threads: sum over a 1 GiB fp32 tensor."""
+    x = torch.ones(2**28, dtype=torch.float32)
+    x.sum()
+    return x.numel() * 4 / _best(lambda: x.sum(), 5) / 1e9
+
+
+def weight_bytes_per_decode_step(model) -> int:  # noqa: ANN001 - kvtier.models.llama.LlamaModel
+    total = model.lm_head.numel() * model.lm_head.element_size()
+    for layer in model.layers:
+        for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down, layer.input_norm, layer.post_norm):
+            total += w.numel() * w.element_size()
+    return total
+
+
+def _random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab - 100) for _ in range(n)]
+
+
+def mixed_workload(n: int, vocab: int, quick: bool) -> list[tuple[list[int], int]]:
+    rng = random.Random(1234)
+    hi_prompt, hi_out = (120, 48) if quick else (400, 256)
+    return [
+        (_random_prompt(rng, rng.randint(20, hi_prompt), vocab), rng.randint(16, hi_out)) for _ in range(n)
+    ]
+
+
+# ----------------------------------------------------------------------------------- kvtier
+def kvtier_decode_ms(llm, prompt: list[int], n: int) -> float:  # noqa: ANN001
+    from kvtier import SamplingParams
+
+    def run(k: int) -> float:
+        return _best(
+            lambda: llm.generate([prompt], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)), 2
+        )
+
+    return (run(n) - run(1)) / (n - 1) * 1e3
+
+
+def kvtier_prefill_s(llm, vocab: int, n: int) -> float:  # noqa: ANN001
+    from kvtier import SamplingParams
+
+    rng = random.Random(7)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([_random_prompt(rng, 64, vocab)], one)  # warm-up
+    # fresh prompts each time so the prefix cache cannot help
+    return _best(lambda: llm.generate([_random_prompt(rng, n, vocab)], one), 3)
+
+
+def kvtier_mixed(llm, work) -> tuple[float, int]:  # noqa: ANN001
+    from kvtier import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=m, ignore_eos=True)
+        for i, (_, m) in enumerate(work)
+    ]
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    dt = time.perf_counter() - t
+    return dt, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def kvtier_cached_ttft(llm, vocab: int, n: int) -> tuple[float, float]:  # noqa: ANN001
+    """TTFT of an n-token prompt: uncached, and with its first 90% cached by an earlier request."""
+    from kvtier import SamplingParams
+
+    rng = random.Random(11)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    uncached = _best(lambda: llm.generate([_random_prompt(rng, n, vocab)], one), 2)
+    shared = _random_prompt(rng, int(n * 0.9), vocab)
+    llm.generate([shared + _random_prompt(rng, n - len(shared), vocab)], one)
+    cached = _best(lambda: llm.generate([shared + _random_prompt(rng, n - len(shared), vocab)], one), 3)
+    return uncached, cached
+
+
+def startup_first_token_s(threads: int) -> float:
+    """Seconds from launching ``kvtier generate`` until its first output byte (second launch)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.cli",
+        "generate",
+        "Hello",
+        "--max-tokens",
+        "4",
+        "--num-threads",
+        str(threads),
+    ]
+    subprocess.run(cmd, capture_output=True, check=True)  # first launch: converts the model if needed
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    proc.stdout.read(1)
+    first = time.perf_counter() - t
+    proc.wait()
+    return first
+
+
+# --------------------------------------------------------------------------------------- HF
+def load_hf(threads: int):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    from kvtier.models.loader import default_model_path
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    torch.set_num_threads(threads)
+    return model
+
+
+def hf_generate(model, prompts: list[list[int]], max_new: int, **kw) -> torch.Tensor:  # noqa: ANN001
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new, pad_token_id=2, **kw)
+
+
+def hf_decode_ms(model, prompt: list[int], n: int) -> float:  # noqa: ANN001
+    def run(k: int) -> float:
+        return _best(lambda: hf_generate(model, [prompt], k, do_sample=False), 2)
+
+    return (run(n) - run(1)) / (n - 1) * 1e3
+
+
+def hf_prefill_s(model, vocab: int, n: int) -> float:  # noqa: ANN001
+    rng = random.Random(7)
+    ids = torch.tensor([_random_prompt(rng, n, vocab)])
+    with torch.no_grad():
+        model(ids[:, :64])
+        return _best(lambda: model(ids, logits_to_keep=1), 3)
+
+
+def hf_mixed(model, work) -> tuple[float, int]:  # noqa: ANN001
+    t = time.perf_counter()
+    useful = 0
+    for i in range(0, len(work), 16):
+        batch = work[i : i + 16]
+        hf_generate(
+            model,
+            [p for p, _ in batch],
+            max(m for _, m in batch),
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.95,
+        )
+        useful += sum(m for _, m in batch)  # tokens past a request's own max_tokens are waste
+    return time.perf_counter() - t, useful
+
+
+# ------------------------------------------------------------------------------------ main
+def main(ns: argparse.Namespace) -> int:
+    from kvtier import LLM
+
+    if ns.quick:
+        ns.decode_tokens, ns.prefill_tokens, ns.mixed_requests = 16, 300, 8
+    torch.set_num_threads(ns.threads)
+    rows: list[Row] = []
+
+    def row(
+        metric: str,
+        ours: float,
+        base: float | None,
+        unit: str,
+        higher_better: bool,
+        target: float | None,
+        target_text: str,
+    ) -> None:
+        ratio = None
+        if base is not None:
+            ratio = ours / base if higher_better else base / ours
+        met = None if ratio is None or target is None else ratio >= target
+        rows.append(
+            Row(
+                metric,
+                round(ours, 4),
+                None if base is None else round(base, 4),
+                unit,
+                None if ratio is None else round(ratio, 3),
+                target_text,
+                met,
+            )
+        )
+        print(
+            f"  {metric}: kvtier {ours:.4g} {unit}"
+            + ("" if base is None else f", baseline {base:.4g}, ratio {ratio:.2f}"),
+            file=sys.stderr,
+            flush=True,
+        )
+
+    print("loading kvtier (float32) ...", file=sys.stderr, flush=True)
+    llm = LLM(dtype="float32", num_threads=ns.threads)
+    vocab = llm.engine.model_config.vocab_size
+    hf = None if ns.skip_hf else load_hf(ns.threads)
+    prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+
+    ours = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
+    base = None if hf is None else hf_decode_ms(hf, prompt, ns.decode_tokens)
+    row("decode, 1 stream", ours, base, "ms/token", False, 1.5, ">= 1.5x HF")
+    bw = read_bandwidth_gbs()
+    floor_ms = weight_bytes_per_decode_step(llm.engine.model) / (bw * 1e9) * 1e3
+    row(
+        "decode vs fp32 floor",
+        ours,
+        floor_ms,
+        "ms/token",
+        False,
+        0.85,
+        f">= 85% of floor ({bw:.1f} GB/s read)",
+    )
+
+    ours = kvtier_prefill_s(llm, vocab, ns.prefill_tokens)
+    hf_prefill = None if hf is None else hf_prefill_s(hf, vocab, ns.prefill_tokens)
+    row(f"prefill {ns.prefill_tokens} tokens, fp32", ours, hf_prefill, "s", False, 1.2, ">= 1.2x HF fp32")
+
+    uncached, cached = kvtier_cached_ttft(llm, vocab, ns.prefill_tokens)
+    row(
+        f"TTFT {ns.prefill_tokens} tokens, 90% cached vs uncached",
+        cached,
+        uncached,
+        "s",
+        False,
+        5.0,
+        ">= 5x faster than uncached",
+    )
+
+    work = mixed_workload(ns.mixed_requests, vocab, ns.quick)
+    dt, useful = kvtier_mixed(llm, work)
+    base = None
+    if hf is not None:
+        hf_dt, hf_useful = hf_mixed(hf, work)
+        base = hf_useful / hf_dt
+    row(
+        f"mixed {ns.mixed_requests} requests",
+        useful / dt,
+        base,
+        "useful tok/s",
+        True,
+        2.0,
+        ">= 2x HF (batch 16)",
+    )
+
+    del llm
+    llm_bf16 = LLM(dtype="bfloat16", num_threads=ns.threads)
+    ours = kvtier_prefill_s(llm_bf16, vocab, ns.prefill_tokens)
+    row(f"prefill {ns.prefill_tokens} tokens, bf16", ours, hf_prefill, "s", False, 2.5, ">= 2.5x HF fp32")
+    del llm_bf16
+
+    row(
+        "start-up to first token (2nd launch)",
+        startup_first_token_s(ns.threads),
+        None,
+        "s",
+        False,
+        None,
+        "<= 3 s",
+    )
+    rows[-1].met = rows[-1].kvtier <= 3.0
+
+    print_table(rows, ns)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+def print_table(rows: list[Row], ns: argparse.Namespace) -> None:
+    print(
+        f"\nkvtier bench throughput — SmolLM2-135M-Instruct, {ns.threads} threads, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
+    print(
+        f"| {'metric':<42} | {'kvtier':>10} | {'baseline':>10} | {'unit':<13} | {'ratio':>6} | "
+        f"{'target':<34} | met |"
+    )
+    print(f"|{'-' * 44}|{'-' * 12}|{'-' * 12}|{'-' * 15}|{'-' * 8}|{'-' * 36}|-----|")
+    for r in rows:
+        base = "" if r.baseline is None else f"{r.baseline:.4g}"
+        ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
+        met = {True: "yes", False: "NO", None: ""}[r.met]
+        print(
+            f"| {r.metric:<42} | {r.kvtier:>10.4g} | {base:>10} | {r.unit:<13} | {ratio:>6} "
+            f"| {r.target:<34} | {met:<3} |"
+        )
