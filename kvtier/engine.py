@@ -201,6 +201,7 @@ class LLMEngine:
             if stop is not None:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
             if seq.status.finished:
+                self.outputs.on_finish(seq)
                 self.sampler.release(seq.seq_id)
 
         outputs = []

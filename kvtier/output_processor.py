@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.outputs import CompletionOutput, RequestOutput
-from kvtier.sequence import Request, Sequence, SequenceStatus
+from kvtier.sequence import Request, Sequence
 from kvtier.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -43,6 +43,12 @@ class OutputProcessor:
         idx, stop = min(hits)
         state.text = state.text[:idx]
         return stop
+
+    def on_finish(self, seq: Sequence) -> None:
+        """Emit whatever the detokenizer still holds (e.g. the start of a multi-byte character)."""
+        state = self._states.get(seq.seq_id)
+        if state is not None and not isinstance(seq.stop_reason, str):  # a stop string cut the text already
+            state.text += state.detokenizer.flush()
 
     def make_output(self, request: Request, prompt: str | None) -> RequestOutput:
         outputs = []
@@ -84,10 +90,6 @@ class OutputProcessor:
             num_cached_tokens=seq0.num_cached_tokens or 0,
             metrics=metrics,
         )
-
-    def release(self, seq: Sequence) -> None:
-        if seq.status is SequenceStatus.FINISHED_ABORTED:
-            self._states.pop(seq.seq_id, None)
 
     def forget(self, request: Request) -> None:
         for seq in request.seqs:

@@ -15,8 +15,8 @@ K/V only through block tables and writes new K/V only through slot mappings (blo
 
 Decode rows (one query token each) run as one batched group padded to the longest context with a
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
-already has in cache. Grouped-query attention folds the query heads that share a KV head into the
-query-length axis, so K/V are never repeated.
+already has in cache. K/V heads are never repeated for grouped-query attention: decode folds the
+query heads that share a KV head into the query axis, prefill uses SDPA's native GQA.
 """
 
 from __future__ import annotations

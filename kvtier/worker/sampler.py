@@ -1,8 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-sequence seeded generators, logprobs.
 
-Random rows draw with the exponential-race trick (``argmax p_i / E_i`` with ``E_i ~ Exp(1)`` from
-the sequence's own ``torch.Generator``), so a seeded sequence draws the same numbers whatever else
-shares its batch.
+Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
+``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
+whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ class SampleRequest:
     index: int  # the sequence's index within its request
     params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens are not out yet
+
+
+_CANDIDATES = 256  # top-k/top-p first look at this many most likely tokens
 
 
 def _seed_for(seed: int, index: int) -> int:
@@ -56,42 +59,49 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[SampleRequest]
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
-        results: list[tuple[int, TokenLogprobs | None]] = []
-        greedy_rows = [r.row for r in reqs if r.params.greedy and not r.banned_token_ids]
-        greedy_tokens: dict[int, int] = {}
-        if greedy_rows:
-            picked = logits[greedy_rows].argmax(dim=-1).tolist()
-            greedy_tokens = dict(zip(greedy_rows, picked, strict=True))
-        for r in reqs:
-            row = logits[r.row]
-            if r.params.greedy and not r.banned_token_ids:
-                token = greedy_tokens[r.row]
-            else:
-                token = self._sample_row(row, r)
-            results.append((token, self._logprobs(row, token, r.params.logprobs)))
-        return results
+        rows = logits.index_select(0, torch.tensor([r.row for r in reqs], dtype=torch.long))  # [M, V]
+        for i, r in enumerate(reqs):
+            if r.banned_token_ids:
+                rows[i, list(r.banned_token_ids)] = float("-inf")
+        tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this
+        random_ids = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if random_ids:
+            temps = torch.tensor([reqs[i].params.temperature for i in random_ids], dtype=rows.dtype)
+            probs = torch.softmax(rows[random_ids] / temps[:, None], dim=-1)  # [R, V]
+            for j, i in enumerate(random_ids):
+                tokens[i] = self._draw(probs[j], reqs[i])
+        return [
+            (token, self._logprobs(logits[r.row], token, r.params.logprobs))
+            for token, r in zip(tokens, reqs, strict=True)
+        ]
 
-    def _sample_row(self, row: torch.Tensor, r: SampleRequest) -> int:
+    def _draw(self, probs: torch.Tensor, r: SampleRequest) -> int:
+        """One draw from ``probs`` [V] after top-k, top-p and min-p, with the sequence's generator.
+
+        top-k/top-p look at the ``_CANDIDATES`` most likely tokens first and sort the whole
+        vocabulary only when those do not hold ``top_p`` of the mass — exact either way.
+        """
         p = r.params
-        x = row.clone()
-        if r.banned_token_ids:
-            x[list(r.banned_token_ids)] = float("-inf")
-        if p.greedy:
-            return int(x.argmax())
-        x.div_(p.temperature)
-        if 0 < p.top_k < x.shape[0]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x.masked_fill_(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
+        gen = self._generator(r)
+        vocab = probs.shape[0]
+        if p.top_k == 0 and p.top_p >= 1.0:
+            if p.min_p > 0.0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            return int(torch.multinomial(probs, 1, generator=gen))
+        k = min(p.top_k if p.top_k > 0 else _CANDIDATES, vocab)
+        vals, ids = torch.topk(probs, k)  # sorted, most likely first
+        if p.top_k > 0:
+            vals = vals / vals.sum()  # top-p applies to the top-k distribution
         if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_probs, dim=-1)
-            drop_sorted = (cum - sorted_probs) > p.top_p  # keep the smallest prefix reaching top_p
-            probs[order[drop_sorted]] = 0.0
+            cum = vals.cumsum(0)
+            if p.top_k == 0 and k < vocab and float(cum[-1]) < p.top_p:
+                vals, ids = torch.sort(probs, descending=True)
+                cum = vals.cumsum(0)
+            keep = (cum - vals) < p.top_p  # the smallest prefix whose mass reaches top_p
+            vals, ids = vals[keep], ids[keep]
         if p.min_p > 0.0:
-            probs.masked_fill_(probs < p.min_p * probs.max(), 0.0)
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(r))
-        return int((probs / noise).argmax())
+            vals = vals.masked_fill(vals < p.min_p * vals[0], 0.0)
+        return int(ids[torch.multinomial(vals, 1, generator=gen)])
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:

@@ -1,0 +1,85 @@
+"""The sampler draws from exactly the distribution top-k / top-p / min-p define, reproducibly per seed."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from kvtier.sampling_params import SamplingParams
+from kvtier.worker.sampler import Sampler, SampleRequest
+
+VOCAB = 1000
+
+
+def logits_row() -> torch.Tensor:
+    # token i has logit -0.01 * i: a smooth distribution whose top 256 hold far less than 95% mass
+    return (-0.01 * torch.arange(VOCAB, dtype=torch.float32))[None, :]
+
+
+def draws(params: SamplingParams, n: int = 3000, logits: torch.Tensor | None = None) -> Counter[int]:
+    sampler = Sampler()
+    row = logits_row() if logits is None else logits
+    out: Counter[int] = Counter()
+    for i in range(n):
+        req = SampleRequest(0, f"s{i}", 0, params)
+        out[sampler.sample(row, [req])[0][0]] += 1
+        sampler.release(f"s{i}")
+    return out
+
+
+def test_top_k_keeps_exactly_k_most_likely() -> None:
+    seen = draws(SamplingParams(temperature=1.0, top_k=5, seed=None))
+    assert set(seen) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_falls_back_to_a_full_sort_when_candidates_hold_too_little_mass() -> None:
+    probs = torch.softmax(logits_row()[0], -1)
+    cum = probs.cumsum(0)
+    nucleus = int((cum - probs < 0.95).sum())  # tokens the nucleus must contain
+    assert nucleus > 256  # the candidate shortcut is not enough here
+    seen = draws(SamplingParams(temperature=1.0, top_p=0.95), n=4000)
+    assert max(seen) < nucleus
+    assert max(seen) > 256  # tokens beyond the first 256 candidates are reachable
+
+
+def test_top_p_on_a_peaked_distribution_uses_candidates() -> None:
+    logits = torch.full((1, VOCAB), -20.0)
+    logits[0, :3] = torch.tensor([2.0, 1.0, 0.0])
+    seen = draws(SamplingParams(temperature=1.0, top_p=0.7), n=2000, logits=logits)
+    # p = softmax(2, 1, 0) = 0.665, 0.245, 0.090: the nucleus for 0.7 is {0, 1}
+    assert set(seen) == {0, 1}
+    assert seen[0] / 2000 == pytest.approx(0.665 / 0.910, abs=0.04)
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    seen = draws(SamplingParams(temperature=1.0, min_p=math.exp(-0.05)))  # keeps logits within 0.05 of max
+    assert set(seen) <= {0, 1, 2, 3, 4, 5}
+
+
+def test_frequencies_follow_temperature() -> None:
+    logits = torch.full((1, VOCAB), -50.0)
+    logits[0, :2] = torch.tensor([1.0, 0.0])
+    seen = draws(SamplingParams(temperature=0.5), n=3000, logits=logits)
+    expected = 1 / (1 + math.exp(-2.0))  # softmax([2, 0])[0]
+    assert seen[0] / 3000 == pytest.approx(expected, abs=0.03)
+
+
+def test_same_seed_same_draws_and_greedy_is_argmax() -> None:
+    sampler = Sampler()
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    a = [sampler.sample(row, [SampleRequest(0, "a", 0, seeded)])[0][0] for _ in range(20)]
+    b = [sampler.sample(row, [SampleRequest(0, "b", 0, seeded)])[0][0] for _ in range(20)]
+    assert a == b and len(set(a)) > 1
+    greedy = sampler.sample(row, [SampleRequest(0, "g", 0, SamplingParams(temperature=0.0))])[0][0]
+    assert greedy == int(row.argmax())
+
+
+def test_banned_tokens_are_never_drawn() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7] = 100.0
+    out = Sampler().sample(logits, [SampleRequest(0, "x", 0, SamplingParams(temperature=0.0), (7,))])
+    assert out[0][0] != 7
