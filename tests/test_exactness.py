@@ -144,10 +144,16 @@ def test_b_batched_with_small_chunked_prefill(cases, reference) -> None:
 
 
 def test_c_tiny_pool_forces_preemption(cases, reference) -> None:
+    # The short prompts are admitted first; the long one then prefills in 128-token chunks, and as
+    # everything grows the pool runs dry: the most recently admitted sequence is preempted (recompute).
     longest = max(len(c.token_ids) for c in cases) + MAX_TOKENS
     blocks = -(-longest // 16) + 8
     llm = LLM(
-        dtype="float32", kv_device_blocks=blocks, max_model_len=blocks * 16, enable_prefix_caching=False
+        dtype="float32",
+        kv_device_blocks=blocks,
+        max_model_len=blocks * 16,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=False,
     )
     outs = llm.generate([c.token_ids for c in cases], GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -61,8 +61,19 @@ def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Te
     return w.view(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
+def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ w_t [in, out] (+ b). Weights are stored transposed: MKL's sgemm on a [in, out]
+    operand is up to 4x faster than F.linear's [out, in] for the small batches of decode steps."""
+    return torch.matmul(x, w_t) if b is None else torch.addmm(b, x, w_t)
+
+
+def _transposed(*ws: torch.Tensor) -> torch.Tensor:
+    """Row-stacked [out_i, in] weights -> one contiguous [in, sum(out_i)] matrix (a single copy)."""
+    return torch.cat([w.t() for w in ws], dim=1).contiguous()
+
+
 class LlamaLayer:
-    """One decoder layer's fused weights (plain tensors: no nn.Module overhead on the hot path)."""
+    """One decoder layer's fused, transposed weights (plain tensors: no nn.Module on the hot path)."""
 
     def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
         c = config
@@ -71,26 +82,23 @@ class LlamaLayer:
         def get(name: str) -> torch.Tensor:
             return w[prefix + name].to(dtype)
 
-        def qkv(kind: str) -> torch.Tensor:
+        def qkv(kind: str) -> list[torch.Tensor]:
             q = _interleave_rows(get(f"self_attn.q_proj.{kind}"), H, D)
             k = _interleave_rows(get(f"self_attn.k_proj.{kind}"), KVH, D)
-            return torch.cat([q, k, get(f"self_attn.v_proj.{kind}")], dim=0).contiguous()
+            return [q, k, get(f"self_attn.v_proj.{kind}")]
 
         self.input_norm = get("input_layernorm.weight")  # [hidden]
         self.post_norm = get("post_attention_layernorm.weight")  # [hidden]
-        self.w_qkv = qkv("weight")  # [(H + 2*KVH) * D, hidden]
-        self.b_qkv = qkv("bias") if c.attention_bias else None
-        self.w_o = get("self_attn.o_proj.weight").contiguous()  # [hidden, H*D]
-        self.b_o = (
-            get("self_attn.o_proj.bias")
-            if c.attention_bias and prefix + "self_attn.o_proj.bias" in w
-            else None
-        )
-        self.w_gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")], 0).contiguous()
+        self.w_qkv = _transposed(*qkv("weight"))  # [hidden, (H + 2*KVH) * D]
+        self.b_qkv = torch.cat(qkv("bias")) if c.attention_bias else None
+        self.w_o = _transposed(get("self_attn.o_proj.weight"))  # [H*D, hidden]
+        has_o_bias = c.attention_bias and prefix + "self_attn.o_proj.bias" in w
+        self.b_o = get("self_attn.o_proj.bias") if has_o_bias else None
+        self.w_gate_up = _transposed(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))  # [hidden, 2*I]
         self.b_gate_up = (
-            torch.cat([get("mlp.gate_proj.bias"), get("mlp.up_proj.bias")], 0) if c.mlp_bias else None
-        )  # [2 * I]
-        self.w_down = get("mlp.down_proj.weight").contiguous()  # [hidden, I]
+            torch.cat([get("mlp.gate_proj.bias"), get("mlp.up_proj.bias")]) if c.mlp_bias else None
+        )
+        self.w_down = _transposed(get("mlp.down_proj.weight"))  # [I, hidden]
         self.b_down = get("mlp.down_proj.bias") if c.mlp_bias else None
 
 
@@ -105,9 +113,9 @@ class LlamaModel:
         c = config
         self.embed = weights["model.embed_tokens.weight"].to(dtype)  # [V, hidden]
         head = weights.get("lm_head.weight")
-        self.lm_head = (
-            self.embed if (head is None or c.tie_word_embeddings) else head.to(dtype)
-        )  # [V, hidden]
+        tied = head is None or c.tie_word_embeddings
+        # [hidden, V]: a transposed copy even when tied (+V*hidden elements) for the faster matmul
+        self.lm_head = _transposed(self.embed if tied else head.to(dtype))
         self.final_norm = weights["model.norm.weight"].to(dtype)
         self.layers = [LlamaLayer(c, weights, f"model.layers.{i}.", dtype) for i in range(c.num_layers)]
         self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
@@ -131,21 +139,21 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, hidden_shape, layer.input_norm, eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)  # [T, (H + 2*KVH) * D]
+            qkv = _linear(h, layer.w_qkv, layer.b_qkv)  # [T, (H + 2*KVH) * D]
             _apply_rope(qkv[:, : self.q_size + self.k_size], freqs, H + KVH, D)
             q = qkv[:, : self.q_size].view(T, H, D)
             kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
             write_kv(kv_cache, i, kv_new, meta)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
-            x = x + F.linear(attn, layer.w_o, layer.b_o)
+            x = x + _linear(attn, layer.w_o, layer.b_o)
             h = F.rms_norm(x, hidden_shape, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.w_gate_up, layer.b_gate_up)  # [T, 2 * I]
+            gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # [T, 2 * I]
             inter = gate_up.shape[1] // 2
-            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
+            x = x + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
         return F.rms_norm(x, hidden_shape, self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        return F.linear(hidden, self.lm_head).float()
+        return torch.matmul(hidden, self.lm_head).float()
 
 
 def _apply_rope(qk: torch.Tensor, freqs: torch.Tensor, num_heads: int, head_dim: int) -> None:

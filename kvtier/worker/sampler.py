@@ -78,8 +78,8 @@ class Sampler:
     def _draw(self, probs: torch.Tensor, r: SampleRequest) -> int:
         """One draw from ``probs`` [V] after top-k, top-p and min-p, with the sequence's generator.
 
-        top-k/top-p look at the ``_CANDIDATES`` most likely tokens first and sort the whole
-        vocabulary only when those do not hold ``top_p`` of the mass — exact either way.
+        top-k/top-p look at the ``_CANDIDATES`` most likely tokens first and widen the candidate set
+        (x16 at a time) only while it holds less than ``top_p`` of the mass — exact either way.
         """
         p = r.params
         gen = self._generator(r)
@@ -94,8 +94,9 @@ class Sampler:
             vals = vals / vals.sum()  # top-p applies to the top-k distribution
         if p.top_p < 1.0:
             cum = vals.cumsum(0)
-            if p.top_k == 0 and k < vocab and float(cum[-1]) < p.top_p:
-                vals, ids = torch.sort(probs, descending=True)
+            while p.top_k == 0 and k < vocab and float(cum[-1]) < p.top_p:  # widen: 256, 4096, ... all
+                k = min(k * 16, vocab)
+                vals, ids = torch.topk(probs, k)
                 cum = vals.cumsum(0)
             keep = (cum - vals) < p.top_p  # the smallest prefix whose mass reaches top_p
             vals, ids = vals[keep], ids[keep]
