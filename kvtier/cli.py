@@ -130,9 +130,9 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
 
 def _make_llm(args: EngineArgs) -> LLM:
     t0 = time.monotonic()
-    from kvtier.models.loader import _resolve
+    from kvtier.models.loader import resolve_model_path
 
-    _resolve(args.model)  # an unknown path fails now, not after importing torch
+    resolve_model_path(args.model)  # an unknown path fails now, not after importing torch
     _status(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     from kvtier.llm import LLM
 

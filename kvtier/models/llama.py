@@ -67,6 +67,19 @@ def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch
     return torch.matmul(x, w_t) if b is None else torch.addmm(b, x, w_t)
 
 
+def _residual(x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x + a @ w_t (+ b) as one addmm when there is no bias."""
+    return torch.addmm(x, a, w_t) if b is None else x + torch.addmm(b, a, w_t)
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm, bit for bit in fp32: w * (x * rsqrt(mean(x^2) + eps)). On CPU this is ~5x faster
+    than ``F.rms_norm`` for long inputs (which decomposes into more ops, with dtype round trips)."""
+    if x.dtype != torch.float32:
+        return (_rms_norm(x.float(), w.float(), eps)).to(x.dtype)
+    return torch.rsqrt(torch.mean(x * x, -1, keepdim=True).add_(eps)).mul(x).mul_(w)
+
+
 def _transposed(*ws: torch.Tensor) -> torch.Tensor:
     """Row-stacked [out_i, in] weights -> one contiguous [in, sum(out_i)] matrix (a single copy)."""
     return torch.cat([w.t() for w in ws], dim=1).contiguous()
@@ -134,23 +147,22 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        hidden_shape = (c.hidden_size,)
         freqs = self.rope.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2] complex64
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden_shape, layer.input_norm, eps)
+            h = _rms_norm(x, layer.input_norm, eps)
             qkv = _linear(h, layer.w_qkv, layer.b_qkv)  # [T, (H + 2*KVH) * D]
             _apply_rope(qkv[:, : self.q_size + self.k_size], freqs, H + KVH, D)
             q = qkv[:, : self.q_size].view(T, H, D)
             kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
             write_kv(kv_cache, i, kv_new, meta)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
-            x = x + _linear(attn, layer.w_o, layer.b_o)
-            h = F.rms_norm(x, hidden_shape, layer.post_norm, eps)
+            x = _residual(x, attn, layer.w_o, layer.b_o)
+            h = _rms_norm(x, layer.post_norm, eps)
             gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # [T, 2 * I]
             inter = gate_up.shape[1] // 2
-            x = x + _linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.w_down, layer.b_down)
-        return F.rms_norm(x, hidden_shape, self.final_norm, eps)
+            x = _residual(x, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), layer.w_down, layer.b_down)
+        return _rms_norm(x, self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return torch.matmul(hidden, self.lm_head).float()

@@ -140,7 +140,7 @@ def _is_gguf(path: Path) -> bool:
 
 def fingerprint_path(model: str | os.PathLike[str] | None = None) -> str:
     """The fingerprint ``load_model(model)`` would report, without loading anything."""
-    path = _resolve(model)
+    path = resolve_model_path(model)
     if path.is_dir():
         return (
             fingerprint_hf_dir(path) if (path / "config.json").is_file() else fingerprint_gguf(_gguf_in(path))
@@ -167,7 +167,7 @@ def _hub_snapshot(name: str) -> Path | None:
     return snapshot if (snapshot / "config.json").is_file() else None
 
 
-def _resolve(model: str | os.PathLike[str] | None) -> Path:
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     """The file or directory ``model`` names; ConfigError when it does not exist locally."""
     if model is None:
         return default_model_path()
@@ -351,7 +351,7 @@ def load_model(
     Every user-facing problem (missing path, unsupported architecture / tensor type, missing tokenizer...)
     raises ``ConfigError`` with a one-line message.
     """
-    path = _resolve(model)
+    path = resolve_model_path(model)
     try:
         if path.is_dir():
             if (path / "config.json").is_file():
