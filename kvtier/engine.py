@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -90,7 +89,6 @@ class LLMEngine:
         # reused by the same weights computing in the same precision.
         self.cache_identity = f"{self.loaded.fingerprint}:{dtype_name}"
         self.requests: dict[str, Request] = {}
-        self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
 
     # --------------------------------------------------------------------------- requests
@@ -143,8 +141,7 @@ class LLMEngine:
         )
         if params.logprobs is not None:
             seq.logprobs = []
-        self.requests[request_id] = Request(request_id, list(token_ids), params, [seq])
-        self._prompts[request_id] = text
+        self.requests[request_id] = Request(request_id, list(token_ids), params, [seq], prompt=text)
         self.scheduler.add(seq)
         return request_id
 
@@ -157,7 +154,6 @@ class LLMEngine:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self.sampler.release(seq.seq_id)
         self.outputs.forget(request)
-        self._prompts.pop(request_id, None)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -206,11 +202,10 @@ class LLMEngine:
 
         outputs = []
         for request in touched.values():
-            outputs.append(self.outputs.make_output(request, self._prompts.get(request.request_id)))
+            outputs.append(self.outputs.make_output(request))
             if request.finished:
                 self.outputs.forget(request)
                 del self.requests[request.request_id]
-                self._prompts.pop(request.request_id, None)
         return outputs
 
     def _seq_for(self, parent: Sequence, index: int) -> Sequence:
@@ -240,7 +235,3 @@ class LLMEngine:
         if not p.ignore_eos:
             banned |= set(self.eos_token_ids)
         return tuple(sorted(banned))
-
-
-def default_num_threads() -> int:
-    return max(1, os.cpu_count() or 1)

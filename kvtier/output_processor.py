@@ -50,7 +50,7 @@ class OutputProcessor:
         if state is not None and not isinstance(seq.stop_reason, str):  # a stop string cut the text already
             state.text += state.detokenizer.flush()
 
-    def make_output(self, request: Request, prompt: str | None) -> RequestOutput:
+    def make_output(self, request: Request) -> RequestOutput:
         outputs = []
         for seq in request.seqs:
             state = self._states.get(seq.seq_id)
@@ -83,7 +83,7 @@ class OutputProcessor:
             metrics["first_token_time"] = seq0.first_token_time
         return RequestOutput(
             request_id=request.request_id,
-            prompt=prompt,
+            prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
             finished=request.finished,

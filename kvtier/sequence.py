@@ -93,6 +93,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence]
+    prompt: str | None = None  # the text, when the prompt was given as text
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
