@@ -112,6 +112,18 @@ def converted_default_model(default_gguf_path: Path) -> Any:
     return load_model(default_gguf_path)
 
 
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf_path: Path) -> Any:
+    """transformers' own fp32 load of the default GGUF (the reference; ~25 s, so loaded once)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
+    ).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: keep going past EOS, never suppress it
+    return model
+
+
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Give every parameter (norms and biases too) distinct seeded values, so mix-ups cannot go unseen."""
     gen = torch.Generator().manual_seed(seed)

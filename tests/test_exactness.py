@@ -81,14 +81,9 @@ def cases(llm_exact: LLM) -> list[Case]:
 
 
 @pytest.fixture(scope="module")
-def reference(default_gguf_path, cases: list[Case]) -> dict[str, tuple[list[int], list[float]]]:
+def reference(hf_default_model, cases: list[Case]) -> dict[str, tuple[list[int], list[float]]]:
     """HF transformers greedy tokens and the top-2 logit gap at every step."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        default_gguf_path.parent, gguf_file=default_gguf_path.name, dtype=torch.float32
-    ).eval()
-    hf.generation_config.eos_token_id = None  # like ignore_eos: keep going past EOS, never suppress it
+    hf = hf_default_model
     out = {}
     for case in cases:
         with torch.no_grad():
