@@ -29,7 +29,7 @@ from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.scheduler import Scheduler
-from kvtier.sequence import Request, Sequence, SequenceStatus
+from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.worker.runner import ModelRunner, kv_block_bytes
 from kvtier.worker.sampler import Sampler, SampleRequest
 
@@ -137,7 +137,14 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_total = min(max_total, len(token_ids) + params.max_tokens)
         seq = Sequence(
-            f"{request_id}-0", request_id, 0, list(token_ids), len(token_ids), params, extra_keys, max_total
+            seq_id_for(request_id, 0),
+            request_id,
+            0,
+            list(token_ids),
+            len(token_ids),
+            params,
+            extra_keys,
+            max_total,
         )
         if params.logprobs is not None:
             seq.logprobs = []
@@ -177,7 +184,7 @@ class LLMEngine:
             seq = s.seq
             indices = range(seq.params.n) if seq.forks_on_prompt_done else [seq.index]
             for i in indices:
-                sid = f"{seq.request_id}-{i}"
+                sid = seq_id_for(seq.request_id, i)
                 sample_reqs.append(SampleRequest(row, sid, i, seq.params, self._banned(seq)))
                 targets.append((seq, i))
         results = self.sampler.sample(logits, sample_reqs)
@@ -212,7 +219,7 @@ class LLMEngine:
         if index == parent.index:
             return parent
         child = Sequence(
-            f"{parent.request_id}-{index}",
+            seq_id_for(parent.request_id, index),
             parent.request_id,
             index,
             parent.token_ids[: parent.num_prompt_tokens],

@@ -36,6 +36,11 @@ class SequenceStatus(enum.Enum):
         )
 
 
+def seq_id_for(request_id: str, index: int) -> str:
+    """The id of sequence ``index`` of a request (also its sampler generator's key)."""
+    return f"{request_id}-{index}"
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Logprob of the chosen token and the top-k alternatives (token id -> logprob)."""
