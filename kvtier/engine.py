@@ -30,6 +30,7 @@ from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.scheduler import Scheduler
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
+from kvtier.stats import EngineStats, TierSnapshot
 from kvtier.worker.runner import ModelRunner, kv_block_bytes
 from kvtier.worker.sampler import Sampler, SampleRequest
 
@@ -90,6 +91,8 @@ class LLMEngine:
         self.cache_identity = f"{self.loaded.fingerprint}:{dtype_name}"
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
 
     # --------------------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -150,6 +153,7 @@ class LLMEngine:
             seq.logprobs = []
         self.requests[request_id] = Request(request_id, list(token_ids), params, [seq], prompt=text)
         self.scheduler.add(seq)
+        self._num_prompt_tokens += len(token_ids)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -192,6 +196,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         now = time.monotonic()
         seqs = [self._seq_for(parent, i) for parent, i in targets]  # forks happen before any append
+        self._num_generation_tokens += len(results)
         for seq, (token, logprob) in zip(seqs, results, strict=True):
             request = self.requests[seq.request_id]
             touched[request.request_id] = request
@@ -214,6 +219,35 @@ class LLMEngine:
                 self.outputs.forget(request)
                 del self.requests[request.request_id]
         return outputs
+
+    # ------------------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's gauges and cumulative counters (see ``kvtier.stats``)."""
+        kv = self.kv
+        pool = kv.pool
+        device = TierSnapshot(
+            tier="device",
+            capacity_blocks=pool.num_blocks,
+            used_blocks=pool.num_blocks - pool.num_free_blocks,
+            lookups=kv.stats.prefix_cache_queries // self.cache_config.block_size,
+            hit_blocks=kv.stats.prefix_cache_hits // self.cache_config.block_size,
+            hit_tokens=kv.stats.prefix_cache_hits,
+            blocks_evicted=kv.stats.num_evicted_blocks,
+        )
+        return EngineStats(
+            num_requests_running=len(self.scheduler.running),
+            num_requests_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.stats.prefix_cache_queries,
+            prefix_cache_hits=kv.stats.prefix_cache_hits,
+            num_preemptions={"swap": 0, "recompute": self.scheduler.num_preemptions},
+            prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self._num_generation_tokens,
+            tiers={"device": device},
+        )
+
+    def close(self) -> None:
+        """Release the engine's resources. Safe to call twice."""
 
     def _seq_for(self, parent: Sequence, index: int) -> Sequence:
         if index == parent.index:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from kvtier.outputs import CompletionOutput, RequestOutput
@@ -81,6 +82,8 @@ class OutputProcessor:
             metrics["first_scheduled_time"] = seq0.first_scheduled_time
         if seq0.first_token_time is not None:
             metrics["first_token_time"] = seq0.first_token_time
+        if request.finished:
+            metrics["finished_time"] = time.monotonic()
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -88,6 +91,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=request.finished,
             num_cached_tokens=seq0.num_cached_tokens or 0,
+            cached_tokens_by_tier=dict(seq0.cached_tokens_by_tier),
             metrics=metrics,
         )
 

@@ -30,5 +30,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first token, finish (monotonic s)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
+    # The same tokens by the tier they came from: {"device": ..., "host": ..., "disk": ...}.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # Monotonic seconds: arrival_time, first_scheduled_time, first_token_time, finished_time.
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -63,6 +63,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    # The same tokens by tier ("device", "host", "disk"); set with num_cached_tokens.
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
