@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+PreemptionMode = Literal["auto", "swap", "recompute"]
+StorePolicy = Literal["write_back", "write_through"]
 
 
 class ConfigError(ValueError):
@@ -75,6 +77,19 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    preemption_mode: PreemptionMode = "auto"
+    # How long a request whose prefix continues on disk waits for the reads before computing it.
+    disk_load_timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The tiers under the device pool: host memory (``host_gb`` 0 disables it) and disk."""
+
+    host_gb: float = 0.0
+    disk_dir: str | None = None
+    disk_gb: float = 10.0
+    store_policy: StorePolicy = "write_back"
 
 
 @dataclass
@@ -90,6 +105,11 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_host_gb: float = 0.0  # host-memory tier (L2); 0 disables it
+    kv_disk_dir: str | None = None  # disk tier (L3) directory; None disables it
+    kv_disk_gb: float = 10.0  # disk tier size cap
+    kv_store_policy: StorePolicy = "write_back"
+    preemption_mode: PreemptionMode = "auto"
     seed: int = 0
     num_threads: int | None = None
     # Extra fields for later tiers/servers are added here, each with a default.
@@ -108,5 +128,21 @@ class EngineArgs:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.kv_host_gb < 0:
+            raise ConfigError(f"kv_host_gb must be >= 0, got {self.kv_host_gb}")
+        if self.kv_disk_gb <= 0:
+            raise ConfigError(f"kv_disk_gb must be positive, got {self.kv_disk_gb}")
+        if self.kv_disk_dir is not None and self.kv_host_gb <= 0:
+            raise ConfigError(
+                "kv_disk_dir needs kv_host_gb > 0: disk blocks are read back through host memory"
+            )
+        if self.kv_store_policy not in ("write_back", "write_through"):
+            raise ConfigError(
+                f"kv_store_policy must be write_back or write_through, got {self.kv_store_policy!r}"
+            )
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ConfigError(
+                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

@@ -21,22 +21,68 @@ from typing import Any
 
 import torch
 
-from kvtier.config import CacheConfig, ConfigError, EngineArgs, SchedulerConfig
+from kvtier.config import CacheConfig, ConfigError, EngineArgs, SchedulerConfig, TierConfig
 from kvtier.kv.manager import KVCacheManager
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.scheduler.scheduler import Scheduler
+from kvtier.scheduler.preemption import CostModel
+from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.stats import EngineStats, TierSnapshot
+from kvtier.tiers.base import KVTier, TierIdentity
+from kvtier.tiers.coordinator import TierCoordinator
+from kvtier.transfer.mover import TierMover
 from kvtier.worker.runner import ModelRunner, kv_block_bytes
 from kvtier.worker.sampler import Sampler, SampleRequest
 
 PromptType = str | list[int] | Mapping[str, Any]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_DEVICE_GB = 1.0
+
+
+def build_tiers(
+    config: TierConfig, identity: TierIdentity, device_kv: torch.Tensor
+) -> tuple[TierCoordinator | None, TierMover | None]:
+    """The host tier (and disk tier under it) with the mover that copies their bytes, or Nones."""
+    if config.host_gb <= 0:
+        return None, None
+    from kvtier.tiers.disk import DiskTier
+    from kvtier.tiers.host import HostTier
+    from kvtier.transfer.disk_io import DiskIOWorker
+
+    num_slots = int(config.host_gb * 2**30 // identity.block_bytes)
+    if num_slots < 1:
+        raise ConfigError(f"kv_host_gb={config.host_gb} holds no block of {identity.block_bytes} B")
+    disk = worker = None
+    if config.disk_dir is not None:
+        disk = DiskTier(config.disk_dir, int(config.disk_gb * 2**30), identity)
+        worker = DiskIOWorker(identity)
+    coordinator = TierCoordinator(HostTier(num_slots), disk, config.store_policy)
+    mover = TierMover(device_kv, num_slots, worker)
+    coordinator.mover = mover
+    return coordinator, mover
+
+
+def _tier_snapshot(tier: KVTier, block_size: int) -> TierSnapshot:
+    st = tier.stats
+    return TierSnapshot(
+        tier=tier.medium.value,
+        capacity_blocks=tier.capacity_blocks,
+        used_blocks=tier.num_used_blocks,
+        lookups=st.lookups,
+        hit_blocks=st.hit_blocks,
+        hit_tokens=st.hit_blocks * block_size,
+        blocks_loaded=st.blocks_loaded,
+        bytes_loaded=st.bytes_loaded,
+        load_seconds=st.load_seconds,
+        blocks_stored=st.blocks_stored,
+        bytes_stored=st.bytes_stored,
+        store_seconds=st.store_seconds,
+        blocks_evicted=st.blocks_evicted,
+    )
 
 
 def _device() -> torch.device:
@@ -76,14 +122,25 @@ class LLMEngine:
         self.max_model_len = min(model_len, capacity)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len
+            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, args.preemption_mode
+        )
+        self.tier_config = TierConfig(
+            args.kv_host_gb, args.kv_disk_dir, args.kv_disk_gb, args.kv_store_policy
         )
 
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        identity = TierIdentity(
+            self.loaded.fingerprint,
+            dtype_name,
+            tuple(self.runner.kv_cache.shape[1:]),
+            self.runner.kv_cache.element_size(),
+        )
+        self.tiers, self.mover = build_tiers(self.tier_config, identity, self.runner.kv_cache)
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching, tiers=self.tiers)
         eos = set(self.tokenizer.eos_token_ids) | set(mc.eos_token_ids)
         self.eos_token_ids = tuple(sorted(eos))
-        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device)
+        self.cost_model = CostModel(block_bytes)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.eos_token_ids, self.cost_model)
         self.sampler = Sampler(args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         # Block hashes chain from the model's identity and the KV dtype: blocks are only ever
@@ -93,6 +150,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._closed = False
 
     # --------------------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -172,14 +230,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        tiers = self.tiers
+        if tiers is not None:
+            tiers.poll()  # finished disk reads become host hits; finished writes become disk blocks
         out = self.scheduler.schedule()
+        if out.is_empty and tiers is not None and tiers.has_pending_io and self.scheduler.waiting:
+            tiers.wait(0.05)  # nothing can run until a disk read lands: wait for it, not spin
+            out = self.scheduler.schedule()
+        if not out.swap.is_empty:
+            self._run_swap_plan(out)
         if out.is_empty:
             return []
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
+        t0 = time.perf_counter()
         logits = self.runner.execute(out)
+        if out.prefills and not out.decodes:
+            self.cost_model.observe_prefill(out.num_batched_tokens, time.perf_counter() - t0)
         self.scheduler.advance(out)
 
         sample_reqs: list[SampleRequest] = []
@@ -220,6 +289,21 @@ class LLMEngine:
                 del self.requests[request.request_id]
         return outputs
 
+    def _run_swap_plan(self, out: SchedulerOutput) -> None:
+        assert self.tiers is not None and self.mover is not None
+        timing = self.mover.execute(out.swap)
+        self.tiers.complete_plan(out.swap)
+        hs = self.tiers.host.stats
+        hs.blocks_stored += timing.blocks_stored
+        hs.bytes_stored += timing.bytes_stored
+        hs.store_seconds += timing.store_seconds
+        hs.blocks_loaded += timing.blocks_loaded
+        hs.bytes_loaded += timing.bytes_loaded
+        hs.load_seconds += timing.load_seconds
+        self.cost_model.observe_transfer(
+            timing.bytes_stored + timing.bytes_loaded, timing.store_seconds + timing.load_seconds
+        )
+
     # ------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and cumulative counters (see ``kvtier.stats``)."""
@@ -234,20 +318,46 @@ class LLMEngine:
             hit_tokens=kv.stats.prefix_cache_hits,
             blocks_evicted=kv.stats.num_evicted_blocks,
         )
+        tiers = {"device": device}
+        if self.tiers is not None:
+            tiers["host"] = _tier_snapshot(self.tiers.host, self.cache_config.block_size)
+            if self.tiers.disk is not None:
+                tiers["disk"] = _tier_snapshot(self.tiers.disk, self.cache_config.block_size)
         return EngineStats(
             num_requests_running=len(self.scheduler.running),
             num_requests_waiting=len(self.scheduler.waiting),
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.stats.prefix_cache_queries,
             prefix_cache_hits=kv.stats.prefix_cache_hits,
-            num_preemptions={"swap": 0, "recompute": self.scheduler.num_preemptions},
+            num_preemptions=dict(self.scheduler.preemptions_by_mode),
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
-            tiers={"device": device},
+            tiers=tiers,
         )
 
+    def flush_tiers(self) -> None:
+        """Copy every cached device block down to the host tier and every host block to disk, and
+        wait for the writes: after this, a restarted engine on the same disk directory finds them."""
+        if self.tiers is None:
+            return
+        for block in self.kv.pool.blocks:
+            if block.block_hash is not None:
+                self.tiers.store(block.block_id, block.block_hash)
+        out = SchedulerOutput(swap=self.tiers.take_plan())
+        if not out.swap.is_empty:
+            self._run_swap_plan(out)
+        self.tiers.flush()
+
     def close(self) -> None:
-        """Release the engine's resources. Safe to call twice."""
+        """Flush the tiers (a restart finds the blocks on disk) and stop the disk worker. Safe to
+        call twice; the engine must not be stepped afterwards."""
+        if self.mover is None or self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush_tiers()
+        finally:
+            self.mover.close()
 
     def _seq_for(self, parent: Sequence, index: int) -> Sequence:
         if index == parent.index:

@@ -66,6 +66,7 @@ class Sequence:
     # The same tokens by tier ("device", "host", "disk"); set with num_cached_tokens.
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    disk_wait_deadline: float | None = None  # set while its prefix is being read from disk
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
     arrival_time: float = field(default_factory=time.monotonic)

@@ -37,17 +37,47 @@ from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
+from kvtier.tiers.coordinator import NO_LOWER_HIT, LowerHit, SwappedOut, TierCoordinator
+from kvtier.tiers.plan import SwapPlan
 
 
 @dataclass(frozen=True)
 class ComputedBlocks:
     """Result of a prefix lookup: cached blocks covering a prompt's leading tokens. Owned by no one
-    until ``allocate_slots`` adopts it, so use it in the same scheduling decision that made it."""
+    until ``allocate_slots`` adopts it, so use it in the same scheduling decision that made it.
+
+    The device hits come first, then the blocks a lower tier holds (``lower.host_keys``: loaded into
+    fresh device blocks by this step's swap plan)::
+
+        prompt blocks   | b0  b1  b2 | b3  b4 | b5  b6  (b7 ...)
+                          device hits  host     on disk, being   computed
+                          block_ids    hits     read (pending)
+    """
 
     block_ids: tuple[int, ...]
-    num_computed_tokens: int  # == len(block_ids) * block_size
+    num_computed_tokens: int  # (len(block_ids) + len(lower.host_keys)) * block_size
     # The hashes the lookup matched, so ``allocate_slots`` can tell if a block was evicted since.
     block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
+    lower: LowerHit = NO_LOWER_HIT
+
+    @property
+    def num_device_tokens(self) -> int:
+        return self.num_computed_tokens - len(self.lower.host_keys) * self._block_size
+
+    @property
+    def _block_size(self) -> int:
+        n = len(self.block_ids) + len(self.lower.host_keys)
+        return self.num_computed_tokens // n if n else 0
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Prompt tokens this hit serves, by the tier they come from."""
+        bs = self._block_size
+        n_disk = self.lower.num_from_disk
+        return {
+            "device": len(self.block_ids) * bs,
+            "host": (len(self.lower.host_keys) - n_disk) * bs,
+            "disk": n_disk * bs,
+        }
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
@@ -78,6 +108,14 @@ class _SeqBlocks:
     num_cached_blocks: int
 
 
+@dataclass
+class _Swapped:
+    """A sequence preempted by swap: its hash progress, and its blocks pinned in the host tier."""
+
+    seq: _SeqBlocks  # with no device blocks
+    out: SwappedOut
+
+
 class KVCacheManager:
     """Block tables for live sequences, prefix reuse, copy-on-write after fork."""
 
@@ -87,6 +125,7 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         on_evict: Callable[[KVBlock], None] | None = None,
+        tiers: TierCoordinator | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -94,13 +133,17 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.stats = KVCacheStats()
         self._on_evict = on_evict
+        self.tiers = tiers
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
         self._seqs: dict[str, _SeqBlocks] = {}
+        self._swapped: dict[str, _Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
 
     def _evicted(self, block: KVBlock) -> None:
         if self._on_evict is not None:
             self._on_evict(block)
+        if self.tiers is not None and block.block_hash is not None:
+            self.tiers.on_device_evict(block.block_id, block.block_hash)
         self.stats.num_evicted_blocks += 1
 
     # ---------------------------------------------------------------- lookup
@@ -112,7 +155,9 @@ class KVCacheManager:
 
         Never covers the whole prompt: at most ``(len(token_ids) - 1) // block_size`` blocks, so at
         least the last token is computed and produces logits. Stops at the first miss (a later
-        block cannot be valid without its parent). Counts ``prefix_cache_queries/hits``.
+        block cannot be valid without its parent). After the device misses, the lower tiers are
+        asked for the following blocks (``ComputedBlocks.lower``); that may start disk reads.
+        Counts ``prefix_cache_queries/hits``.
         """
         if not self.enable_caching:
             return NO_COMPUTED_BLOCKS
@@ -129,10 +174,16 @@ class KVCacheManager:
                 break
             block_ids.append(block.block_id)
             block_hashes.append(parent)
-        num_computed_tokens = len(block_ids) * bs
+        lower = NO_LOWER_HIT
+        if self.tiers is not None and len(block_ids) < max_blocks:
+            rest = list(block_hashes)
+            extend_block_hashes(rest, token_ids, bs, root_hash(extra_keys), max_blocks * bs)
+            lower = self.tiers.lookup(rest[len(block_ids) :])
+            block_hashes.extend(lower.host_keys)
+        num_computed_tokens = (len(block_ids) + len(lower.host_keys)) * bs
         self.stats.prefix_cache_queries += len(token_ids)
         self.stats.prefix_cache_hits += num_computed_tokens
-        return ComputedBlocks(tuple(block_ids), num_computed_tokens, tuple(block_hashes))
+        return ComputedBlocks(tuple(block_ids), num_computed_tokens, tuple(block_hashes), lower)
 
     # ---------------------------------------------------------------- allocation
 
@@ -163,14 +214,18 @@ class KVCacheManager:
             )
 
         hit_blocks: list[KVBlock] = []
+        load_keys: tuple[BlockHash, ...] = ()
         if seq is None:
+            if seq_id in self._swapped:
+                raise ValueError(f"{seq_id} is swapped out: resume it with swap_in")
             computed = computed or NO_COMPUTED_BLOCKS
             if num_computed_tokens != computed.num_computed_tokens:
                 raise ValueError(
                     f"{seq_id}: first allocation with num_computed_tokens={num_computed_tokens}, but the "
                     f"adopted prefix covers {computed.num_computed_tokens}"
                 )
-            if computed.num_computed_tokens != len(computed.block_ids) * bs:
+            load_keys = computed.lower.host_keys
+            if computed.num_computed_tokens != (len(computed.block_ids) + len(load_keys)) * bs:
                 raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
             hit_blocks = [self.pool.blocks[block_id] for block_id in computed.block_ids]
             for i, block in enumerate(hit_blocks):
@@ -179,6 +234,8 @@ class KVCacheManager:
                     raise ValueError(
                         f"{seq_id}: stale ComputedBlocks: block {block.block_id} was evicted after the lookup"
                     )
+            if load_keys and (self.tiers is None or not all(self.tiers.host.contains(k) for k in load_keys)):
+                raise ValueError(f"{seq_id}: stale ComputedBlocks: a host block was evicted after the lookup")
             table = hit_blocks
         else:
             if computed is not None and computed.block_ids:
@@ -195,22 +252,38 @@ class KVCacheManager:
             first = num_computed_tokens // bs
             last = min((num_total - 1) // bs, len(table) - 1)
             cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
-        num_new_blocks = max(0, -(-num_total // bs) - len(table))
+        num_loads = len(load_keys)
+        num_new_blocks = max(0, -(-num_total // bs) - len(table) - num_loads)
         num_hits_from_queue = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if num_new_blocks + len(cow_indices) + num_hits_from_queue > self.pool.num_free_blocks:
+        if num_loads + num_new_blocks + len(cow_indices) + num_hits_from_queue > self.pool.num_free_blocks:
             return False
 
-        # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them.
+        # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them, and
+        # hold host hits so write-back stores (evictions below) cannot push them out of the host tier.
         if seq is None:
             self.pool.touch(hit_blocks)
+            if num_loads:
+                assert self.tiers is not None
+                self.tiers.hold(load_keys)
             seq = _SeqBlocks(
                 blocks=list(hit_blocks),
                 root=root_hash(extra_keys),
                 block_hashes=[block.block_hash for block in hit_blocks if block.block_hash is not None],
-                num_cached_blocks=len(hit_blocks),
+                num_cached_blocks=len(hit_blocks) + num_loads,
             )
             self._seqs[seq_id] = seq
-        fresh = self.pool.get_new_blocks(len(cow_indices) + num_new_blocks)
+        fresh = self.pool.get_new_blocks(num_loads + len(cow_indices) + num_new_blocks)
+        if num_loads:
+            assert self.tiers is not None
+            loaded = fresh[:num_loads]
+            self.tiers.load(load_keys, [block.block_id for block in loaded])
+            first_block = len(seq.blocks)
+            for j, (block, key) in enumerate(zip(loaded, load_keys, strict=True)):
+                i = first_block + j
+                self.pool.cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+            seq.blocks.extend(loaded)
+            seq.block_hashes.extend(load_keys)
+            fresh = fresh[num_loads:]
         for i, dst in zip(cow_indices, fresh, strict=False):
             src = seq.blocks[i]
             self._pending_copies.append((src.block_id, dst.block_id))
@@ -248,7 +321,10 @@ class KVCacheManager:
         if len(seq.block_hashes) < num_full:
             extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
         for i in range(seq.num_cached_blocks, num_full):
-            self.pool.cache_block(seq.blocks[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            block = seq.blocks[i]
+            self.pool.cache_block(block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            if self.tiers is not None:
+                self.tiers.on_block_full(block.block_id, seq.block_hashes[i])
         seq.num_cached_blocks = num_full
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -271,6 +347,68 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free_blocks(reversed(seq.blocks))
+        swapped = self._swapped.pop(seq_id, None)
+        if swapped is not None:
+            assert self.tiers is not None
+            self.tiers.release(swapped.out)
+
+    # ---------------------------------------------------------------- swap preemption
+
+    def swap_out(self, seq_id: str, num_computed_tokens: int) -> bool:
+        """Preempt by swap: plan stores of the blocks holding ``num_computed_tokens`` tokens into the
+        host tier (pinned there), then free the device blocks. False, changing nothing, when there
+        is no host tier or it has no room (the caller falls back to recomputation)."""
+        if self.tiers is None:
+            return False
+        seq = self._seq(seq_id)
+        num_blocks = -(-num_computed_tokens // self.block_size)
+        blocks = [
+            (
+                block.block_id,
+                seq.block_hashes[i] if i < seq.num_cached_blocks and self.enable_caching else None,
+            )
+            for i, block in enumerate(seq.blocks[:num_blocks])
+        ]
+        out = self.tiers.swap_out(blocks)
+        if out is None:
+            return False
+        self.free(seq_id)
+        self._swapped[seq_id] = _Swapped(
+            _SeqBlocks([], seq.root, list(seq.block_hashes), min(seq.num_cached_blocks, num_blocks)), out
+        )
+        return True
+
+    def is_swapped(self, seq_id: str) -> bool:
+        return seq_id in self._swapped
+
+    def swap_in(
+        self, seq_id: str, token_ids: Sequence[int], num_computed_tokens: int, num_new_tokens: int
+    ) -> bool:
+        """Resume a swapped-out sequence: fresh device blocks, loads from the host tier for the old
+        ones, new ones for ``num_new_tokens``. False, changing nothing, if the pool is short."""
+        swapped = self._swapped[seq_id]
+        bs = self.block_size
+        num_loads = len(swapped.out.keys)
+        num_total = num_computed_tokens + num_new_tokens
+        if num_loads != -(-num_computed_tokens // bs) or num_total > len(token_ids):
+            raise ValueError(f"{seq_id}: swap_in with {num_computed_tokens} computed tokens does not match")
+        num_blocks = max(num_loads, -(-num_total // bs))
+        if num_blocks > self.pool.num_free_blocks:
+            return False
+        assert self.tiers is not None
+        del self._swapped[seq_id]
+        fresh = self.pool.get_new_blocks(num_blocks)
+        self.tiers.swap_in(swapped.out, [block.block_id for block in fresh[:num_loads]])
+        seq = swapped.seq
+        seq.blocks = fresh
+        for i in range(seq.num_cached_blocks):
+            self.pool.cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+        self._seqs[seq_id] = seq
+        return True
+
+    def end_schedule_step(self) -> SwapPlan:
+        """The swap plan accumulated since the last call (seed 003's hook at the end of a step)."""
+        return self.tiers.take_plan() if self.tiers is not None else SwapPlan()
 
     # ---------------------------------------------------------------- queries
 
@@ -281,7 +419,7 @@ class KVCacheManager:
         return seq
 
     def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self._seqs or seq_id in self._swapped
 
     def block_ids(self, seq_id: str) -> list[int]:
         """The sequence's current block table (a copy)."""
@@ -304,6 +442,8 @@ class KVCacheManager:
         """Pool invariants plus: every table block is in use, and each block's ``ref_cnt`` equals the
         number of references the tables hold to it. Raises ``AssertionError``."""
         self.pool.check_integrity()
+        if self.tiers is not None:
+            self.tiers.host.check_integrity()
         refs: Counter[int] = Counter()
         for seq_id, seq in self._seqs.items():
             ids = [block.block_id for block in seq.blocks]

@@ -1,27 +1,35 @@
-"""Continuous batching at iteration level, with chunked prefill and recompute preemption.
+"""Continuous batching at iteration level, with chunked prefill and preemption by swap or recompute.
 
 Each ``schedule()`` builds one step under a token budget (``max_num_batched_tokens``):
 
 1. Running sequences first, in admission order: a decoding sequence takes 1 token, a sequence in
    the middle of a chunked prefill takes its next chunk. If the block pool cannot supply the blocks,
-   the most recently admitted running sequence is preempted (its blocks freed, to be recomputed
-   later — usually mostly from the prefix cache) until the allocation fits.
+   the most recently admitted running sequence is preempted until the allocation fits: either its
+   KV is *swapped* to the host tier (and loaded back when it resumes) or its blocks are dropped to
+   be *recomputed* later (usually mostly from the prefix cache); ``preemption_mode`` and the
+   measured costs decide (``preemption.py``).
 2. Then waiting sequences are admitted in arrival order (preempted ones at the front), while the
-   budget, ``max_num_seqs`` and the pool allow. Their cached prefix is looked up first and only the
-   rest is computed; the last prompt token is always computed so there are logits to sample from.
+   budget, ``max_num_seqs`` and the pool allow. Their cached prefix is looked up in every tier and
+   only the rest is computed; the last prompt token is always computed so there are logits to
+   sample from. A sequence whose prefix continues on disk is held back while those blocks are read
+   into host memory (others go first), until the reads finish or ``disk_load_timeout_s`` passes.
 
-Torch-free: the step is described by a ``SchedulerOutput`` the model runner turns into tensors.
+The KV manager accumulates the step's device↔host copies as it allocates; they leave in
+``SchedulerOutput.swap``. Torch-free: the runner turns a ``SchedulerOutput`` into tensors.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
+from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
+from kvtier.tiers.plan import SwapPlan
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,7 @@ class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one new token each
     prefills: list[ScheduledSeq] = field(default_factory=list)  # chunks of more than one token
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    swap: SwapPlan = field(default_factory=SwapPlan)  # device↔host copies, run before the forward
     preempted_seq_ids: list[str] = field(default_factory=list)
 
     @property
@@ -62,13 +71,26 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        eos_token_ids: Iterable[int],
+        cost_model: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.cost_model = cost_model if cost_model is not None else CostModel(block_bytes=1)
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.preemptions_by_mode = {"swap": 0, "recompute": 0}
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions_by_mode.values())
 
     # ----------------------------------------------------------------- admission and removal
     def add(self, seq: Sequence) -> None:
@@ -84,6 +106,7 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.kv.free(seq.seq_id)  # a swapped-out sequence holds host blocks
         seq.status = status
         seq.stop_reason = stop_reason
 
@@ -123,21 +146,28 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        while self.waiting and budget > 0 and not out.preempted_seq_ids:
-            if len(self.running) >= self.config.max_num_seqs:
+        for seq in list(self.waiting):
+            if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.config.max_num_seqs:
                 break
-            seq = self.waiting[0]
-            computed = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
-            num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(
-                seq.seq_id, seq.token_ids, computed.num_computed_tokens, num_new, computed, seq.extra_keys
-            ):
-                break
-            self.waiting.popleft()
+            if self.kv.is_swapped(seq.seq_id):
+                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if not self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+                    break
+            else:
+                computed = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
+                if computed.lower.num_pending_blocks and self._waits_for_disk(seq):
+                    continue  # its prefix is being read from disk; the next ones may go first
+                num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(
+                    seq.seq_id, seq.token_ids, computed.num_computed_tokens, num_new, computed, seq.extra_keys
+                ):
+                    break
+                seq.num_computed_tokens = computed.num_computed_tokens
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = computed.num_computed_tokens
+                    seq.cached_tokens_by_tier = computed.tokens_by_tier()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = computed.num_computed_tokens
-            if seq.num_cached_tokens is None:
-                seq.num_cached_tokens = computed.num_computed_tokens
             self.running.append(seq)
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
@@ -145,19 +175,40 @@ class Scheduler:
         for s in scheduled:
             (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
         out.block_copies = self.kv.take_block_copies()
+        out.swap = self.kv.end_schedule_step()
         return out
+
+    def _waits_for_disk(self, seq: Sequence) -> bool:
+        """Hold ``seq`` back while its disk blocks are read, up to ``disk_load_timeout_s``."""
+        now = self.clock()
+        if seq.disk_wait_deadline is None:
+            seq.disk_wait_deadline = now + self.config.disk_load_timeout_s
+        return now < seq.disk_wait_deadline
+
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, tuple(self.kv.block_ids(seq.seq_id)))
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the blocks (they stay cached), keep the tokens, requeue first."""
+        """Swap the sequence's KV out to the host tier, or drop its blocks (they stay cached) to be
+        recomputed; either way it keeps its tokens and goes back to the front of the queue."""
         self.running.remove(seq)
-        self.kv.free(seq.seq_id)
+        bs = self.kv.block_size
+        mode = self.cost_model.choose(
+            self.config.preemption_mode, seq.num_computed_tokens, -(-seq.num_computed_tokens // bs)
+        )
+        if (
+            mode == "swap"
+            and seq.num_computed_tokens
+            and self.kv.swap_out(seq.seq_id, seq.num_computed_tokens)
+        ):
+            self.preemptions_by_mode["swap"] += 1
+        else:
+            self.kv.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            self.preemptions_by_mode["recompute"] += 1
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # --------------------------------------------------------------------- after the forward
