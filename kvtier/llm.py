@@ -33,6 +33,17 @@ class LLM:
     def __init__(self, model: str | None = None, *, progress: bool = False, **engine_kwargs: Any):
         self.engine = LLMEngine(_engine_args(model, engine_kwargs), progress=progress)
 
+    def close(self) -> None:
+        """Flush the KV tiers (a restart on the same ``kv_disk_dir`` finds the blocks) and stop the
+        disk worker. Also run by ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # noqa: ANN201 - kvtier.tokenizer.Tokenizer
         return self.engine.tokenizer

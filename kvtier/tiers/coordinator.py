@@ -145,6 +145,12 @@ class TierCoordinator:
                 self._promote(to_read)
             finally:
                 self.host.unpin(host_keys)
+            # Only blocks actually on their way count: the host tier may have had no room for all.
+            num_pending = 0
+            for key in rest:
+                if key not in self._promoting and key not in self._disk_storing:
+                    break
+                num_pending += 1
         return LowerHit(host_keys, num_from_disk, num_pending)
 
     def _promote(self, keys: list[BlockKey]) -> None:
