@@ -124,3 +124,21 @@ def test_preempted_sequences_finish_with_the_uninterrupted_tokens(
     assert got == expected
     assert preemptions[mode] > 0
     assert preemptions["swap" if mode == "recompute" else "recompute"] == 0
+
+
+def test_unusable_disk_dir_degrades_to_no_disk_tier_with_one_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, converted_default_model: Any
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    prompt = "Name three colors."
+    with LLM(kv_device_blocks=20) as plain:
+        expected = plain.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    with (
+        caplog.at_level("WARNING", logger="kvtier"),
+        LLM(kv_device_blocks=20, kv_host_gb=0.02, kv_disk_dir=str(blocker / "kv")) as llm,
+    ):
+        assert llm.generate(prompt, GREEDY)[0].outputs[0].token_ids == expected
+        assert llm.engine.stats().tiers["disk"].capacity_blocks == 0
+    disk_lines = [r for r in caplog.records if r.name.startswith("kvtier.tiers.disk")]
+    assert len(disk_lines) == 1 and "disabled" in disk_lines[0].getMessage()
