@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvtier.config import ConfigError, DType, EngineArgs
+from kvtier.config import ConfigError, DType, EngineArgs, PreemptionMode, StorePolicy
 
 if TYPE_CHECKING:
     from kvtier.llm import LLM
@@ -35,11 +35,20 @@ _ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one step (chunked prefill)",
     "max_model_len": "longest prompt + output",
     "enable_prefix_caching": "reuse cached prompt prefixes",
+    "kv_host_gb": "host-memory KV tier in GiB (0: off); evicted blocks are kept there",
+    "kv_disk_dir": "disk KV tier directory (needs --kv-host-gb); persists across restarts",
+    "kv_disk_gb": "disk KV tier size cap in GiB (default 10)",
+    "kv_store_policy": "write_back (store blocks when evicted) or write_through (as soon as full)",
+    "preemption_mode": "auto (cheaper of swap and recompute), swap or recompute",
     "seed": "engine seed (unseeded requests draw from it)",
     "num_threads": "torch CPU threads",
 }
 _INT_FLAGS = {"block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens"}
 _INT_FLAGS |= {"max_model_len", "seed", "num_threads"}
+_CHOICES = {
+    "kv_store_policy": typing.get_args(StorePolicy),
+    "preemption_mode": typing.get_args(PreemptionMode),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,9 +97,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif f.name == "dtype":
             g.add_argument(flag, choices=typing.get_args(DType), default=default, help=help_text)
+        elif f.name in _CHOICES:
+            g.add_argument(flag, choices=_CHOICES[f.name], default=default, help=help_text)
         else:
             kind: Callable[[str], Any] = int if f.name in _INT_FLAGS else str
-            kind = float if f.name == "kv_device_gb" else kind
+            kind = float if f.name in ("kv_device_gb", "kv_host_gb", "kv_disk_gb") else kind
             g.add_argument(flag, type=kind, default=default, help=help_text)
 
 
@@ -248,6 +259,18 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         print(f"  [{_stats(final, first, total)}]", file=sys.stderr, flush=True)
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from kvtier import planner  # pure arithmetic, no torch
+
+    return planner.run(ns)
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.planner import add_args  # stdlib-only module: cheap even when another command runs
+
+    add_args(p)
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
     from kvtier.bench import throughput
 
@@ -262,6 +285,27 @@ def _add_throughput_args(b: argparse.ArgumentParser) -> None:
     else:
         add_args(b)
         b.set_defaults(func=cmd_bench)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.server.serve import add_args  # cheap: FastAPI, uvicorn and torch load when it starts
+
+    add_args(p)
+
+
+def _lazy_args(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """Populate a lazy subcommand from ``module.add_args`` (which sets ``func``), failing in one line."""
+
+    def populate(b: argparse.ArgumentParser) -> None:
+        import importlib
+
+        try:
+            add_args = importlib.import_module(module).add_args
+        except Exception as exc:
+            _fail(f"{module} is unavailable: {type(exc).__name__}: {exc}")
+        add_args(b)
+
+    return populate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1 chat and completions, /metrics)")
+    _add_serve_args(p)
+
     p = sub.add_parser("bench", help="benchmarks (print a table)")
     bsub = p.add_subparsers(dest="bench", required=True, parser_class=_LazyParser)
     b = bsub.add_parser(
@@ -288,6 +335,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     assert isinstance(b, _LazyParser)
     b.populate = _add_throughput_args
+    b = bsub.add_parser("serve", help="HTTP load: Poisson arrivals, TTFT/ITL percentiles, server overhead")
+    assert isinstance(b, _LazyParser)
+    b.populate = _lazy_args("kvtier.bench.serve")
+    b = bsub.add_parser("multiturn", help="multi-turn chat TTFT: no caching, device, +host, +disk, restart")
+    assert isinstance(b, _LazyParser)
+    b.populate = _lazy_args("kvtier.bench.multiturn")
+    b = bsub.add_parser("transfer", help="tier store/load bandwidth vs memcpy; decode with write-back on/off")
+    assert isinstance(b, _LazyParser)
+    b.populate = _lazy_args("kvtier.bench.transfer")
+
+    p = sub.add_parser("demo", help="demonstrations (print what happens)")
+    dsub = p.add_subparsers(dest="demo", required=True, parser_class=_LazyParser)
+    b = dsub.add_parser("offload", help="seed 000's offload demo: miss, device, host, then disk after a restart")
+    assert isinstance(b, _LazyParser)
+    b.populate = _lazy_args("kvtier.demo")
+
+    p = sub.add_parser("plan", help="capacity planner: KV pool, concurrency, decode and reload estimates")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -338,8 +338,8 @@ class LLMEngine:
     def flush_tiers(self) -> None:
         """Copy every cached device block down to the host tier and every host block to disk, and
         wait for the writes: after this, a restarted engine on the same disk directory finds them."""
-        if self.tiers is None:
-            return
+        if self.tiers is None or not self.tiers.disk_active:
+            return  # nothing outlives the process without a disk tier
         for block in self.kv.pool.blocks:
             if block.block_hash is not None:
                 self.tiers.store(block.block_id, block.block_hash)
