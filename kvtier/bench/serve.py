@@ -1,0 +1,333 @@
+"""``kvtier bench serve``: open-loop HTTP load against an OpenAI-compatible server.
+
+For each request rate, ``--num-requests`` streaming ``/v1/completions`` requests arrive as a Poisson
+process (seeded): random token-id prompts and fixed output lengths (``ignore_eos``), drawn uniformly from
+``--prompt-len`` and ``--output-len``. Reported per rate: output tokens/s, time to first token and
+inter-token latency percentiles (as a client sees them), and the rate at which p90 TTFT crosses
+``--ttft-slo`` (linear interpolation between the measured rates).
+
+Server overhead: one batch of ``--overhead-requests`` requests, all sent at once, through the server vs
+through offline ``LLM.generate`` with the same engine flags, in the same process (only when the bench
+starts the server itself), best of ``--overhead-repeats`` alternating runs. The load generator shares the
+process (and its GIL) with the server, so the ratio includes the client's own cost.
+
+The server starts in this process on a free loopback port unless ``--url`` names a running one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RateRow:
+    rate: float
+    requests: int
+    errors: int
+    seconds: float
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p90: float
+    itl_p99: float
+    e2e_p50: float
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected LO:HI with 1 <= LO <= HI, got {text!r}")
+    return a, b
+
+
+def _rates(text: str) -> list[float]:
+    rates = sorted(float(x) for x in text.split(",") if x.strip())
+    if not rates or rates[0] <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive comma-separated rates, got {text!r}")
+    return rates
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from kvtier.cli import add_engine_args
+
+    g = p.add_argument_group("load")
+    g.add_argument("--url", default=None, help="a running server (default: start one in this process)")
+    g.add_argument("--api-key", default=None, help="Bearer key for --url")
+    g.add_argument("--rates", type=_rates, default=_rates("1,2,4,8"), help="requests/s (default 1,2,4,8)")
+    g.add_argument("--num-requests", type=int, default=24, help="requests per rate (default 24)")
+    g.add_argument(
+        "--prompt-len", type=_range, default=(32, 256), help="prompt tokens LO:HI (default 32:256)"
+    )
+    g.add_argument("--output-len", type=_range, default=(16, 96), help="output tokens LO:HI (default 16:96)")
+    g.add_argument("--ttft-slo", type=float, default=2.0, help="p90 TTFT threshold in s (default 2)")
+    g.add_argument(
+        "--overhead-requests", type=int, default=32, help="server vs offline batch size (0 skips; default 32)"
+    )
+    g.add_argument(
+        "--overhead-repeats", type=int, default=2, help="best of this many runs per path (default 2)"
+    )
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_engine_args(p)
+    p.set_defaults(func=main)
+
+
+def workload(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int
+) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
+        for _ in range(n)
+    ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    res = Result(ok=False)
+    last: float | None = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                await r.aread()
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message")
+                    return res
+                if chunk.get("usage"):
+                    res.completion_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.ok = res.error is None
+    return res
+
+
+async def run_load(
+    client: httpx.AsyncClient, model: str, work: list[tuple[list[int], int]], rate: float | None, seed: int
+) -> tuple[list[Result], float]:
+    """Send ``work`` with Poisson arrivals at ``rate`` (None: all at once); ``(results, seconds)``."""
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    tasks = []
+    at = 0.0
+    for prompt, out_len in work:
+        if rate is not None:
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            at += rng.expovariate(rate)
+        tasks.append(asyncio.create_task(one_request(client, model, prompt, out_len)))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+def summarize(rate: float, results: list[Result], seconds: float) -> RateRow:
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    tokens = sum(r.completion_tokens for r in ok)
+    return RateRow(
+        rate=rate,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        seconds=seconds,
+        tokens_per_s=tokens / seconds if seconds else 0.0,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p90=percentile(ttfts, 90),
+        ttft_p99=percentile(ttfts, 99),
+        itl_p50=percentile(itls, 50),
+        itl_p90=percentile(itls, 90),
+        itl_p99=percentile(itls, 99),
+        e2e_p50=percentile([r.e2e for r in ok], 50),
+    )
+
+
+def crossing_rate(rows: list[RateRow], slo: float) -> str:
+    """The request rate where p90 TTFT reaches ``slo``, interpolated between measured rates."""
+    prev: RateRow | None = None
+    for row in rows:
+        if row.ttft_p90 >= slo:
+            if prev is None:
+                return f"< {row.rate:g} req/s (p90 TTFT {row.ttft_p90:.2f} s at the lowest rate)"
+            frac = (slo - prev.ttft_p90) / (row.ttft_p90 - prev.ttft_p90)
+            return f"~{prev.rate + frac * (row.rate - prev.rate):.2f} req/s"
+        prev = row
+    return f"> {rows[-1].rate:g} req/s (not reached)" if rows else "n/a"
+
+
+def offline_llm(ns: argparse.Namespace) -> Any:
+    """An ``LLM`` with the bench's engine flags (the same as the server's)."""
+    from kvtier.llm import LLM
+
+    engine_kwargs = {k: v for k, v in asdict(_engine_args(ns)).items() if k not in ("model", "extra")}
+    return LLM(ns.model, **engine_kwargs)
+
+
+def offline_tokens_per_s(llm: Any, work: list[tuple[list[int], int]]) -> float:
+    """Output tokens/s of ``work`` through ``LLM.generate`` (the whole batch at once)."""
+    from kvtier.sampling_params import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    seconds = time.perf_counter() - t0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+
+def _engine_args(ns: argparse.Namespace) -> Any:
+    from kvtier.cli import engine_args_from
+
+    return engine_args_from(ns)
+
+
+async def _bench(ns: argparse.Namespace, url: str, in_process: bool) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+        models = (await client.get("/v1/models")).raise_for_status().json()
+        model = models["data"][0]["id"]
+        await run_load(client, model, workload(2, (16, 16), (4, 4), 99), None, 0)  # warm-up
+        rows = []
+        for i, rate in enumerate(ns.rates):
+            work = workload(ns.num_requests, ns.prompt_len, ns.output_len, ns.workload_seed + i)
+            results, seconds = await run_load(client, model, work, rate, ns.workload_seed + i)
+            rows.append(summarize(rate, results, seconds))
+            print(f"  rate {rate:g} req/s done in {seconds:.1f}s", file=sys.stderr, flush=True)
+        overhead: dict[str, Any] | None = None
+        if ns.overhead_requests > 0 and in_process:
+            overhead = await _overhead(ns, client, model)
+    return {"model": model, "rows": rows, "overhead": overhead}
+
+
+async def _overhead(ns: argparse.Namespace, client: httpx.AsyncClient, model: str) -> dict[str, Any]:
+    """Best-of-``--overhead-repeats`` tokens/s of one batch through the server and through ``LLM.generate``,
+    alternating (server, offline, server, ...) so that drifting machine load hits both alike."""
+    print("server vs offline LLM.generate ...", file=sys.stderr, flush=True)
+    work = workload(ns.overhead_requests, ns.prompt_len, ns.output_len, ns.workload_seed + 1000)
+    llm = offline_llm(ns)  # loaded while the server is idle; it steps only while the server is idle
+    offline_tokens_per_s(llm, work[:4])  # warm-up
+    server, offline, errors = 0.0, 0.0, 0
+    for _ in range(max(1, ns.overhead_repeats)):
+        results, seconds = await run_load(client, model, work, None, 0)
+        row = summarize(float("inf"), results, seconds)
+        server, errors = max(server, row.tokens_per_s), errors + row.errors
+        offline = max(offline, offline_tokens_per_s(llm, work))
+    llm.engine.close()
+    return {
+        "server_tokens_per_s": server,
+        "offline_tokens_per_s": offline,
+        "ratio": server / offline,
+        "errors": errors,
+    }
+
+
+def main(ns: argparse.Namespace) -> int:
+    server = None
+    url = ns.url
+    if url is None:
+        from kvtier.server.app import ServerSettings, create_app
+        from kvtier.server.serve import default_model_name, engine_factory, serve_in_thread
+
+        args = _engine_args(ns)
+        settings = ServerSettings(model_name=default_model_name(args.model), api_key=ns.api_key)
+        print("starting the server in this process ...", file=sys.stderr, flush=True)
+        server = serve_in_thread(create_app(engine_factory(args), settings))
+        server.wait_ready()
+        url = server.url
+    try:
+        out = asyncio.run(_bench(ns, url, in_process=server is not None))
+    finally:
+        if server is not None:
+            server.stop()
+    overhead = out["overhead"]
+    print_report(out["model"], out["rows"], overhead, ns)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"rows": [asdict(r) for r in out["rows"]], "overhead": overhead}, f, indent=2)
+    failed = any(r.errors for r in out["rows"]) or (overhead is not None and overhead["errors"])
+    return 1 if failed else 0
+
+
+def print_report(
+    model: str, rows: list[RateRow], overhead: dict[str, Any] | None, ns: argparse.Namespace
+) -> None:
+    print(
+        f"\nkvtier bench serve: {model}, {ns.num_requests} requests per rate, prompts {ns.prompt_len[0]}-"
+        f"{ns.prompt_len[1]} tokens, outputs {ns.output_len[0]}-{ns.output_len[1]} tokens (streaming)\n"
+    )
+    head = "| rate req/s | done | errors | tok/s | TTFT p50 | TTFT p90 | TTFT p99 "
+    head += "| ITL p50 | ITL p90 | ITL p99 |"
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    for r in rows:
+        print(
+            f"| {r.rate:10g} | {r.requests - r.errors:4d} | {r.errors:6d} | {r.tokens_per_s:5.0f} | "
+            f"{r.ttft_p50:7.2f}s | {r.ttft_p90:7.2f}s | {r.ttft_p99:7.2f}s | "
+            f"{r.itl_p50 * 1000:5.0f}ms | {r.itl_p90 * 1000:5.0f}ms | {r.itl_p99 * 1000:5.0f}ms |"
+        )
+    print(f"\np90 TTFT crosses {ns.ttft_slo:g} s at {crossing_rate(rows, ns.ttft_slo)}")
+    if overhead is not None:
+        ratio = overhead["ratio"]
+        met = "met" if ratio >= 0.9 else "NOT met"
+        server, offline = overhead["server_tokens_per_s"], overhead["offline_tokens_per_s"]
+        print(
+            f"server overhead ({ns.overhead_requests} requests at once): server {server:.0f} tok/s vs "
+            f"offline LLM.generate {offline:.0f} tok/s = {ratio:.2f}x (target >= 0.90: {met})"
+        )

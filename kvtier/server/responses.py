@@ -1,0 +1,210 @@
+"""OpenAI response bodies and SSE chunks built from ``RequestOutput``s (chat and text completions).
+
+A streamed response is, per choice: (chat only) a ``role`` chunk, content chunks as text arrives, a chunk
+with the ``finish_reason`` and an empty delta; then, with ``stream_options.include_usage``, one chunk
+with ``choices: []`` and the ``usage``; then ``data: [DONE]``. ``usage`` carries OpenAI's
+``prompt_tokens_details.cached_tokens`` and kvtier's ``kvtier.cached_tokens_by_tier``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.sequence import TokenLogprobs
+from kvtier.server.metrics import TIERS
+from kvtier.tokenizer import Tokenizer
+
+Kind = Literal["chat", "text"]
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """Token counts over the requests of one API call (one per prompt)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
+    completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    by_tier = dict.fromkeys(TIERS, 0)
+    for o in finals:
+        for tier, n in o.cached_tokens_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + n
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "kvtier": {"cached_tokens_by_tier": by_tier},
+    }
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0  # JSON has no -Infinity
+
+
+class Formatter:
+    """Builds one API call's chunks and final body; ``n`` choices per prompt, choice index
+    ``prompt_index * n + completion.index``."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        tokenizer: Tokenizer,
+        request_id: str,
+        model: str,
+        n: int,
+        *,
+        logprobs: bool,
+        include_usage: bool = False,
+    ):
+        self.kind = kind
+        self.tokenizer = tokenizer
+        self.request_id = request_id
+        self.model = model
+        self.n = n
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._sent_logprobs: dict[int, int] = {}  # choice -> logprob entries already sent
+        self._text_offset: dict[int, int] = {}  # choice -> characters already sent (text logprobs)
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------------------ logprobs
+    def _text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                token = self._text(e.token_id)
+                top = sorted(e.top.items(), key=lambda kv: -kv[1])
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": _finite(e.logprob),
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self._text(t),
+                                "logprob": _finite(v),
+                                "bytes": list(self._text(t).encode()),
+                            }
+                            for t, v in top
+                        ],
+                    }
+                )
+            return {"content": content}
+        tokens, offsets = [], []
+        offset = self._text_offset.get(index, 0)
+        for e in entries:
+            tokens.append(self._text(e.token_id))
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        self._text_offset[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_finite(e.logprob) for e in entries],
+            "top_logprobs": [{self._text(t): _finite(v) for t, v in e.top.items()} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _new_logprobs(self, index: int, completion: CompletionOutput) -> list[TokenLogprobs]:
+        entries = completion.logprobs or []
+        sent = self._sent_logprobs.get(index, 0)
+        self._sent_logprobs[index] = len(entries)
+        return entries[sent:]
+
+    # ------------------------------------------------------------------------------- streaming
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def _delta_choice(self, index: int, text: str | None, lp: Any, finish: str | None) -> dict[str, Any]:
+        if self.kind == "chat":
+            delta = {} if text is None else {"content": text}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
+    ) -> AsyncIterator[str]:
+        """SSE chunks for ``(prompt_index, output)`` pairs, ending with usage (if asked) and [DONE]."""
+        if self.kind == "chat":
+            for i in range(num_prompts * self.n):
+                delta = {"role": "assistant", "content": ""}
+                yield self._chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+        finals: dict[int, RequestOutput] = {}
+        done: set[int] = set()
+        async for prompt_index, out in outputs:
+            for c in out.outputs:
+                index = prompt_index * self.n + c.index
+                if index in done:
+                    continue
+                new = self._new_logprobs(index, c) if self.logprobs else []
+                if c.text_delta or new:
+                    lp = self._logprobs(index, new)
+                    yield self._chunk([self._delta_choice(index, c.text_delta, lp, None)])
+                if c.finish_reason is not None:
+                    done.add(index)
+                    yield self._chunk([self._delta_choice(index, None, None, c.finish_reason)])
+            if out.finished:
+                finals[prompt_index] = out
+        if self.include_usage:
+            body = {
+                "id": self.request_id,
+                "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage([finals[i] for i in sorted(finals)]),
+            }
+            yield sse(body)
+        yield DONE
+
+    # --------------------------------------------------------------------------- non-streaming
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for prompt_index, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                index = prompt_index * self.n + c.index
+                lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None
+                if self.kind == "chat":
+                    message = {"role": "assistant", "content": c.text}
+                    choices.append(
+                        {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+                    )
+                else:
+                    choices.append(
+                        {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+                    )
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(finals),
+            "system_fingerprint": None,
+        }

@@ -1,0 +1,321 @@
+"""``kvtier serve`` end to end on the real default model: the official ``openai`` client and raw HTTP
+against a server on a loopback port (uvicorn on a thread of this process, the model loaded once)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import LLM, SamplingParams
+from kvtier.server.app import ServerSettings, create_app
+from kvtier.server.serve import BackgroundServer, serve_in_thread
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+# One torch thread: this machine's two cores are shared by the engine, the event loop and the test client.
+ENGINE = dict(kv_device_blocks=256, max_num_seqs=16, num_threads=1)
+LONG_SYSTEM = " ".join(
+    f"Rule {i}: answer briefly, cite the cache tier, and never repeat the question." for i in range(12)
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    threads = torch.get_num_threads()
+    srv = serve_in_thread(create_app(lambda: LLM(**ENGINE).engine, ServerSettings(model_name=MODEL)))
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference(server: BackgroundServer) -> LLM:
+    return LLM(**ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def scrape(server: BackgroundServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def engine_idle_check(server: BackgroundServer) -> tuple[float, bool]:
+    """Block-pool integrity (raises), device usage and whether requests remain, read on the engine thread."""
+
+    def check(engine) -> tuple[float, bool]:  # noqa: ANN001
+        engine.kv.check_integrity()
+        return engine.kv.usage(), engine.has_unfinished_requests()
+
+    return server.app.state.engine.call_sync(check)
+
+
+def test_health_models_metrics(server: BackgroundServer, client: OpenAI) -> None:
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.model_extra["max_model_len"] == 4096
+    assert ("kvtier:num_requests_running", ()) in scrape(server)
+
+
+def test_chat_greedy_equals_offline_generate(client: OpenAI, reference: LLM) -> None:
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    ref = reference.chat(messages, SamplingParams(temperature=0.0, max_tokens=12))[0]
+    assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ref.outputs[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_greedy_equals_offline_generate(client: OpenAI, reference: LLM) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    ref = reference.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10))
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=10, temperature=0)
+    assert r.object == "text_completion" and [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in ref]
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in ref)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref[0].outputs[0].text
+    ids = reference.tokenizer.encode(prompts[1])
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    assert r.choices[0].text == ref[1].outputs[0].text
+
+
+def test_raw_sse_stream(server: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+
+
+def test_n_and_seed_reproducible(client: OpenAI) -> None:
+    kw = dict(model=MODEL, max_tokens=8, temperature=1.0, n=3, seed=1234)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    a = client.chat.completions.create(messages=messages, **kw)
+    b = client.chat.completions.create(messages=messages, **kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert 3 <= a.usage.completion_tokens <= 3 * 8
+    texts = ["", "", ""]
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in a.choices]
+    other = client.chat.completions.create(messages=messages, **{**kw, "seed": 99})
+    assert [c.message.content for c in other.choices] != [c.message.content for c in a.choices]
+
+
+def test_stop_strings(client: OpenAI) -> None:
+    prompt = "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+    words = base.split()
+    assert len(words) >= 3, base
+    stop = words[2]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert r.choices[0].text == base[: base.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == base[: base.index(stop)]
+
+
+def test_logprobs(client: OpenAI) -> None:
+    messages = [{"role": "user", "content": "Say yes."}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-5)
+    r = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=5, temperature=0, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0
+
+
+def test_shared_prefix_reports_cached_tokens_and_salt_isolates(
+    server: BackgroundServer, client: OpenAI
+) -> None:
+    before = scrape(server)
+
+    def ask(question: str, **extra) -> object:  # noqa: ANN003
+        messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]
+        return client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, temperature=0, extra_body=extra or None
+        ).usage
+
+    ask("What is a cache?")
+    second = ask("What is a tier?")
+    assert second.prompt_tokens > 150
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached >= 128, second
+    by_tier = second.model_extra["kvtier"]["cached_tokens_by_tier"]
+    assert set(by_tier) >= {"device", "host", "disk"} and sum(by_tier.values()) == cached
+    assert ask("What is a tier?", cache_salt="tenant-b").prompt_tokens_details.cached_tokens == 0
+    after = scrape(server)
+    key = ("kvtier:prefix_cache_hits_total", ())
+    assert after[key] - before[key] >= cached
+    assert after[("kvtier:tier_hit_tokens_total", (("tier", "device"),))] >= cached
+
+
+def test_metrics_move_with_traffic(server: BackgroundServer, client: OpenAI) -> None:
+    before = scrape(server)
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Counting: one two three",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = scrape(server)
+
+    def delta(name: str, labels: tuple = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert delta("kvtier:prompt_tokens_total") == r.usage.prompt_tokens
+    assert delta("kvtier:generation_tokens_total") == 6
+    assert delta("kvtier:prefix_cache_queries_total") >= r.usage.prompt_tokens - 1
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        assert delta(f"kvtier:{hist}_seconds_count") == 1
+        assert delta(f"kvtier:{hist}_seconds_sum") > 0 or hist == "request_queue_time"
+    assert delta("kvtier:inter_token_latency_seconds_count") == 5
+    assert delta("kvtier:request_success_total", (("finished_reason", "length"),)) == 1
+    assert after[("kvtier:num_requests_running", ())] == 0
+    for tier in ("device", "host", "disk"):
+        assert ("kvtier:tier_usage_perc", (("tier", tier),)) in after
+        assert ("kvtier:tier_bytes_loaded_total", (("tier", tier),)) in after
+    assert after[("kvtier:tier_capacity_blocks", (("tier", "device"),))] == 256
+
+
+def test_bad_requests_are_400_and_do_not_disturb_others(server: BackgroundServer) -> None:
+    url = server.url + "/v1/completions"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as stream:
+        too_long = httpx.post(url, json={"model": MODEL, "prompt": [300] * 5000, "max_tokens": 4})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        out_of_vocab = httpx.post(url, json={"model": MODEL, "prompt": [10**9], "max_tokens": 4})
+        assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "prompt"
+        empty = httpx.post(url, json={"model": MODEL, "prompt": "", "max_tokens": 4})
+        assert empty.status_code == 400
+        lines = [line for line in stream.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    assert engine_idle_check(server) == (0.0, False)
+
+
+def _wait_until_idle(server: BackgroundServer, limit: float) -> float:
+    t0 = time.monotonic()
+    while scrape(server)[("kvtier:num_requests_running", ())] != 0:
+        assert time.monotonic() - t0 < limit, "the request is still running"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_client_disconnect_aborts_the_request(server: BackgroundServer) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Write a very long essay about memory hierarchies.",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # keep a reference: a closed line iterator closes the connection
+        got = 0
+        for line in lines:
+            got += line.startswith("data: {")
+            if got >= 3:
+                break
+        running = scrape(server)
+        assert running[("kvtier:num_requests_running", ())] == 1
+        assert running[("kvtier:kv_cache_usage_perc", ())] > 0
+    assert _wait_until_idle(server, 1.0) < 1.0
+    assert engine_idle_check(server) == (0.0, False)
+    aborted = scrape(server)[("kvtier:request_success_total", (("finished_reason", "abort"),))]
+    assert aborted >= 1
+
+    # A non-streaming request whose client gives up is aborted too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=1.0)
+    assert _wait_until_idle(server, 1.5) < 1.5
+    assert engine_idle_check(server) == (0.0, False)
+
+
+def test_host_tier_hits_show_in_usage_and_metrics() -> None:
+    """A small device pool over a host tier: a prefix evicted from the device comes back from host memory,
+    and the usage and the per-tier series say so."""
+    engine = dict(kv_device_blocks=24, kv_host_gb=0.05, max_num_seqs=4, num_threads=1)
+    srv = serve_in_thread(create_app(lambda: LLM(**engine).engine, ServerSettings(model_name=MODEL)))
+    try:
+        srv.wait_ready()
+        doc = " ".join(f"Fact {i}: blocks move between tiers." for i in range(25))
+
+        def ask(prompt: str) -> dict:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+
+        ask(doc + " Q1")
+        assert ask(doc + " Q2")["kvtier"]["cached_tokens_by_tier"]["device"] >= 240
+        before = scrape(srv)
+        for i in range(3):  # other documents push the first one out of the 24 device blocks
+            ask(" ".join(f"Other {i} {j} words to evict." for j in range(25)))
+        usage = ask(doc + " Q3")
+        from_host = usage["kvtier"]["cached_tokens_by_tier"]["host"]
+        assert from_host >= 240 and usage["prompt_tokens_details"]["cached_tokens"] >= from_host
+        after = scrape(srv)
+        host = (("tier", "host"),)
+        assert (
+            after[("kvtier:tier_hit_tokens_total", host)] - before[("kvtier:tier_hit_tokens_total", host)]
+            >= 240
+        )
+        for name in ("tier_bytes_loaded_total", "tier_bytes_stored_total", "tier_blocks_evicted_total"):
+            tier = host if "evicted" not in name else (("tier", "device"),)
+            assert after[(f"kvtier:{name}", tier)] > before[(f"kvtier:{name}", tier)], name
+        assert after[("kvtier:tier_usage_perc", host)] > 0
+        assert engine_idle_check(srv) == (0.0, False)
+    finally:
+        srv.stop()
