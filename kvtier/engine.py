@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Mapping
@@ -67,21 +68,15 @@ def build_tiers(
 
 
 def _tier_snapshot(tier: KVTier, block_size: int) -> TierSnapshot:
+    """A lower tier's counters (the ``TierStats`` fields ``TierSnapshot`` shares) and occupancy."""
     st = tier.stats
+    counters = {f.name: getattr(st, f.name) for f in dataclasses.fields(TierSnapshot) if hasattr(st, f.name)}
     return TierSnapshot(
         tier=tier.medium.value,
         capacity_blocks=tier.capacity_blocks,
         used_blocks=tier.num_used_blocks,
-        lookups=st.lookups,
-        hit_blocks=st.hit_blocks,
         hit_tokens=st.hit_blocks * block_size,
-        blocks_loaded=st.blocks_loaded,
-        bytes_loaded=st.bytes_loaded,
-        load_seconds=st.load_seconds,
-        blocks_stored=st.blocks_stored,
-        bytes_stored=st.bytes_stored,
-        store_seconds=st.store_seconds,
-        blocks_evicted=st.blocks_evicted,
+        **counters,
     )
 
 
