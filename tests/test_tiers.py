@@ -18,6 +18,7 @@ from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import TierCoordinator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.plan import SwapPlan
 from kvtier.transfer.disk_io import DiskIOWorker
 from kvtier.transfer.mover import TierMover, coalesce
 
@@ -240,3 +241,18 @@ def test_abort_of_a_swapped_out_sequence_releases_its_host_blocks() -> None:
 def test_coalesce_merges_runs_and_stops_at_chunk_boundaries() -> None:
     assert coalesce([(0, 5), (1, 6), (2, 7), (9, 1)], 100, 100) == [(0, 5, 3), (9, 1, 1)]
     assert coalesce([(3, 0), (4, 1)], 4, 100) == [(3, 0, 1), (4, 1, 1)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_mover_copies_on_its_stream_from_pinned_memory() -> None:
+    device_kv = torch.randn((8, *BLOCK_SHAPE), device="cuda")
+    mover = TierMover(device_kv, 4)
+    assert mover.host.pinned_bytes == mover.host.nbytes
+    original = device_kv[[1, 3, 5]].clone()
+    mover.execute(SwapPlan(stores=[(1, 0), (3, 1), (5, 2)]))
+    device_kv.zero_()  # on the compute stream: ordered after the stores by the plan's event
+    mover.execute(SwapPlan(loads=[(0, 6), (1, 2), (2, 7)]))
+    torch.cuda.synchronize()
+    assert torch.equal(device_kv[6], original[0])
+    assert torch.equal(device_kv[2], original[1])
+    assert torch.equal(device_kv[7], original[2])
