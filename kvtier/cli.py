@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="demonstrations (print what happens)")
     dsub = p.add_subparsers(dest="demo", required=True, parser_class=_LazyParser)
-    b = dsub.add_parser("offload", help="seed 000's offload demo: miss, device, host, then disk after a restart")
+    b = dsub.add_parser("offload", help="seed 000's offload demo: miss, device, host; disk after a restart")
     assert isinstance(b, _LazyParser)
     b.populate = _lazy_args("kvtier.demo")
 

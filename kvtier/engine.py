@@ -308,9 +308,9 @@ class LLMEngine:
             tier="device",
             capacity_blocks=pool.num_blocks,
             used_blocks=pool.num_blocks - pool.num_free_blocks,
-            lookups=kv.stats.prefix_cache_queries // self.cache_config.block_size,
-            hit_blocks=kv.stats.prefix_cache_hits // self.cache_config.block_size,
-            hit_tokens=kv.stats.prefix_cache_hits,
+            lookups=kv.stats.device_lookup_blocks,
+            hit_blocks=kv.stats.device_hit_blocks,
+            hit_tokens=kv.stats.device_hit_blocks * self.cache_config.block_size,
             blocks_evicted=kv.stats.num_evicted_blocks,
         )
         tiers = {"device": device}

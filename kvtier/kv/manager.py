@@ -59,6 +59,10 @@ class ComputedBlocks:
     # The hashes the lookup matched, so ``allocate_slots`` can tell if a block was evicted since.
     block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
     lower: LowerHit = NO_LOWER_HIT
+    # What the lookup asked, counted in the statistics only when the hit is adopted (a request held
+    # back, e.g. while its disk blocks are read, is looked up again at every step).
+    num_lookup_tokens: int = 0
+    num_lookup_blocks: int = 0  # full blocks asked of the device pool
 
     @property
     def num_device_tokens(self) -> int:
@@ -85,10 +89,12 @@ NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
 
 @dataclass
 class KVCacheStats:
-    """Counters since the manager was created. Queries and hits are counted in tokens."""
+    """Counters since the manager was created, counted when a lookup's hit is adopted."""
 
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of those, tokens served by any tier
+    device_lookup_blocks: int = 0  # full blocks asked of the device pool
+    device_hit_blocks: int = 0  # of those, device hits
     num_evicted_blocks: int = 0
 
     @property
@@ -157,7 +163,7 @@ class KVCacheManager:
         least the last token is computed and produces logits. Stops at the first miss (a later
         block cannot be valid without its parent). After the device misses, the lower tiers are
         asked for the following blocks (``ComputedBlocks.lower``); that may start disk reads.
-        Counts ``prefix_cache_queries/hits``.
+        Takes no reference and counts nothing: ``allocate_slots`` counts the hit it adopts.
         """
         if not self.enable_caching:
             return NO_COMPUTED_BLOCKS
@@ -181,9 +187,9 @@ class KVCacheManager:
             lower = self.tiers.lookup(rest[len(block_ids) :])
             block_hashes.extend(lower.host_keys)
         num_computed_tokens = (len(block_ids) + len(lower.host_keys)) * bs
-        self.stats.prefix_cache_queries += len(token_ids)
-        self.stats.prefix_cache_hits += num_computed_tokens
-        return ComputedBlocks(tuple(block_ids), num_computed_tokens, tuple(block_hashes), lower)
+        return ComputedBlocks(
+            tuple(block_ids), num_computed_tokens, tuple(block_hashes), lower, len(token_ids), max_blocks
+        )
 
     # ---------------------------------------------------------------- allocation
 
@@ -261,6 +267,8 @@ class KVCacheManager:
         # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them, and
         # hold host hits so write-back stores (evictions below) cannot push them out of the host tier.
         if seq is None:
+            if computed is not None:
+                self._count_lookup(computed)
             self.pool.touch(hit_blocks)
             if num_loads:
                 assert self.tiers is not None
@@ -291,6 +299,15 @@ class KVCacheManager:
             self.pool.free_blocks([src])  # ref_cnt was > 1: stays in use by the other sequence(s)
         seq.blocks.extend(fresh[len(cow_indices) :])
         return True
+
+    def _count_lookup(self, computed: ComputedBlocks) -> None:
+        st = self.stats
+        st.prefix_cache_queries += computed.num_lookup_tokens
+        st.prefix_cache_hits += computed.num_computed_tokens
+        st.device_lookup_blocks += computed.num_lookup_blocks
+        st.device_hit_blocks += len(computed.block_ids)
+        if self.tiers is not None and computed.num_lookup_blocks > len(computed.block_ids):
+            self.tiers.count_lookup(computed.lower, computed.num_lookup_blocks - len(computed.block_ids))
 
     def cache_blocks(
         self,

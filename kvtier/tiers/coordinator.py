@@ -120,7 +120,11 @@ class TierCoordinator:
         """Leading ``keys`` held by the host tier, then by disk (starting their promotion)."""
         if not keys:
             return NO_LOWER_HIT
-        n_host = self.host.lookup(keys)
+        n_host = 0
+        for key in keys:
+            if not self.host.contains(key):
+                break
+            n_host += 1
         host_keys = tuple(keys[:n_host])
         num_from_disk = sum(1 for k in host_keys if k in self._from_disk)
         rest = keys[n_host:]
@@ -137,8 +141,6 @@ class TierCoordinator:
                 to_read.append(key)
             else:
                 break
-        self.disk.stats.lookups += len(rest)
-        self.disk.stats.hit_blocks += num_pending
         if to_read:
             self.host.pin(host_keys)  # the reservation below must not evict this prefix's host hits
             try:
@@ -152,6 +154,16 @@ class TierCoordinator:
                     break
                 num_pending += 1
         return LowerHit(host_keys, num_from_disk, num_pending)
+
+    def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
+        """Count an adopted lookup of ``num_keys`` blocks below the device: each block is counted by
+        the first tier that was asked for it and, on a hit, by the tier that served it."""
+        n_host = len(hit.host_keys) - hit.num_from_disk
+        self.host.stats.lookups += num_keys
+        self.host.stats.hit_blocks += n_host
+        if self.disk is not None:
+            self.disk.stats.lookups += num_keys - n_host
+            self.disk.stats.hit_blocks += hit.num_from_disk
 
     def _promote(self, keys: list[BlockKey]) -> None:
         assert self.disk is not None and self.mover is not None
