@@ -185,7 +185,6 @@ class Scheduler:
             seq.disk_wait_deadline = now + self.config.disk_load_timeout_s
         return now < seq.disk_wait_deadline
 
-
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, tuple(self.kv.block_ids(seq.seq_id)))
 
