@@ -101,12 +101,12 @@ class Scheduler:
         """End a sequence now (stop, length or abort) and give its blocks back."""
         if seq.status.finished:
             return
-        if seq.status is SequenceStatus.RUNNING:
+        # Membership, not status, decides: an abort after a failed step must still free everything.
+        if seq in self.running:
             self.running.remove(seq)
-            self.kv.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-            self.kv.free(seq.seq_id)  # a swapped-out sequence holds host blocks
+        self.kv.free(seq.seq_id)  # device blocks, or the host blocks of a swapped-out sequence
         seq.status = status
         seq.stop_reason = stop_reason
 
