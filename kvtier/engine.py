@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
@@ -38,6 +39,8 @@ from kvtier.tiers.coordinator import TierCoordinator
 from kvtier.transfer.mover import TierMover
 from kvtier.worker.runner import ModelRunner, kv_block_bytes
 from kvtier.worker.sampler import Sampler, SampleRequest
+
+log = logging.getLogger("kvtier.engine")
 
 PromptType = str | list[int] | Mapping[str, Any]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +67,12 @@ def build_tiers(
     coordinator = TierCoordinator(HostTier(num_slots), disk, config.store_policy)
     mover = TierMover(device_kv, num_slots, worker)
     coordinator.mover = mover
+    log.info(
+        "host tier: %d blocks, %.2f GiB (%d bytes pinned)",
+        num_slots,
+        mover.host.nbytes / 2**30,
+        mover.host.pinned_bytes,
+    )
     return coordinator, mover
 
 
