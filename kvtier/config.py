@@ -13,6 +13,7 @@ Nothing here imports torch, so the scheduler side and its tests stay torch-free.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -120,6 +121,10 @@ class EngineArgs:
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_device_blocks is not None and self.kv_device_blocks < 2:
             raise ConfigError(f"kv_device_blocks must be at least 2, got {self.kv_device_blocks}")
+        for name in ("kv_device_gb", "kv_host_gb", "kv_disk_gb"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value}")
         if self.kv_device_gb is not None and self.kv_device_gb <= 0:
             raise ConfigError(f"kv_device_gb must be positive, got {self.kv_device_gb}")
         if self.max_num_seqs < 1:

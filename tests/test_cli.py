@@ -125,6 +125,12 @@ BAD_ENGINE = [
     (["--max-model-len", "0"], "max_model_len"),
     (["--dtype", "float64"], "--dtype"),
     (["--bogus-flag"], "unrecognized"),
+    (["--kv-host-gb", "-1"], "kv_host_gb"),
+    (["--kv-host-gb", "nan"], "kv_host_gb"),
+    (["--kv-disk-gb", "inf", "--kv-host-gb", "1"], "kv_disk_gb"),
+    (["--kv-disk-dir", "/tmp/kvtier-unused"], "kv_host_gb > 0"),
+    (["--kv-store-policy", "sometimes"], "--kv-store-policy"),
+    (["--preemption-mode", "later"], "--preemption-mode"),
 ]
 
 
