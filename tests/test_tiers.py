@@ -66,7 +66,7 @@ class Rig:
         for block_id in self.kv.block_ids(seq_id)[n // BS :]:
             self.device_kv[block_id] = self.random_block()
         self.kv.cache_blocks(seq_id, tokens, len(tokens), KEYS)
-        return computed.tokens_by_tier()
+        return computed.tokens_by_tier(BS)
 
     def random_block(self) -> torch.Tensor:
         return torch.randn(BLOCK_SHAPE, generator=self.gen).to(self.device_kv.dtype)

@@ -64,18 +64,9 @@ class ComputedBlocks:
     num_lookup_tokens: int = 0
     num_lookup_blocks: int = 0  # full blocks asked of the device pool
 
-    @property
-    def num_device_tokens(self) -> int:
-        return self.num_computed_tokens - len(self.lower.host_keys) * self._block_size
-
-    @property
-    def _block_size(self) -> int:
-        n = len(self.block_ids) + len(self.lower.host_keys)
-        return self.num_computed_tokens // n if n else 0
-
-    def tokens_by_tier(self) -> dict[str, int]:
+    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
         """Prompt tokens this hit serves, by the tier they come from."""
-        bs = self._block_size
+        bs = block_size
         n_disk = self.lower.num_from_disk
         return {
             "device": len(self.block_ids) * bs,

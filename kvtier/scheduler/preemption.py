@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-PreemptionMode = Literal["auto", "swap", "recompute"]
+from kvtier.config import PreemptionMode
 
 
 @dataclass

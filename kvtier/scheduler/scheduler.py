@@ -165,7 +165,7 @@ class Scheduler:
                 seq.num_computed_tokens = computed.num_computed_tokens
                 if seq.num_cached_tokens is None:
                     seq.num_cached_tokens = computed.num_computed_tokens
-                    seq.cached_tokens_by_tier = computed.tokens_by_tier()
+                    seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -25,15 +25,15 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-from kvtier.tiers.base import BlockKey, Medium
+from kvtier.config import StorePolicy
+from kvtier.tiers.base import BlockKey
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.plan import SwapPlan
 
 log = logging.getLogger("kvtier.tiers")
-
-StorePolicy = Literal["write_back", "write_through"]
 
 
 class IOResultLike(Protocol):
@@ -54,20 +54,6 @@ class BlockMover(Protocol):
     def poll_io(self) -> Sequence[IOResultLike]: ...
     def wait_io(self, timeout: float) -> Sequence[IOResultLike]: ...
     def drain_io(self, timeout: float) -> Sequence[IOResultLike]: ...
-
-
-class DiskTierLike(Protocol):
-    medium: Medium
-    disabled: bool
-
-    def contains(self, key: BlockKey) -> bool: ...
-    def lookup(self, keys: Sequence[BlockKey]) -> int: ...
-    def prepare_load(self, keys: Sequence[BlockKey]): ...  # -> LoadSpec
-    def complete_load(self, keys: Sequence[BlockKey]) -> None: ...
-    def prepare_store(self, keys: Sequence[BlockKey]): ...  # -> StoreSpec
-    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None: ...
-    def invalidate(self, key: BlockKey, reason: str) -> None: ...
-    def disable(self, reason: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +78,7 @@ class SwappedOut:
 
 
 class TierCoordinator:
-    def __init__(self, host: HostTier, disk: DiskTierLike | None = None, policy: StorePolicy = "write_back"):
+    def __init__(self, host: HostTier, disk: DiskTier | None = None, policy: StorePolicy = "write_back"):
         if policy not in ("write_back", "write_through"):
             raise ValueError(f"kv_store_policy must be write_back or write_through, got {policy!r}")
         self.host = host

@@ -17,6 +17,7 @@ loads are in place. On CPU they are ordinary memcpys, timed for the statistics a
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +35,7 @@ class HostBuffer:
     """``num_slots`` blocks of host memory in chunks; slot ``s`` is ``block(s)``."""
 
     def __init__(self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype, pin: bool) -> None:
-        block_bytes = torch.empty((), dtype=dtype).element_size()
-        for d in block_shape:
-            block_bytes *= d
+        self.block_bytes = block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
         self.slots_per_chunk = max(1, CHUNK_BYTES // block_bytes)
         self.num_slots = num_slots
         self.chunks: list[torch.Tensor] = []
@@ -93,7 +92,7 @@ class TierMover:
         self.device_kv = device_kv  # [num_blocks, *block_shape]
         self.cuda = device_kv.device.type == "cuda"
         self.host = HostBuffer(num_host_slots, device_kv.shape[1:], device_kv.dtype, pin=self.cuda)
-        self.block_bytes = device_kv[0].numel() * device_kv.element_size()
+        self.block_bytes = self.host.block_bytes
         self.worker = disk_worker
         self._stream = torch.cuda.Stream() if self.cuda else None
 
