@@ -1,29 +1,44 @@
-"""Frozen configuration records.
+"""Frozen configuration records, and how user arguments resolve into them.
 
 Each record is owned by one layer of the engine:
 
 * ``ModelConfig``     — the architecture, read from a model's files by ``kvtier.models.loader``.
 * ``CacheConfig``     — the device block pool (block size, how many blocks, prefix caching).
 * ``SchedulerConfig`` — continuous batching limits (token budget, sequences per step, model length).
-* ``EngineArgs``      — what a user passes to ``LLM(...)`` or the CLI; resolved into the three above.
+* ``TierConfig``      — the tiers under the device pool (host memory, disk) and their sizes.
+* ``EngineArgs``      — what a user passes to ``LLM(...)`` or the CLI.
 
-Nothing here imports torch, so the scheduler side and its tests stay torch-free.
+``resolve_engine_config(args, model)`` turns ``EngineArgs`` and a ``ModelConfig`` into an
+``EngineConfig`` holding the other records: pool sizes in blocks, the capped ``max_model_len``. It is
+the single source of truth the engine builds from. Nothing here imports torch, so the scheduler side
+and its tests stay torch-free.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 StorePolicy = Literal["write_back", "write_through"]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_KV_DEVICE_GB = 1.0
 
 
 class ConfigError(ValueError):
     """A user-facing configuration or input error (printed as one line by the CLI, a 400 by the API)."""
+
+
+def check_choice(name: str, value: object, choices: Any) -> None:
+    """Raise ``ConfigError`` unless ``value`` is one of a ``Literal`` type's values (or a sequence)."""
+    allowed = typing.get_args(choices) or tuple(choices)
+    if value not in allowed:
+        listed = ", ".join(str(c) for c in allowed[:-1]) + f" or {allowed[-1]}"
+        raise ConfigError(f"{name} must be {listed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,11 +81,17 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer, in ``dtype``."""
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    num_device_blocks: int = 0  # resolved by the engine from kv_device_blocks / kv_device_gb
+    num_device_blocks: int = 0
     enable_prefix_caching: bool = True
+    block_bytes: int = 0  # bytes of one block in the device pool (and in every tier)
 
 
 @dataclass(frozen=True)
@@ -79,18 +100,73 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "auto"
-    # How long a request whose prefix continues on disk waits for the reads before computing it.
+    # How long a request whose prefix continues below the host tier waits for the reads.
     disk_load_timeout_s: float = 1.0
 
 
 @dataclass(frozen=True)
 class TierConfig:
-    """The tiers under the device pool: host memory (``host_gb`` 0 disables it) and disk."""
+    """The tiers under the device pool: host memory (``num_host_blocks`` 0: none) and disk."""
 
-    host_gb: float = 0.0
+    num_host_blocks: int = 0
     disk_dir: str | None = None
-    disk_gb: float = 10.0
+    disk_bytes: int = 0
     store_policy: StorePolicy = "write_back"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``EngineArgs`` resolved against a model: what the engine builds, and nothing else."""
+
+    model: ModelConfig
+    dtype: str  # the compute and KV dtype: "float32", "bfloat16" or "float16"
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    tiers: TierConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.max_model_len
+
+
+def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
+    """Size the device pool and the tiers in blocks and cap ``max_model_len`` by the pool.
+
+    Pure arithmetic (no torch, no allocation): raises ``ConfigError`` for a pool or tier too small
+    to hold a block, or a ``max_model_len`` the pool cannot hold."""
+    args.validate()
+    dtype = model.native_dtype if args.dtype == "auto" else args.dtype
+    bs = args.block_size
+    block_bytes = kv_block_bytes(model, bs, dtype)
+    if args.kv_device_blocks is not None:
+        num_blocks = args.kv_device_blocks
+    else:
+        num_blocks = int((args.kv_device_gb or DEFAULT_KV_DEVICE_GB) * 2**30 // block_bytes)
+        if num_blocks < 2:
+            raise ConfigError(
+                f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B"
+            )
+    capacity = num_blocks * bs
+    if args.max_model_len is not None and args.max_model_len > capacity:
+        raise ConfigError(
+            f"max_model_len={args.max_model_len} needs more KV than the device pool holds "
+            f"({num_blocks} blocks x {bs} = {capacity} tokens); raise kv_device_blocks/gb"
+        )
+    max_model_len = min(args.max_model_len or model.max_position_embeddings, capacity)
+    num_host_blocks = int(args.kv_host_gb * 2**30 // block_bytes)
+    if args.kv_host_gb > 0 and num_host_blocks < 1:
+        raise ConfigError(f"kv_host_gb={args.kv_host_gb} holds no block of {block_bytes} B")
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        cache=CacheConfig(bs, num_blocks, args.enable_prefix_caching, block_bytes),
+        scheduler=SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.preemption_mode
+        ),
+        tiers=TierConfig(
+            num_host_blocks, args.kv_disk_dir, int(args.kv_disk_gb * 2**30), args.kv_store_policy
+        ),
+    )
 
 
 @dataclass

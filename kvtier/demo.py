@@ -144,7 +144,7 @@ def run_demo(ns: argparse.Namespace, disk_dir: str) -> list[Served]:
     served: list[Served] = []
     llm = LLM(ns.model, **kwargs)
     try:
-        bs = llm.engine.cache_config.block_size
+        bs = llm.engine.config.cache.block_size
         host = llm.engine.stats().tiers["host"].capacity_blocks
         print(
             f"kvtier demo offload — device pool {ns.kv_device_blocks} blocks ({ns.kv_device_blocks * bs} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.sequence import TokenLogprobs
+from kvtier.stats import Medium
 
 
 @dataclass
@@ -31,7 +32,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
-    # The same tokens by the tier they came from: {"device": ..., "host": ..., "disk": ...}.
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # The same tokens by the tier they came from: {Medium.DEVICE: ..., Medium.HOST: ..., ...}.
+    cached_tokens_by_tier: dict[Medium, int] = field(default_factory=dict)
     # Monotonic seconds: arrival_time, first_scheduled_time, first_token_time, finished_time.
     metrics: dict[str, float] = field(default_factory=dict)

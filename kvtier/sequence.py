@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtier.sampling_params import SamplingParams
+from kvtier.stats import Medium
 
 
 class SequenceStatus(enum.Enum):
@@ -63,8 +64,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
-    # The same tokens by tier ("device", "host", "disk"); set with num_cached_tokens.
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # The same tokens by the tier that served them; set with num_cached_tokens.
+    cached_tokens_by_tier: dict[Medium, int] = field(default_factory=dict)
     num_preemptions: int = 0
     disk_wait_deadline: float | None = None  # set while its prefix is being read from disk
     stop_reason: int | str | None = None
@@ -84,11 +85,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        """More than one token still to compute (the prompt, or everything after a recompute preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
 
     @property
     def forks_on_prompt_done(self) -> bool:

@@ -1,32 +1,87 @@
-"""Engine statistics: one snapshot type the server's metrics, the CLI and benchmarks all read.
+"""Engine statistics: the counters each tier keeps, and the snapshot everyone else reads.
 
-``LLMEngine.stats()`` returns an :class:`EngineStats`. Counters are cumulative since the engine
-started (Prometheus counters are built from them by differencing); gauges are current values.
-Torch-free plain data.
+Who writes what (one owner per counter record)::
+
+    Medium.DEVICE   KVCacheManager          lookups, hits and evictions of the device pool
+    Medium.HOST     HostTier + TierMover    occupancy, lookups, hits; the mover records the
+                                            device↔host copies it ran (blocks, bytes, seconds)
+    Medium.DISK     DiskTier                everything, as its reads and writes complete
+    (a tier added later owns its own record the same way)
+
+``LLMEngine.stats()`` only snapshots: each tier turns its live :class:`TierCounters` into a frozen-in-time
+:class:`TierSnapshot`, keyed by :class:`Medium` in :class:`EngineStats`. The server's metrics, the CLI
+and the benchmarks read snapshots, never live counters. Counters are cumulative since the engine
+started (Prometheus counters are built from them directly); gauges are current values. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
-class TierSnapshot:
-    """One tier (``tier`` is "device", "host" or "disk"). Lookups and hits count blocks."""
+class Medium(enum.StrEnum):
+    """Where a block's bytes live, fastest first. A ``StrEnum``: ``Medium.HOST == "host"``, so
+    JSON, metric labels and ``stats.tiers["host"]`` all read naturally."""
 
-    tier: str
-    capacity_blocks: int
-    used_blocks: int
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
+
+
+@dataclass(kw_only=True)
+class TierCounters:
+    """Cumulative counters of one tier. Lookups and hits count blocks."""
+
     lookups: int = 0
     hit_blocks: int = 0
-    hit_tokens: int = 0
-    blocks_loaded: int = 0
+    blocks_loaded: int = 0  # blocks read out of this tier (towards the device)
     bytes_loaded: int = 0
     load_seconds: float = 0.0
-    blocks_stored: int = 0
+    blocks_stored: int = 0  # blocks written into this tier
     bytes_stored: int = 0
     store_seconds: float = 0.0
     blocks_evicted: int = 0
+    load_failures: int = 0  # a held block that could not be read back (corrupt, I/O error): a miss
+
+    def record_loads(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.blocks_loaded += num_blocks
+        self.bytes_loaded += num_bytes
+        self.load_seconds += seconds
+
+    def record_stores(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.blocks_stored += num_blocks
+        self.bytes_stored += num_bytes
+        self.store_seconds += seconds
+
+
+@dataclass(kw_only=True)
+class TierSnapshot(TierCounters):
+    """One tier at one moment: a copy of its counters plus its occupancy."""
+
+    medium: Medium
+    capacity_blocks: int
+    used_blocks: int
+    block_size: int = 0  # tokens per block, to express hits in tokens
+
+    @classmethod
+    def of(
+        cls, medium: Medium, counters: TierCounters, capacity_blocks: int, used_blocks: int, block_size: int
+    ) -> TierSnapshot:
+        copied = {f.name: getattr(counters, f.name) for f in dataclasses.fields(TierCounters)}
+        return cls(
+            medium=medium,
+            capacity_blocks=capacity_blocks,
+            used_blocks=used_blocks,
+            block_size=block_size,
+            **copied,
+        )
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_blocks * self.block_size
 
     @property
     def usage(self) -> float:
@@ -36,11 +91,11 @@ class TierSnapshot:
 @dataclass(frozen=True)
 class EngineStats:
     num_requests_running: int  # sequences in the running batch
-    num_requests_waiting: int  # sequences queued (new, preempted or waiting for a disk load)
+    num_requests_waiting: int  # sequences queued (new, preempted or waiting for a lower-tier load)
     kv_cache_usage: float  # fraction of device blocks referenced by running sequences, in [0, 1]
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (all tiers)
     prefix_cache_hits: int  # of those, tokens served from some tier instead of computed
     num_preemptions: dict[str, int]  # by mode: {"swap": ..., "recompute": ...}
     prompt_tokens: int  # prompt tokens of admitted requests
     generation_tokens: int  # tokens sampled
-    tiers: dict[str, TierSnapshot] = field(default_factory=dict)  # "device", "host", "disk"
+    tiers: dict[Medium, TierSnapshot] = field(default_factory=dict)  # the tiers the engine has

@@ -21,16 +21,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.tiers import disk as disk_module
 from kvtier.tiers.base import BlockKey, TierIdentity
-from kvtier.tiers.disk import (
+from kvtier.tiers.block_format import (
     HEADER_NBYTES,
-    CorruptBlockFile,
-    DiskTier,
+    CorruptBlock,
     decode_header,
     encode_header,
+    read_block_file,
+    write_block_file,
 )
-from kvtier.transfer import disk_io
-from kvtier.transfer.disk_io import DiskIOWorker, IOResult, read_block_file, write_block_file
+from kvtier.tiers.disk import DiskBlockIO, DiskTier
+from kvtier.transfer.io_worker import BlockIOWorker, IOResult
+from kvtier.transfer.mover import byte_view
 
 SHAPE = (2, 4, 2, 1, 8)  # [num_layers, block_size, 2, num_kv_heads, head_dim]
 REAL_SHAPE = (30, 16, 2, 3, 64)  # SmolLM2-135M, block size 16: 737,280 bytes in fp32
@@ -62,27 +65,38 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def disk_worker(identity: TierIdentity = IDENT) -> BlockIOWorker:
+    """The disk tier's background I/O: the generic worker running the disk's own reads and writes."""
+    return BlockIOWorker(DiskBlockIO(identity))
+
+
+def read_block(path: str, key: BlockKey, identity: TierIdentity = IDENT) -> torch.Tensor:
+    out = torch.empty(identity.block_shape, dtype=getattr(torch, identity.dtype))
+    read_block_file(path, key, identity, byte_view(out))
+    return out
+
+
 def make_tier(directory: Path, num_blocks: int = 8, identity: TierIdentity = IDENT) -> DiskTier:
     return DiskTier(directory, num_blocks * (HEADER_NBYTES + identity.block_bytes), identity)
 
 
-def store(tier: DiskTier, worker: DiskIOWorker, names: str, seed: int = 0) -> tuple[BlockKey, ...]:
+def store(tier: DiskTier, worker: BlockIOWorker, names: str, seed: int = 0) -> tuple[BlockKey, ...]:
     """What the coordinator does: prepare, write on the worker, publish. Returns the evicted keys."""
     spec = tier.prepare_store([K(n) for n in names])
     for i, (key, path) in enumerate(zip(spec.keys, spec.addresses, strict=True)):
-        worker.submit_store(key, path, block(tier.identity, seed + i))
+        worker.submit_store(key, path, byte_view(block(tier.identity, seed + i)))
     for result in worker.drain(timeout=30):
         assert result.ok, result.error
         tier.complete_store([result.key], ok=True)
     return spec.evicted
 
 
-def load(tier: DiskTier, worker: DiskIOWorker, names: str) -> list[IOResult]:
+def load(tier: DiskTier, worker: BlockIOWorker, names: str) -> list[IOResult]:
     """What the coordinator does: pin, read on the worker, invalidate what failed, then unpin."""
     keys = [K(n) for n in names]
     spec = tier.prepare_load(keys)
     for key, path in zip(spec.keys, spec.addresses, strict=True):
-        worker.submit_load(key, path, torch.empty(tier.identity.block_shape, dtype=torch.float32))
+        worker.submit_load(key, path, byte_view(torch.empty(tier.identity.block_shape, dtype=torch.float32)))
     results = worker.drain(timeout=30)
     for result in results:
         if not result.ok:
@@ -104,7 +118,7 @@ def disk_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 @pytest.fixture
 def worker():
-    w = DiskIOWorker(IDENT)
+    w = disk_worker(IDENT)
     yield w
     w.close(timeout=10)
 
@@ -117,15 +131,15 @@ def worker():
 )
 def test_round_trip_is_byte_identical(tmp_path: Path, identity: TierIdentity) -> None:
     tier = make_tier(tmp_path, identity=identity)
-    worker = DiskIOWorker(identity)
+    worker = disk_worker(identity)
     data = block(identity, seed=7)
     spec = tier.prepare_store([K("A")])
-    worker.submit_store(K("A"), spec.addresses[0], data.clone())
+    worker.submit_store(K("A"), spec.addresses[0], byte_view(data.clone()))
     (stored,) = worker.drain(timeout=30)
     assert stored.ok and stored.kind == "store" and stored.nbytes == identity.block_bytes
     tier.complete_store(spec.keys)
     host = torch.zeros((3, *identity.block_shape), dtype=data.dtype)  # the host tier's buffer
-    worker.submit_load(K("A"), tier.prepare_load([K("A")]).addresses[0], host[1])
+    worker.submit_load(K("A"), tier.prepare_load([K("A")]).addresses[0], byte_view(host[1]))
     (loaded,) = worker.drain(timeout=30)
     tier.complete_load([K("A")])
     assert loaded.ok and loaded.kind == "load" and loaded.error is None
@@ -143,21 +157,21 @@ def test_header_round_trip_and_long_fingerprint() -> None:
     assert header.key == K("A") and header.dtype == "bfloat16" and header.block_shape == SHAPE
     assert header.payload_nbytes == identity.block_bytes and header.payload_crc32 == 1234
     assert header.model_fingerprint.startswith("sha256:")  # too long for the field: stored hashed
-    with pytest.raises(CorruptBlockFile):
+    with pytest.raises(CorruptBlock):
         decode_header(raw[:100])
 
 
-def test_persistence_across_restart(tmp_path: Path, worker: DiskIOWorker) -> None:
+def test_persistence_across_restart(tmp_path: Path, worker: BlockIOWorker) -> None:
     first = make_tier(tmp_path)
     store(first, worker, "ABC", seed=10)
     second = make_tier(tmp_path)  # a restarted engine, same model
     assert second.lookup([K("A"), K("B"), K("C"), K("D")]) == 3
     assert [r.ok for r in load(second, worker, "ABC")] == [True, True, True]
-    out = read_block_file(second.path_of(K("B")), K("B"), IDENT)
+    out = read_block(second.path_of(K("B")), K("B"))
     assert same_bytes(out, block(IDENT, seed=11))
 
 
-def test_restart_orders_lru_by_mtime_and_trims_to_capacity(tmp_path: Path, worker: DiskIOWorker) -> None:
+def test_restart_orders_lru_by_mtime_and_trims_to_capacity(tmp_path: Path, worker: BlockIOWorker) -> None:
     first = make_tier(tmp_path)
     store(first, worker, "ABCDE")
     for age, name in enumerate("CAEBD"):  # C oldest ... D newest
@@ -165,7 +179,7 @@ def test_restart_orders_lru_by_mtime_and_trims_to_capacity(tmp_path: Path, worke
     second = make_tier(tmp_path, num_blocks=3)
     assert names_of(second) == "EBD"  # C and A were the oldest: removed at startup
     assert not os.path.exists(first.path_of(K("C"))) and not os.path.exists(first.path_of(K("A")))
-    assert second.stats.blocks_evicted == 0
+    assert second.counters.blocks_evicted == 0
 
 
 # ------------------------------------------------------------------------------------------ damaged files
@@ -187,7 +201,7 @@ def _flip(offset: int):
 def _foreign(identity: TierIdentity):
     def rewrite(path: str) -> None:
         os.unlink(path)
-        write_block_file(path, K("A"), identity, block(identity))
+        write_block_file(path, K("A"), identity, byte_view(block(identity)))
 
     return rewrite
 
@@ -208,7 +222,7 @@ def _foreign(identity: TierIdentity):
     ids=["truncated", "magic", "key", "padding", "fingerprint", "dtype", "block-size", "shape", "empty"],
 )
 def test_damaged_or_foreign_file_is_removed_at_startup(
-    tmp_path: Path, worker: DiskIOWorker, caplog: pytest.LogCaptureFixture, damage
+    tmp_path: Path, worker: BlockIOWorker, caplog: pytest.LogCaptureFixture, damage
 ) -> None:
     first = make_tier(tmp_path)
     store(first, worker, "AB")
@@ -225,7 +239,7 @@ def test_damaged_or_foreign_file_is_removed_at_startup(
 
 
 def test_many_bad_files_and_temp_leftovers_give_one_log_line(
-    tmp_path: Path, worker: DiskIOWorker, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, worker: BlockIOWorker, caplog: pytest.LogCaptureFixture
 ) -> None:
     first = make_tier(tmp_path)
     store(first, worker, "ABCD")
@@ -247,7 +261,7 @@ def test_many_bad_files_and_temp_leftovers_give_one_log_line(
     "damage", [_flip(HEADER_NBYTES + 5), _truncate, os.unlink], ids=["payload", "cut", "gone"]
 )
 def test_file_damaged_while_running_is_a_miss_on_load(
-    tmp_path: Path, worker: DiskIOWorker, caplog: pytest.LogCaptureFixture, damage
+    tmp_path: Path, worker: BlockIOWorker, caplog: pytest.LogCaptureFixture, damage
 ) -> None:
     tier = make_tier(tmp_path)
     store(tier, worker, "AB")
@@ -260,21 +274,21 @@ def test_file_damaged_while_running_is_a_miss_on_load(
     assert tier.lookup([K("A")]) == 0 and tier.lookup([K("B")]) == 0 and tier.num_used_blocks == 0
     assert not os.path.exists(tier.path_of(K("A"))) and not os.path.exists(tier.path_of(K("B")))
     assert len(disk_records(caplog)) == 1  # once per tier, not once per file
-    assert tier.stats.load_failures == 2 and tier.stats.blocks_loaded == 0
+    assert tier.counters.load_failures == 2 and tier.counters.blocks_loaded == 0
 
 
 def test_read_never_returns_a_damaged_payload(tmp_path: Path) -> None:
     path = str(tmp_path / "a.kvb")
-    write_block_file(path, K("A"), IDENT, block())
+    write_block_file(path, K("A"), IDENT, byte_view(block()))
     _flip(os.path.getsize(path) - 1)(path)
-    with pytest.raises(CorruptBlockFile, match="checksum"):
-        read_block_file(path, K("A"), IDENT)
-    with pytest.raises(CorruptBlockFile, match="another block"):
-        read_block_file(path, K("B"), IDENT)
+    with pytest.raises(CorruptBlock, match="checksum"):
+        read_block(path, K("A"))
+    with pytest.raises(CorruptBlock, match="another block"):
+        read_block(path, K("B"))
 
 
 # ------------------------------------------------------------------------------------------ LRU stories
-def test_capacity_3_store_abc_load_a_store_d_evicts_b(tmp_path: Path, worker: DiskIOWorker) -> None:
+def test_capacity_3_store_abc_load_a_store_d_evicts_b(tmp_path: Path, worker: BlockIOWorker) -> None:
     tier = make_tier(tmp_path, num_blocks=3)
     assert tier.capacity_blocks == 3
     assert store(tier, worker, "ABC") == ()
@@ -282,10 +296,14 @@ def test_capacity_3_store_abc_load_a_store_d_evicts_b(tmp_path: Path, worker: Di
     assert store(tier, worker, "D") == (K("B"),)
     assert names_of(tier) == "CAD"
     assert not os.path.exists(tier.path_of(K("B")))
-    assert tier.stats.blocks_evicted == 1 and tier.stats.blocks_stored == 4 and tier.stats.blocks_loaded == 1
+    assert (
+        tier.counters.blocks_evicted == 1
+        and tier.counters.blocks_stored == 4
+        and tier.counters.blocks_loaded == 1
+    )
 
 
-def test_pinned_blocks_are_not_evicted(tmp_path: Path, worker: DiskIOWorker) -> None:
+def test_pinned_blocks_are_not_evicted(tmp_path: Path, worker: BlockIOWorker) -> None:
     tier = make_tier(tmp_path, num_blocks=2)
     store(tier, worker, "AB")
     tier.prepare_load([K("A")])  # a load of A in flight: A is pinned
@@ -395,12 +413,13 @@ def test_disk_filling_up_mid_run_reports_fatal_and_degrades(tmp_path: Path) -> N
         """
         import os, torch
         from kvtier.tiers.base import TierIdentity
-        from kvtier.tiers.disk import DiskTier
-        from kvtier.transfer.disk_io import DiskIOWorker
+        from kvtier.tiers.disk import DiskBlockIO, DiskTier
+        from kvtier.transfer.io_worker import BlockIOWorker
+        from kvtier.transfer.mover import byte_view
         identity = TierIdentity("ab", "float32", (2, 4), 4)
-        tier, worker = DiskTier(directory, 1 << 20, identity), DiskIOWorker(identity)
+        tier, worker = DiskTier(directory, 1 << 20, identity), BlockIOWorker(DiskBlockIO(identity))
         spec = tier.prepare_store([bytes(32)])
-        worker.submit_store(spec.keys[0], spec.addresses[0], torch.ones(2, 4))
+        worker.submit_store(spec.keys[0], spec.addresses[0], byte_view(torch.ones(2, 4)))
         (result,) = worker.drain(30)
         tier.complete_store(spec.keys, result.ok)
         if result.fatal:
@@ -435,16 +454,16 @@ def test_store_error_classification(
     def failing_write(*args, **kwargs):
         raise OSError(code, os.strerror(code), "x.kvb")
 
-    monkeypatch.setattr(disk_io, "write_block_file", failing_write)
-    worker = DiskIOWorker(IDENT)
-    worker.submit_store(K("A"), str(tmp_path / "a.kvb"), block())
+    monkeypatch.setattr(disk_module, "write_block_file", failing_write)
+    worker = disk_worker(IDENT)
+    worker.submit_store(K("A"), str(tmp_path / "a.kvb"), byte_view(block()))
     (result,) = worker.drain(timeout=10)
     worker.close(timeout=10)
     assert not result.ok and result.fatal is fatal and errno.errorcode[code] in (result.error or "")
 
 
 def test_disable_keeps_files_and_tolerates_late_completions(
-    tmp_path: Path, worker: DiskIOWorker, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, worker: BlockIOWorker, caplog: pytest.LogCaptureFixture
 ) -> None:
     tier = make_tier(tmp_path)
     store(tier, worker, "AB")
@@ -466,14 +485,14 @@ def test_concurrent_store_and_load_never_tear_a_block(tmp_path: Path) -> None:
     identity = ident("float32", (4, 16, 2, 2, 32))
     patterns = [block(identity, seed=1), torch.full(identity.block_shape, -2.5)]
     path = str(tmp_path / "a.kvb")
-    write_block_file(path, K("A"), identity, patterns[0])
+    write_block_file(path, K("A"), identity, byte_view(patterns[0]))
     stop = threading.Event()
     errors: list[BaseException] = []
 
     def rewrite() -> None:
         try:
             for i in range(200):
-                write_block_file(path, K("A"), identity, patterns[i % 2])
+                write_block_file(path, K("A"), identity, byte_view(patterns[i % 2]))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
         finally:
@@ -484,7 +503,7 @@ def test_concurrent_store_and_load_never_tear_a_block(tmp_path: Path) -> None:
     num_reads = 0
     out = torch.empty(identity.block_shape)
     while not stop.is_set() or num_reads < 50:
-        read_block_file(path, K("A"), identity, out)  # never fails: the rename is atomic
+        read_block_file(path, K("A"), identity, byte_view(out))  # never fails: the rename is atomic
         assert any(same_bytes(out, p) for p in patterns), "a torn block"
         num_reads += 1
     writer.join()
@@ -492,13 +511,15 @@ def test_concurrent_store_and_load_never_tear_a_block(tmp_path: Path) -> None:
     assert [name for name in os.listdir(tmp_path) if ".tmp." in name] == []
 
 
-def test_worker_runs_jobs_in_order_and_drains(tmp_path: Path, worker: DiskIOWorker) -> None:
+def test_worker_runs_jobs_in_order_and_drains(tmp_path: Path, worker: BlockIOWorker) -> None:
     assert worker.poll() == [] and worker.wait(timeout=0.01) == [] and worker.pending == 0
     path = str(tmp_path / "sub" / "a.kvb")  # missing directories are created
-    worker.submit_store(K("A"), path, block(seed=1))
-    worker.submit_load(K("A"), path, out := torch.empty(SHAPE))  # runs after the store: sees it
-    worker.submit_load(K("B"), str(tmp_path / "missing.kvb"), torch.empty(SHAPE))
-    worker.submit_store(K("C"), str(tmp_path / "c.kvb"), torch.zeros(3))  # wrong shape: a failed job
+    worker.submit_store(K("A"), path, byte_view(block(seed=1)))
+    worker.submit_load(K("A"), path, byte_view(out := torch.empty(SHAPE)))  # runs after the store: sees it
+    worker.submit_load(K("B"), str(tmp_path / "missing.kvb"), byte_view(torch.empty(SHAPE)))
+    worker.submit_store(
+        K("C"), str(tmp_path / "c.kvb"), byte_view(torch.zeros(3))
+    )  # wrong shape: a failed job
     results = worker.drain(timeout=30)
     assert [(r.kind, r.key, r.ok, r.fatal) for r in results] == [
         ("store", K("A"), True, False),
@@ -512,11 +533,11 @@ def test_worker_runs_jobs_in_order_and_drains(tmp_path: Path, worker: DiskIOWork
 
 
 def test_worker_close_finishes_queued_jobs_and_rejects_new_ones(tmp_path: Path) -> None:
-    worker = DiskIOWorker(IDENT)
+    worker = disk_worker(IDENT)
     for i in range(5):
-        worker.submit_store(K(str(i)), str(tmp_path / f"{i}.kvb"), block(seed=i))
+        worker.submit_store(K(str(i)), str(tmp_path / f"{i}.kvb"), byte_view(block(seed=i)))
     results = worker.close(timeout=30)
     assert len(results) == 5 and all(r.ok for r in results) and worker.closed
     assert worker.close(timeout=1) == []  # idempotent
     with pytest.raises(RuntimeError):
-        worker.submit_load(K("0"), str(tmp_path / "0.kvb"), torch.empty(SHAPE))
+        worker.submit_load(K("0"), str(tmp_path / "0.kvb"), byte_view(torch.empty(SHAPE)))

@@ -40,7 +40,7 @@ def token_ids(outs) -> list[list[int]]:
 def check_pool_idle(llm: LLM) -> None:
     kv = llm.engine.kv
     kv.check_integrity()
-    assert kv.num_free_blocks() == llm.engine.cache_config.num_device_blocks
+    assert kv.num_free_blocks() == llm.engine.config.cache.num_device_blocks
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -261,7 +261,7 @@ def test_abort_frees_blocks_at_once(tiny_dir) -> None:
     rid = engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.kv.num_free_blocks() < engine.cache_config.num_device_blocks
+    assert engine.kv.num_free_blocks() < engine.config.cache.num_device_blocks
     assert engine.abort_request(rid)
     check_pool_idle(llm)
 

@@ -124,7 +124,7 @@ def check_all(llm: LLM, cases: list[Case], reference, outs) -> None:
     for case, out in zip(cases, outs, strict=True):
         assert_matches(case.name, out.outputs[0].token_ids, reference[case.name])
     llm.engine.kv.check_integrity()
-    assert llm.engine.kv.num_free_blocks() == llm.engine.cache_config.num_device_blocks
+    assert llm.engine.kv.num_free_blocks() == llm.engine.config.cache.num_device_blocks
 
 
 def test_a_one_prompt_at_a_time(llm_exact: LLM, cases, reference) -> None:

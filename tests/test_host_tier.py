@@ -28,7 +28,7 @@ def test_story_capacity_three_store_abc_load_a_store_d_evicts_b() -> None:
     assert spec.addresses == (0,)
     store(tier, "D")
     assert evicted == [(k("B"), 1)]  # the hook sees the key and its slot before reuse
-    assert tier.held_keys() == [k("C"), k("A"), k("D")] and tier.slot_of(k("D")) == 1
+    assert tier.held_keys() == [k("C"), k("A"), k("D")] and tier.host_block_of(k("D")) == 1
     assert tier.lookup([k("A"), k("B"), k("C")]) == 1  # stops at the first miss
     tier.check_integrity()
 

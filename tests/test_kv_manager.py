@@ -74,11 +74,10 @@ def test_story_reuse_touch_then_evict_lru() -> None:
     c = list(range(200, 215))
     assert kv.allocate_slots("C", c, 0, len(c), kv.get_computed_blocks(c, KEYS), KEYS)
     assert kv.block_ids("C") == [5, 6, 7, 2]
-    assert evicted == [(2, a_hashes[2])] and kv.stats.num_evicted_blocks == 1
+    assert evicted == [(2, a_hashes[2])] and kv.device_counters.blocks_evicted == 1
     assert kv.num_free_blocks() == 0 and kv.usage() == 1.0
     assert kv.stats.prefix_cache_queries == len(a) + len(b) + len(c)
     assert kv.stats.prefix_cache_hits == 8
-    assert kv.stats.prefix_cache_hit_rate == pytest.approx(8 / (14 + 14 + 15))
     kv.check_integrity()
 
 
@@ -461,7 +460,7 @@ def test_random_schedules_keep_the_cache_consistent(
     for operation in operations:
         harness.run(operation)
         harness.check()
-    if harness.kv.stats.num_evicted_blocks:
+    if harness.kv.device_counters.blocks_evicted:
         event("eviction")
     for seq_id in list(harness.live):
         harness.kv.free(seq_id)

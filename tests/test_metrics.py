@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.outputs import CompletionOutput, RequestOutput
 from kvtier.server.metrics import TIERS, ServerMetrics
-from kvtier.stats import EngineStats, TierSnapshot
+from kvtier.stats import EngineStats, Medium, TierSnapshot
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "kvtier-dashboard.json"
 REQUIRED = {
@@ -66,10 +66,14 @@ def test_every_series_is_exposed_before_the_engine_exists() -> None:
 
 
 def test_snapshot_values_and_missing_tiers_as_zeros() -> None:
-    device = TierSnapshot("device", 100, 25, lookups=10, hit_blocks=4, hit_tokens=64)
-    host = TierSnapshot("host", 400, 100, bytes_loaded=4096, load_seconds=0.5, bytes_stored=8192)
+    device = TierSnapshot(
+        medium=Medium.DEVICE, capacity_blocks=100, used_blocks=25, block_size=16, lookups=10, hit_blocks=4
+    )
+    host = TierSnapshot(
+        medium=Medium.HOST, capacity_blocks=400, used_blocks=100, bytes_loaded=4096, load_seconds=0.5
+    )
     stats = EngineStats(
-        3, 2, 0.25, 320, 64, {"swap": 1, "recompute": 2}, 500, 70, {"device": device, "host": host}
+        3, 2, 0.25, 320, 64, {"swap": 1, "recompute": 2}, 500, 70, {Medium.DEVICE: device, Medium.HOST: host}
     )
     samples = scrape(ServerMetrics(lambda: stats))
     assert samples["kvtier:num_requests_running"][()] == 3
@@ -83,7 +87,7 @@ def test_snapshot_values_and_missing_tiers_as_zeros() -> None:
     assert samples["kvtier:num_preemptions_total"][(("mode", "recompute"),)] == 2
     usage = samples["kvtier:tier_usage_perc"]
     assert usage[(("tier", "device"),)] == 0.25 and usage[(("tier", "host"),)] == 0.25
-    assert usage[(("tier", "disk"),)] == 0.0
+    assert usage[(("tier", "disk"),)] == 0.0 and usage[(("tier", "remote"),)] == 0.0
     assert samples["kvtier:tier_hit_tokens_total"][(("tier", "device"),)] == 64
     assert samples["kvtier:tier_bytes_loaded_total"][(("tier", "host"),)] == 4096
     assert samples["kvtier:tier_load_seconds_total"][(("tier", "host"),)] == 0.5

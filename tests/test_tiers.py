@@ -14,12 +14,12 @@ import torch
 
 from kvtier.kv.hashing import hash_full_blocks, root_hash
 from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.plan import SwapPlan
 from kvtier.tiers.base import TierIdentity
-from kvtier.tiers.coordinator import TierCoordinator
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
+from kvtier.tiers.disk import DiskBlockIO, DiskTier
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.plan import SwapPlan
-from kvtier.transfer.disk_io import DiskIOWorker
+from kvtier.transfer.io_worker import BlockIOWorker
 from kvtier.transfer.mover import TierMover, coalesce
 
 BS = 4
@@ -34,7 +34,7 @@ class Rig:
         self,
         tmp_path: Path | None,
         num_blocks: int = 4,
-        host_slots: int = 2,
+        host_blocks: int = 2,
         dtype: torch.dtype = torch.float32,
         policy: str = "write_back",
     ) -> None:
@@ -42,12 +42,14 @@ class Rig:
         self.identity = TierIdentity(
             "fp-tiers", str(dtype).removeprefix("torch."), BLOCK_SHAPE, self.device_kv.element_size()
         )
-        self.host = HostTier(host_slots)
+        self.host = HostTier(host_blocks)
         self.disk = DiskTier(tmp_path, 1 << 20, self.identity) if tmp_path is not None else None
-        worker = DiskIOWorker(self.identity) if self.disk is not None else None
-        self.tiers = TierCoordinator(self.host, self.disk, policy)  # type: ignore[arg-type]
-        self.mover = TierMover(self.device_kv, host_slots, worker)
-        self.tiers.mover = self.mover
+        external = []
+        if self.disk is not None:
+            external.append(ExternalLevel(self.disk, BlockIOWorker(DiskBlockIO(self.identity)), policy))
+        self.tiers = TierCoordinator(self.host, external, policy)  # type: ignore[arg-type]
+        self.mover = TierMover(self.device_kv, host_blocks, self.host.counters)
+        self.tiers.host_bytes = self.mover
         self.kv = KVCacheManager(num_blocks, BS, True, tiers=self.tiers)
         self.gen = torch.Generator().manual_seed(0)
 
@@ -94,11 +96,11 @@ B = list(range(200, 216))  # 16 tokens: 4 full blocks, needs the whole pool
 def test_story_evicted_to_host_and_disk_and_loaded_back_byte_identical(
     tmp_path: Path, dtype: torch.dtype
 ) -> None:
-    """A's 3 cached blocks are evicted one step at a time by 1-block sequences into the 3-slot host
+    """A's 3 cached blocks are evicted one step at a time by 1-block sequences into the 3-block host
     tier; then Y's block is evicted too, and the host tier demotes its oldest block (A's third) to
     disk. A's prompt again: 2 host hits and 1 disk hit, read back into host in the background (Y's
     block makes room), then all 3 loaded into the device, bytes unchanged."""
-    rig = Rig(tmp_path, host_slots=3, dtype=dtype)
+    rig = Rig(tmp_path, host_blocks=3, dtype=dtype)
     rig.prefill("A", A)
     original = rig.blocks_of("A", 3)
     rig.kv.free("A")  # free queue: A's partial block, then blocks 2, 1, 0 (its head is evicted last)
@@ -111,53 +113,53 @@ def test_story_evicted_to_host_and_disk_and_loaded_back_byte_identical(
             rig.kv.free(f"{tag}{i}")
 
     take_all_blocks("X")  # evicts A's blocks 2, 1, 0 into the host tier
-    assert len(rig.host.held_keys()) == 3 and rig.host.stats.blocks_evicted == 0
+    assert len(rig.host.held_keys()) == 3 and rig.host.counters.blocks_evicted == 0
     rig.prefill("Y", list(range(400, 405)))  # 1 full block + 1 slot
     rig.kv.free("Y")
     take_all_blocks("Z")  # evicts Y's block: the host tier demotes A's block 2 to disk
     rig.wait_for_disk()
-    assert rig.host.stats.blocks_evicted == 1
+    assert rig.host.counters.blocks_evicted == 1
     assert rig.disk is not None and len(rig.disk.keys()) == 1
 
     first = rig.kv.get_computed_blocks(A, KEYS)
     assert len(first.lower.host_keys) == 2 and first.lower.num_pending_blocks == 1
     rig.wait_for_disk()  # the disk block is now promoted into the host tier
-    assert rig.prefill("A2", A) == {"device": 0, "host": 8, "disk": 4}
+    assert rig.prefill("A2", A) == {"device": 0, "host": 8, "disk": 4, "remote": 0}
     rig.kv.check_integrity()
     for got, want in zip(rig.blocks_of("A2", 3), original, strict=True):
         assert same_bytes(got, want)
-    assert rig.disk.stats.blocks_loaded == 1
+    assert rig.disk.counters.blocks_loaded == 1
 
 
 def test_story_restart_finds_blocks_on_disk(tmp_path: Path) -> None:
     """After a flush, a new rig on the same directory serves A's prefix from disk, byte-identical."""
-    rig = Rig(tmp_path, host_slots=4)
+    rig = Rig(tmp_path, host_blocks=4)
     rig.prefill("A", A)
     original = rig.blocks_of("A", 3)
     rig.kv.free("A")
     rig.prefill("B", B)  # evicts A to host
     rig.run_plan()
     rig.tiers.flush()
-    rig.mover.close()
+    rig.tiers.close()
     assert rig.disk is not None and len(rig.disk.keys()) == 3
 
-    again = Rig(tmp_path, host_slots=4)
+    again = Rig(tmp_path, host_blocks=4)
     assert again.disk is not None and len(again.disk.keys()) == 3
     assert again.kv.get_computed_blocks(A, KEYS).lower.num_pending_blocks == 3
     again.wait_for_disk()
-    assert again.prefill("A", A) == {"device": 0, "host": 0, "disk": 12}
+    assert again.prefill("A", A) == {"device": 0, "host": 0, "disk": 12, "remote": 0}
     for got, want in zip(again.blocks_of("A", 3), original, strict=True):
         assert same_bytes(got, want)
 
 
 def test_story_corrupt_disk_file_is_a_miss_and_removed(tmp_path: Path) -> None:
-    rig = Rig(tmp_path, host_slots=4)
+    rig = Rig(tmp_path, host_blocks=4)
     rig.prefill("A", A)
     rig.kv.free("A")
     rig.prefill("B", B)
     rig.run_plan()
     rig.tiers.flush()
-    rig.mover.close()
+    rig.tiers.close()
     files = sorted(tmp_path.rglob("*.kvb"))
     assert len(files) == 3
     for f in files:  # flip one payload byte in every file: headers still parse, checksums fail
@@ -165,16 +167,16 @@ def test_story_corrupt_disk_file_is_a_miss_and_removed(tmp_path: Path) -> None:
         data[-1] ^= 0xFF
         f.write_bytes(bytes(data))
 
-    again = Rig(tmp_path, host_slots=4)
+    again = Rig(tmp_path, host_blocks=4)
     assert again.kv.get_computed_blocks(A, KEYS).lower.num_pending_blocks == 3
     again.wait_for_disk()
-    assert again.prefill("A", A) == {"device": 0, "host": 0, "disk": 0}  # all misses: computed
+    assert again.prefill("A", A) == {"device": 0, "host": 0, "disk": 0, "remote": 0}  # all misses: computed
     assert again.disk is not None and again.disk.keys() == [] and not list(tmp_path.rglob("*.kvb"))
     again.kv.check_integrity()
 
 
 def test_story_write_through_stores_blocks_as_soon_as_they_fill() -> None:
-    rig = Rig(None, host_slots=8, policy="write_through")
+    rig = Rig(None, host_blocks=8, policy="write_through")
     rig.prefill("A", A)
     rig.run_plan()
     assert len(rig.host.held_keys()) == 3 and rig.kv.pool.num_cached_blocks == 3
@@ -184,13 +186,13 @@ def test_story_write_through_stores_blocks_as_soon_as_they_fill() -> None:
 
 def test_story_write_back_skips_blocks_the_host_already_holds() -> None:
     """A is evicted to host, loaded back by A2, evicted again: the second eviction stores nothing."""
-    rig = Rig(None, host_slots=8)
+    rig = Rig(None, host_blocks=8)
     rig.prefill("A", A)
     rig.kv.free("A")
     rig.prefill("B", B)
     rig.run_plan()
     rig.kv.free("B")
-    stored = rig.host.stats.hit_blocks, len(rig.host.held_keys())
+    stored = rig.host.counters.hit_blocks, len(rig.host.held_keys())
     assert rig.prefill("A2", A)["host"] == 12
     rig.kv.free("A2")
     plan_before = len(rig.host.held_keys())
@@ -204,7 +206,7 @@ def test_story_write_back_skips_blocks_the_host_already_holds() -> None:
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     """A running sequence with 13 computed tokens (3 full blocks + 1 slot) is swapped out: all 4
     blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes."""
-    rig = Rig(None, host_slots=4)
+    rig = Rig(None, host_blocks=4)
     rig.prefill("A", A)
     original = rig.blocks_of("A", 4)
     assert rig.kv.swap_out("A", len(A))
@@ -221,7 +223,7 @@ def test_story_swap_out_and_in_restores_a_partial_block() -> None:
 
 
 def test_swap_out_without_room_changes_nothing() -> None:
-    rig = Rig(None, host_slots=2)
+    rig = Rig(None, host_blocks=2)
     rig.prefill("A", A)
     assert not rig.kv.swap_out("A", len(A))  # 4 blocks, 2 slots
     assert rig.kv.end_schedule_step().is_empty and rig.host.num_used_blocks == 0
@@ -229,7 +231,7 @@ def test_swap_out_without_room_changes_nothing() -> None:
 
 
 def test_abort_of_a_swapped_out_sequence_releases_its_host_blocks() -> None:
-    rig = Rig(None, host_slots=4)
+    rig = Rig(None, host_blocks=4)
     rig.prefill("A", A)
     assert rig.kv.swap_out("A", len(A))
     rig.run_plan()

@@ -78,7 +78,7 @@ def _interleaved_best(
 
 @torch.inference_mode()
 def measure_bandwidth(max_blocks: int, repeat: int, batches: tuple[int, ...]) -> list[BandwidthRow]:
-    from kvtier.tiers.plan import SwapPlan
+    from kvtier.kv.plan import SwapPlan
     from kvtier.transfer.mover import TierMover
 
     sizes = [n for n in batches if n <= max_blocks]
@@ -94,15 +94,15 @@ def measure_bandwidth(max_blocks: int, repeat: int, batches: tuple[int, ...]) ->
     rng = random.Random(0)
     rows = []
     for n in sizes:
-        slots = list(range(n))
+        host_block_ids = list(range(n))
         ids = {
             "contiguous": list(range(8, 8 + n)),  # coalesced into one slice copy (per host chunk)
             "scattered": rng.sample(range(pool_blocks), n),  # random order: one copy per block
         }
         fns: dict[str, Callable[[], object]] = {"memcpy": lambda n=n: dst[:n].copy_(src[:n])}
         for pattern, block_ids in ids.items():
-            store_plan = SwapPlan(stores=list(zip(block_ids, slots, strict=True)))
-            load_plan = SwapPlan(loads=list(zip(slots, block_ids, strict=True)))
+            store_plan = SwapPlan(stores=list(zip(block_ids, host_block_ids, strict=True)))
+            load_plan = SwapPlan(loads=list(zip(host_block_ids, block_ids, strict=True)))
             fns[f"store {pattern}"] = lambda p=store_plan: mover.execute(p)
             fns[f"load {pattern}"] = lambda p=load_plan: mover.execute(p)
         best = _interleaved_best(fns, repeat, min_seconds=0.3)
@@ -123,7 +123,6 @@ def measure_bandwidth(max_blocks: int, repeat: int, batches: tuple[int, ...]) ->
                 file=sys.stderr,
                 flush=True,
             )
-    mover.close()
     return rows
 
 

@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
-from kvtier.tiers.coordinator import NO_LOWER_HIT, LowerHit, SwappedOut, TierCoordinator
-from kvtier.tiers.plan import SwapPlan
+from kvtier.kv.lower import NO_LOWER_HIT, LowerHit, LowerTiers, SwappedOut
+from kvtier.kv.plan import SwapPlan
+from kvtier.stats import Medium, TierCounters, TierSnapshot
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,10 @@ class ComputedBlocks:
     num_lookup_tokens: int = 0
     num_lookup_blocks: int = 0  # full blocks asked of the device pool
 
-    def tokens_by_tier(self, block_size: int) -> dict[str, int]:
-        """Prompt tokens this hit serves, by the tier they come from."""
-        bs = block_size
-        n_disk = self.lower.num_from_disk
-        return {
-            "device": len(self.block_ids) * bs,
-            "host": (len(self.lower.host_keys) - n_disk) * bs,
-            "disk": n_disk * bs,
-        }
+    def tokens_by_tier(self, block_size: int) -> dict[Medium, int]:
+        """Prompt tokens this hit serves, by the tier they come from (every medium, zeros included)."""
+        blocks = {Medium.DEVICE: len(self.block_ids), **self.lower.blocks_by_tier()}
+        return {medium: blocks.get(medium, 0) * block_size for medium in Medium}
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
@@ -80,17 +76,16 @@ NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
 
 @dataclass
 class KVCacheStats:
-    """Counters since the manager was created, counted when a lookup's hit is adopted."""
+    """Prompt tokens since the manager was created, counted when a lookup's hit is adopted (the
+    device pool's own block counters are ``KVCacheManager.device_counters``)."""
 
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of those, tokens served by any tier
-    device_lookup_blocks: int = 0  # full blocks asked of the device pool
-    device_hit_blocks: int = 0  # of those, device hits
-    num_evicted_blocks: int = 0
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+def blocks_to_allocate(num_table_blocks: int, num_total_tokens: int, block_size: int) -> int:
+    """Fresh blocks a table of ``num_table_blocks`` needs to cover ``num_total_tokens`` slots."""
+    return max(0, -(-num_total_tokens // block_size) - num_table_blocks)
 
 
 @dataclass
@@ -122,13 +117,14 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         on_evict: Callable[[KVBlock], None] | None = None,
-        tiers: TierCoordinator | None = None,
+        tiers: LowerTiers | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.stats = KVCacheStats()
+        self.device_counters = TierCounters()  # lookups, hits and evictions of the device pool
         self._on_evict = on_evict
         self.tiers = tiers
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
@@ -141,7 +137,7 @@ class KVCacheManager:
             self._on_evict(block)
         if self.tiers is not None and block.block_hash is not None:
             self.tiers.on_device_evict(block.block_id, block.block_hash)
-        self.stats.num_evicted_blocks += 1
+        self.device_counters.blocks_evicted += 1
 
     # ---------------------------------------------------------------- lookup
 
@@ -200,8 +196,6 @@ class KVCacheManager:
         the root of its hash chain. Returns False, changing nothing, if the pool cannot supply the
         blocks needed: new blocks, copy-on-write copies, and idle hit blocks taken off the queue.
         """
-        bs = self.block_size
-        seq = self._seqs.get(seq_id)
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"negative token counts: computed={num_computed_tokens} new={num_new_tokens}")
         num_total = num_computed_tokens + num_new_tokens
@@ -209,94 +203,124 @@ class KVCacheManager:
             raise ValueError(
                 f"{seq_id}: {num_total} slots requested but the sequence has {len(token_ids)} tokens"
             )
-
-        hit_blocks: list[KVBlock] = []
-        load_keys: tuple[BlockHash, ...] = ()
+        seq = self._seqs.get(seq_id)
         if seq is None:
-            if seq_id in self._swapped:
-                raise ValueError(f"{seq_id} is swapped out: resume it with swap_in")
             computed = computed or NO_COMPUTED_BLOCKS
             if num_computed_tokens != computed.num_computed_tokens:
                 raise ValueError(
                     f"{seq_id}: first allocation with num_computed_tokens={num_computed_tokens}, but the "
                     f"adopted prefix covers {computed.num_computed_tokens}"
                 )
-            load_keys = computed.lower.host_keys
-            if computed.num_computed_tokens != (len(computed.block_ids) + len(load_keys)) * bs:
-                raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
-            hit_blocks = [self.pool.blocks[block_id] for block_id in computed.block_ids]
-            for i, block in enumerate(hit_blocks):
-                expected = computed.block_hashes[i] if computed.block_hashes else block.block_hash
-                if block.block_hash is None or block.block_hash != expected:
-                    raise ValueError(
-                        f"{seq_id}: stale ComputedBlocks: block {block.block_id} was evicted after the lookup"
-                    )
-            if load_keys and (self.tiers is None or not all(self.tiers.host.contains(k) for k in load_keys)):
-                raise ValueError(f"{seq_id}: stale ComputedBlocks: a host block was evicted after the lookup")
-            table = hit_blocks
-        else:
-            if computed is not None and computed.block_ids:
-                raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
-            table = seq.blocks
-            if num_computed_tokens > len(table) * bs:
-                raise ValueError(
-                    f"{seq_id}: {num_computed_tokens} computed tokens but the table covers {len(table) * bs}"
-                )
+            return self._adopt(seq_id, token_ids, computed, num_new_tokens, extra_keys)
+        if computed is not None and computed.block_ids:
+            raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
+        if num_computed_tokens > len(seq.blocks) * self.block_size:
+            raise ValueError(
+                f"{seq_id}: {num_computed_tokens} computed tokens but the table covers "
+                f"{len(seq.blocks) * self.block_size}"
+            )
+        return self._grow(seq, num_computed_tokens, num_new_tokens)
 
-        # Blocks the new slots will be written into that another sequence also references.
-        cow_indices: list[int] = []
-        if num_new_tokens > 0:
-            first = num_computed_tokens // bs
-            last = min((num_total - 1) // bs, len(table) - 1)
-            cow_indices = [i for i in range(first, last + 1) if table[i].ref_cnt > 1]
-        num_loads = len(load_keys)
-        num_new_blocks = max(0, -(-num_total // bs) - len(table) - num_loads)
-        num_hits_from_queue = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if num_loads + num_new_blocks + len(cow_indices) + num_hits_from_queue > self.pool.num_free_blocks:
+    def _adopt(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        computed: ComputedBlocks,
+        num_new_tokens: int,
+        extra_keys: tuple[ExtraKey, ...],
+    ) -> bool:
+        """A new sequence's first allocation: the prefix hit becomes its table (device hits shared,
+        host hits loaded into fresh blocks), then fresh blocks for its new slots."""
+        hit_blocks = self._check_fresh(seq_id, computed)
+        load_keys = computed.lower.host_keys
+        num_idle_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)  # taken off the free queue
+        num_fresh = blocks_to_allocate(
+            len(hit_blocks) + len(load_keys), computed.num_computed_tokens + num_new_tokens, self.block_size
+        )
+        if len(load_keys) + num_fresh + num_idle_hits > self.pool.num_free_blocks:
             return False
-
         # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them, and
         # hold host hits so write-back stores (evictions below) cannot push them out of the host tier.
-        if seq is None:
-            if computed is not None:
-                self._count_lookup(computed)
-            self.pool.touch(hit_blocks)
-            if num_loads:
-                assert self.tiers is not None
-                self.tiers.hold(load_keys)
-            seq = _SeqBlocks(
-                blocks=list(hit_blocks),
-                root=root_hash(extra_keys),
-                block_hashes=[block.block_hash for block in hit_blocks if block.block_hash is not None],
-                num_cached_blocks=len(hit_blocks) + num_loads,
-            )
-            self._seqs[seq_id] = seq
-        fresh = self.pool.get_new_blocks(num_loads + len(cow_indices) + num_new_blocks)
-        if num_loads:
+        self._count_lookup(computed)
+        self.pool.touch(hit_blocks)
+        if load_keys:
             assert self.tiers is not None
-            loaded = fresh[:num_loads]
-            self.tiers.load(load_keys, [block.block_id for block in loaded])
-            first_block = len(seq.blocks)
-            for j, (block, key) in enumerate(zip(loaded, load_keys, strict=True)):
-                i = first_block + j
-                self.pool.cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
-            seq.blocks.extend(loaded)
-            seq.block_hashes.extend(load_keys)
-            fresh = fresh[num_loads:]
-        for i, dst in zip(cow_indices, fresh, strict=False):
+            self.tiers.hold(load_keys)
+        seq = _SeqBlocks(
+            blocks=list(hit_blocks),
+            root=root_hash(extra_keys),
+            block_hashes=[block.block_hash for block in hit_blocks if block.block_hash is not None],
+            num_cached_blocks=len(hit_blocks) + len(load_keys),
+        )
+        self._seqs[seq_id] = seq
+        fresh = self.pool.get_new_blocks(len(load_keys) + num_fresh)
+        if load_keys:
+            self._load_into(seq, token_ids, load_keys, fresh[: len(load_keys)])
+        seq.blocks.extend(fresh[len(load_keys) :])
+        return True
+
+    def _check_fresh(self, seq_id: str, computed: ComputedBlocks) -> list[KVBlock]:
+        """The device hit blocks of ``computed``; raises if the lookup went stale (a block evicted since)."""
+        if seq_id in self._swapped:
+            raise ValueError(f"{seq_id} is swapped out: resume it with swap_in")
+        num_blocks = len(computed.block_ids) + len(computed.lower.host_keys)
+        if computed.num_computed_tokens != num_blocks * self.block_size:
+            raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
+        hit_blocks = [self.pool.blocks[block_id] for block_id in computed.block_ids]
+        for block, expected in zip(hit_blocks, computed.block_hashes, strict=False):
+            if block.block_hash is None or block.block_hash != expected:
+                raise ValueError(
+                    f"{seq_id}: stale ComputedBlocks: block {block.block_id} was evicted after the lookup"
+                )
+        if any(block.block_hash is None for block in hit_blocks):
+            raise ValueError(f"{seq_id}: stale ComputedBlocks: a hit block holds no cached KV")
+        load_keys = computed.lower.host_keys
+        if load_keys and (self.tiers is None or not self.tiers.can_load(load_keys)):
+            raise ValueError(f"{seq_id}: stale ComputedBlocks: a host block was evicted after the lookup")
+        return hit_blocks
+
+    def _load_into(
+        self, seq: _SeqBlocks, token_ids: Sequence[int], keys: Sequence[BlockHash], blocks: list[KVBlock]
+    ) -> None:
+        """Plan loads of host-tier ``keys`` into fresh ``blocks`` appended to the table; they are cached
+        under their keys at once (the step's plan fills them before any forward reads them)."""
+        assert self.tiers is not None
+        bs = self.block_size
+        self.tiers.load(keys, [block.block_id for block in blocks])
+        first = len(seq.blocks)
+        for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
+            i = first + j
+            self.pool.cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+        seq.blocks.extend(blocks)
+        seq.block_hashes.extend(keys)
+
+    def _grow(self, seq: _SeqBlocks, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """A live sequence's next slots: private copies of shared blocks they write into (after a
+        fork), then fresh blocks past the end of its table."""
+        bs = self.block_size
+        num_total = num_computed_tokens + num_new_tokens
+        shared: list[int] = []  # table indices written this step that another sequence references
+        if num_new_tokens > 0:
+            last = min((num_total - 1) // bs, len(seq.blocks) - 1)
+            shared = [i for i in range(num_computed_tokens // bs, last + 1) if seq.blocks[i].ref_cnt > 1]
+        num_fresh = blocks_to_allocate(len(seq.blocks), num_total, bs)
+        if len(shared) + num_fresh > self.pool.num_free_blocks:
+            return False
+        fresh = self.pool.get_new_blocks(len(shared) + num_fresh)
+        for i, dst in zip(shared, fresh, strict=False):
             src = seq.blocks[i]
             self._pending_copies.append((src.block_id, dst.block_id))
             seq.blocks[i] = dst
             self.pool.free_blocks([src])  # ref_cnt was > 1: stays in use by the other sequence(s)
-        seq.blocks.extend(fresh[len(cow_indices) :])
+        seq.blocks.extend(fresh[len(shared) :])
         return True
 
     def _count_lookup(self, computed: ComputedBlocks) -> None:
         st = self.stats
         st.prefix_cache_queries += computed.num_lookup_tokens
         st.prefix_cache_hits += computed.num_computed_tokens
-        st.device_lookup_blocks += computed.num_lookup_blocks
-        st.device_hit_blocks += len(computed.block_ids)
+        self.device_counters.lookups += computed.num_lookup_blocks
+        self.device_counters.hit_blocks += len(computed.block_ids)
         if self.tiers is not None and computed.num_lookup_blocks > len(computed.block_ids):
             self.tiers.count_lookup(computed.lower, computed.num_lookup_blocks - len(computed.block_ids))
 
@@ -415,7 +439,7 @@ class KVCacheManager:
         return True
 
     def end_schedule_step(self) -> SwapPlan:
-        """The swap plan accumulated since the last call (seed 003's hook at the end of a step)."""
+        """The swap plan accumulated since the last call: the scheduler takes it once per step."""
         return self.tiers.take_plan() if self.tiers is not None else SwapPlan()
 
     # ---------------------------------------------------------------- queries
@@ -433,6 +457,10 @@ class KVCacheManager:
         """The sequence's current block table (a copy)."""
         return [block.block_id for block in self._seq(seq_id).blocks]
 
+    def cached_blocks(self) -> list[tuple[int, BlockHash]]:
+        """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
+        return [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""
         copies, self._pending_copies = self._pending_copies, []
@@ -446,12 +474,18 @@ class KVCacheManager:
         """Fraction of blocks referenced by some sequence."""
         return self.pool.usage
 
+    def snapshot(self) -> TierSnapshot:
+        """The device pool as a tier: its counters, and blocks in use or cached."""
+        pool = self.pool
+        used = pool.num_blocks - pool.num_free_blocks
+        return TierSnapshot.of(Medium.DEVICE, self.device_counters, pool.num_blocks, used, self.block_size)
+
     def check_integrity(self) -> None:
         """Pool invariants plus: every table block is in use, and each block's ``ref_cnt`` equals the
         number of references the tables hold to it. Raises ``AssertionError``."""
         self.pool.check_integrity()
         if self.tiers is not None:
-            self.tiers.host.check_integrity()
+            self.tiers.check_integrity()
         refs: Counter[int] = Counter()
         for seq_id, seq in self._seqs.items():
             ids = [block.block_id for block in seq.blocks]

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
-from kvtier.tiers.plan import SwapPlan
 
 
 @dataclass(frozen=True)
@@ -117,10 +117,6 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
         self.running.append(child)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     # ----------------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:

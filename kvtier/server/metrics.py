@@ -4,8 +4,8 @@ Two sources:
 
 * the engine's :class:`EngineStats` snapshot (taken on the engine thread after every step). A custom
   collector turns it into gauges and counters when ``/metrics`` is scraped: the snapshot's counters are
-  cumulative, so they are exposed as counters directly. Every tier label ("device", "host", "disk") is
-  always present, with zeros for a tier the engine does not have;
+  cumulative, so they are exposed as counters directly. Every tier label (each ``Medium``: "device",
+  "host", "disk", "remote") is always present, with zeros for a tier the engine does not have;
 * per-request latencies, observed into histograms on the engine thread from each step's
   ``RequestOutput``s (``arrival_time`` is when the HTTP request reached the server).
 
@@ -21,10 +21,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.outputs import RequestOutput
-from kvtier.stats import EngineStats, TierSnapshot
+from kvtier.stats import EngineStats, Medium, TierSnapshot
 
 PREFIX = "kvtier:"
-TIERS = ("device", "host", "disk")
+TIERS = tuple(Medium)
 PREEMPTION_MODES = ("swap", "recompute")
 
 # (name, help, EngineStats field) — gauges and cumulative counters read from the snapshot.
@@ -39,7 +39,7 @@ _COUNTERS = (
     ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens"),
     ("generation_tokens", "Generated tokens.", "generation_tokens"),
 )
-# Per tier, labelled tier="device|host|disk": (name, help, TierSnapshot attribute).
+# Per tier, labelled tier="device|host|disk|remote": (name, help, TierSnapshot attribute).
 _TIER_GAUGES = (
     ("tier_usage_perc", "Fraction of the tier's blocks in use (0-1).", "usage"),
     ("tier_capacity_blocks", "Blocks the tier holds.", "capacity_blocks"),
@@ -64,8 +64,8 @@ _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _EMPTY = EngineStats(0, 0, 0.0, 0, 0, {}, 0, 0, {})
 
 
-def _tier(stats: EngineStats, name: str) -> TierSnapshot:
-    return stats.tiers.get(name) or TierSnapshot(tier=name, capacity_blocks=0, used_blocks=0)
+def _tier(stats: EngineStats, medium: Medium) -> TierSnapshot:
+    return stats.tiers.get(medium) or TierSnapshot(medium=medium, capacity_blocks=0, used_blocks=0)
 
 
 class _StatsCollector(Collector):
@@ -92,12 +92,11 @@ class _StatsCollector(Collector):
         for mode in modes:
             preemptions.add_metric([mode], float(stats.num_preemptions.get(mode, 0)))
         yield preemptions
-        tiers = list(TIERS) + sorted(set(stats.tiers) - set(TIERS))
         for families, kind in ((_TIER_GAUGES, GaugeMetricFamily), (_TIER_COUNTERS, CounterMetricFamily)):
             for name, doc, attr in families:
                 family = kind(PREFIX + name, doc, labels=["tier"])
-                for tier in tiers:
-                    family.add_metric([tier], float(getattr(_tier(stats, tier), attr)))
+                for medium in Medium:
+                    family.add_metric([medium.value], float(getattr(_tier(stats, medium), attr)))
                 yield family
 
 

@@ -2,7 +2,7 @@
 
 Tiers are ordered by speed; a block lives in one or more of them::
 
-    device pool (L1, kv/block_pool.py)  ──store──►  host (L2)  ──demote──►  disk (L3)  ──►  remote (later)
+    device pool (L1, kv/block_pool.py)  ──store──►  host (L2)  ──demote──►  disk (L3), remote (L4)
               ◄──────────────load─────────────────   ◄──────────promote──────────
 
 A lower tier is keyed by :data:`BlockKey`, the block's chained sha256 hash. The chain is rooted in
@@ -12,7 +12,7 @@ the same bytes in every process, after a restart, and on every replica that shar
 Every operation is two-phase, like vLLM's offload manager, so that the bookkeeping (here, on the
 scheduler's thread) is separate from the bytes moving (``kvtier/transfer``, maybe asynchronously)::
 
-    n    = tier.lookup(keys)               # how many leading keys are held and complete
+    n    = tier.lookup(keys)               # how many leading keys are held and complete (counts nothing)
     spec = tier.prepare_load(keys)         # pins them: not evicted until complete_load
     ...  the transfer layer copies from spec's addresses ...
     tier.complete_load(keys)
@@ -21,32 +21,26 @@ scheduler's thread) is separate from the bytes moving (``kvtier/transfer``, mayb
     ...  the transfer layer copies into spec's addresses ...     blocks: spec.evicted)
     tier.complete_store(spec.keys, ok)     # now visible to lookup (or dropped if not ok)
 
-Addresses are tier-specific (host: slot indices into one pinned buffer; disk: file paths; remote:
-object names); only the transfer layer, routed by (source medium, destination medium), reads them.
+Addresses are tier-specific (host: block ids in one pinned buffer; disk: file paths; remote: object
+names); only the transfer layer, routed by (source medium, destination medium), reads them.
+
+Each tier owns one :class:`~kvtier.stats.TierCounters` record (``tier.counters``) and updates it when
+its own loads and stores complete; ``snapshot`` hands a copy to ``LLMEngine.stats()``.
 Nothing here imports torch: the scheduler side tests on CPU without it.
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.hashing import BlockHash
+from kvtier.stats import Medium, TierCounters, TierSnapshot
 
 BlockKey = BlockHash
 """The key of a block in every tier: 32 bytes, globally unique for (model, dtype, salt, tokens)."""
-
-
-class Medium(enum.Enum):
-    """Where a block's bytes live, fastest first."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
 
 
 @dataclass(frozen=True)
@@ -61,22 +55,6 @@ class TierIdentity:
     @property
     def block_bytes(self) -> int:
         return math.prod(self.block_shape) * self.element_size
-
-
-@dataclass
-class TierStats:
-    """Counters since the tier was created. Lookups and hits are counted in blocks."""
-
-    lookups: int = 0
-    hit_blocks: int = 0
-    blocks_loaded: int = 0
-    bytes_loaded: int = 0
-    load_seconds: float = 0.0
-    blocks_stored: int = 0
-    bytes_stored: int = 0
-    store_seconds: float = 0.0
-    blocks_evicted: int = 0
-    load_failures: int = 0  # a held key that could not be read (corrupt file, I/O error): a miss
 
 
 @dataclass(frozen=True)
@@ -100,7 +78,7 @@ class KVTier(ABC):
     """One lower tier. All methods are called from one thread (the scheduler's)."""
 
     medium: Medium
-    stats: TierStats
+    counters: TierCounters
 
     @property
     @abstractmethod
@@ -120,15 +98,20 @@ class KVTier(ABC):
         """Held and complete (a store in flight is not yet contained). Does not count as a lookup."""
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` are held; counts lookups and hits."""
+        """How many leading ``keys`` are held. Counts nothing: the coordinator counts the lookups
+        of the hits the scheduler adopts (a held-back request is looked up again every step)."""
         n = 0
         for key in keys:
             if not self.contains(key):
                 break
             n += 1
-        self.stats.lookups += len(keys)
-        self.stats.hit_blocks += n
         return n
+
+    def snapshot(self, block_size: int) -> TierSnapshot:
+        """A copy of the counters with the current occupancy."""
+        return TierSnapshot.of(
+            self.medium, self.counters, self.capacity_blocks, self.num_used_blocks, block_size
+        )
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadSpec:
@@ -146,3 +129,28 @@ class KVTier(ABC):
     @abstractmethod
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
         """Publish the stored keys (``ok``) or release their reservation."""
+
+
+class ExternalTier(KVTier):
+    """A tier whose bytes live outside the process (disk, a remote store): staged through the host
+    tier, moved by a background worker, and able to fail as a whole.
+
+    It counts its own traffic as reads and writes complete (``seconds`` is the worker's time), forgets
+    a block that turned out unreadable (``invalidate``), and turns itself off after a fatal error
+    (``disable``): a disabled tier holds nothing and accepts nothing."""
+
+    disabled: bool
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[BlockKey], seconds: float = 0.0) -> None: ...
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, seconds: float = 0.0) -> None: ...
+
+    @abstractmethod
+    def invalidate(self, key: BlockKey, reason: str) -> None:
+        """A read found the block unusable: forget it (and remove it where that is safe)."""
+
+    @abstractmethod
+    def disable(self, reason: str) -> None:
+        """Stop using the tier (logged once)."""

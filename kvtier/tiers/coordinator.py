@@ -1,39 +1,41 @@
 """``TierCoordinator``: the tiers below the device pool, in order, and the policy between them.
 
 It answers "where does the rest of this prefix live?" tier by tier and turns the answers into
-work::
+work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of the tiers)::
 
-    KVCacheManager ──lookup(keys)──────────► host hits (load now) · disk hits (read into host first)
-                   ──on_device_evict──────► write-back store: device block → host slot
+    KVCacheManager ──lookup(keys)──────────► host hits (load now) · hits further down (read into host)
+                   ──on_device_evict──────► write-back store: device block → host block
                    ──on_block_full────────► write-through store (policy "write_through")
-                   ──load / swap_out / swap_in ─► host pins and slots
+                   ──load / swap_out / swap_in ─► host pins and host blocks
                    ◄──take_plan()────────── the step's SwapPlan (device↔host copies)
 
-    host eviction ──► demote to disk (if the disk tier lacks the block): the mover snapshots the
-                      slot at once and a background thread writes the file
-    disk hit      ──► promote: a background read into a reserved host slot; the block becomes a host
+    host eviction ──► demote to each external tier (disk, ...) that lacks the block: the host bytes
+                      are snapshotted at once and the tier's background worker writes them
+    external hit  ──► promote: a background read into a reserved host block; the block becomes a host
                       hit when the read completes (poll), and the scheduler holds the request back
                       until then or until its deadline, after which the rest is computed instead
 
-Bookkeeping only (torch-free); bytes move through a :class:`BlockMover` (``kvtier/transfer``).
+External tiers (``ExternalTier`` + a ``BlockIOWorker``) are tried in the order given, fastest first; each
+has a write policy: ``write_through`` writes a block down as soon as it reaches the host tier,
+``write_back`` only when the host tier evicts it. Bookkeeping only (torch-free): host bytes are reached
+through a :class:`HostBytes` (``kvtier.transfer.mover.TierMover``), external bytes through the workers.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import logging
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.config import StorePolicy
-from kvtier.tiers.base import BlockKey
-from kvtier.tiers.disk import DiskTier
+from kvtier.config import StorePolicy, check_choice
+from kvtier.kv.lower import NO_LOWER_HIT, LowerHit, SwappedOut
+from kvtier.kv.plan import SwapPlan
+from kvtier.stats import Medium
+from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.plan import SwapPlan
-
-log = logging.getLogger("kvtier.tiers")
 
 
 class IOResultLike(Protocol):
@@ -42,126 +44,158 @@ class IOResultLike(Protocol):
     ok: bool
     error: str | None
     fatal: bool
-    nbytes: int
     seconds: float
 
 
-class BlockMover(Protocol):
-    """The data path the coordinator drives for disk traffic (``kvtier.transfer.mover``)."""
+class IOWorker(Protocol):
+    """The background worker of an external tier (``kvtier.transfer.io_worker.BlockIOWorker``)."""
 
-    def start_disk_load(self, key: BlockKey, path: str, host_slot: int) -> None: ...
-    def start_disk_store(self, key: BlockKey, path: str, host_slot: int) -> None: ...
-    def poll_io(self) -> Sequence[IOResultLike]: ...
-    def wait_io(self, timeout: float) -> Sequence[IOResultLike]: ...
-    def drain_io(self, timeout: float) -> Sequence[IOResultLike]: ...
-
-
-@dataclass(frozen=True)
-class LowerHit:
-    """Where the blocks after the device hits live: ``host_keys`` can be loaded this step;
-    ``num_pending_blocks`` more are on disk, being read into the host tier."""
-
-    host_keys: tuple[BlockKey, ...] = ()
-    num_from_disk: int = 0  # of host_keys, blocks that were promoted from disk for this prefix
-    num_pending_blocks: int = 0
+    def submit_load(self, key: BlockKey, address: object, out: memoryview) -> None: ...
+    def submit_store(self, key: BlockKey, address: object, data: memoryview) -> None: ...
+    def poll(self) -> Sequence[IOResultLike]: ...
+    def wait(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    def drain(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    def close(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
 
 
-NO_LOWER_HIT = LowerHit()
+class HostBytes(Protocol):
+    """The host tier's bytes (``kvtier.transfer.mover.TierMover``)."""
+
+    def host_view(self, host_block_id: int) -> memoryview:
+        """The host block's bytes, to read an external block into."""
+
+    def host_snapshot(self, host_block_id: int) -> memoryview:
+        """A copy of the host block's bytes (after any copy in flight into it), to write down."""
 
 
 @dataclass
-class SwappedOut:
-    """A sequence preempted by swap: its blocks in order, pinned in the host tier."""
+class ExternalLevel:
+    """One external tier under the host tier, with its worker and its in-flight keys."""
 
-    keys: list[BlockKey]
-    private_keys: set[BlockKey]  # blocks without a prefix-cache hash (partial or uncached)
+    tier: ExternalTier
+    worker: IOWorker
+    policy: StorePolicy = "write_back"
+    promoting: set[BlockKey] = field(default_factory=set)  # reads into the host tier in flight
+    storing: set[BlockKey] = field(default_factory=set)  # writes from the host tier in flight
+
+    @property
+    def active(self) -> bool:
+        return not self.tier.disabled
+
+    def in_flight(self, key: BlockKey) -> bool:
+        return key in self.promoting or key in self.storing
 
 
 class TierCoordinator:
-    def __init__(self, host: HostTier, disk: DiskTier | None = None, policy: StorePolicy = "write_back"):
-        if policy not in ("write_back", "write_through"):
-            raise ValueError(f"kv_store_policy must be write_back or write_through, got {policy!r}")
+    def __init__(
+        self,
+        host: HostTier,
+        external: Sequence[ExternalLevel] = (),
+        policy: StorePolicy = "write_back",
+    ):
+        check_choice("kv_store_policy", policy, StorePolicy)
         self.host = host
-        self.disk = disk
-        self.policy = policy
-        self.mover: BlockMover | None = None  # attached by the engine before the first step
+        self.external = list(external)
+        self.policy = policy  # device → host
+        self.host_bytes: HostBytes | None = None  # attached by the engine before the first step
         host.on_evict = self._host_evicted
         self._plan = SwapPlan()
-        self._promoting: set[BlockKey] = set()  # disk → host reads in flight
-        self._from_disk: set[BlockKey] = set()  # host keys promoted from disk, not loaded yet
-        self._disk_storing: set[BlockKey] = set()  # host → disk writes in flight
+        self._promoted: dict[BlockKey, Medium] = {}  # host keys read up from an external tier, not loaded yet
         self._swap_ids = itertools.count()
         self._private: set[BlockKey] = set()  # keys of swapped-out sequences' private blocks
 
     @property
-    def disk_active(self) -> bool:
-        return self.disk is not None and not self.disk.disabled and self.mover is not None
+    def tiers(self) -> list[KVTier]:
+        """Every tier below the device, fastest first."""
+        return [self.host, *(level.tier for level in self.external)]
+
+    def tier(self, medium: Medium) -> KVTier | None:
+        return next((t for t in self.tiers if t.medium == medium), None)
+
+    @property
+    def persists(self) -> bool:
+        """Whether some active tier outlives the process (blocks are worth flushing at shutdown)."""
+        return any(level.active for level in self.external)
 
     @property
     def has_pending_io(self) -> bool:
-        return bool(self._promoting or self._disk_storing)
+        return any(level.promoting or level.storing for level in self.external)
+
+    def check_integrity(self) -> None:
+        self.host.check_integrity()
 
     # ------------------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[BlockKey]) -> LowerHit:
-        """Leading ``keys`` held by the host tier, then by disk (starting their promotion)."""
+        """Leading ``keys`` held by the host tier, then by the external tiers (starting their reads)."""
         if not keys:
             return NO_LOWER_HIT
-        n_host = 0
-        for key in keys:
-            if not self.host.contains(key):
-                break
-            n_host += 1
+        n_host = self.host.lookup(keys)
         host_keys = tuple(keys[:n_host])
-        num_from_disk = sum(1 for k in host_keys if k in self._from_disk)
+        promoted = Counter(self._promoted[k] for k in host_keys if k in self._promoted)
         rest = keys[n_host:]
-        if not rest or not self.disk_active:
-            return LowerHit(host_keys, num_from_disk, 0)
-        assert self.disk is not None
         num_pending = 0
-        to_read: list[BlockKey] = []
-        for key in rest:
-            if key in self._promoting or key in self._disk_storing:  # read (after the write) soon
-                num_pending += 1
-            elif self.disk.contains(key):
-                num_pending += 1
-                to_read.append(key)
-            else:
-                break
-        if to_read:
-            self.host.pin(host_keys)  # the reservation below must not evict this prefix's host hits
+        if rest and self.persists:
+            self.host.pin(host_keys)  # reserving host blocks below must not evict this prefix's hits
             try:
-                self._promote(to_read)
+                self._start_reads(rest)
             finally:
                 self.host.unpin(host_keys)
-            # Only blocks actually on their way count: the host tier may have had no room for all.
-            num_pending = 0
-            for key in rest:
-                if key not in self._promoting and key not in self._disk_storing:
+            num_pending = self._num_leading_in_flight(rest)
+        return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending)
+
+    def _num_leading_in_flight(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` are on their way into the host tier (or being written, then read)."""
+        n = 0
+        for key in keys:
+            if not any(level.in_flight(key) for level in self.external):
+                break
+            n += 1
+        return n
+
+    def _start_reads(self, keys: Sequence[BlockKey]) -> None:
+        """Start reading the leading ``keys`` the external tiers hold into the host tier, each from the
+        fastest tier holding it. Keys already in flight are skipped; the walk stops at the first key no
+        tier holds (a later block is useless without it)."""
+        i = 0
+        while i < len(keys):
+            if any(level.in_flight(keys[i]) for level in self.external):
+                i += 1  # read (after the write) soon
+                continue
+            for level in self.external:
+                n = level.tier.lookup(keys[i:]) if level.active else 0
+                if n:
+                    run = [k for k in keys[i : i + n] if not any(lv.in_flight(k) for lv in self.external)]
+                    self._promote(level, run)
+                    i += n
                     break
-                num_pending += 1
-        return LowerHit(host_keys, num_from_disk, num_pending)
+            else:
+                return
+
+    def _promote(self, level: ExternalLevel, keys: list[BlockKey]) -> None:
+        assert self.host_bytes is not None
+        spec = self.host.prepare_store(keys)  # the host tier may not have room for all
+        if not spec.keys:
+            return
+        load = level.tier.prepare_load(spec.keys)
+        for key, host_block_id, address in zip(spec.keys, spec.addresses, load.addresses, strict=True):
+            level.promoting.add(key)
+            level.worker.submit_load(key, address, self.host_bytes.host_view(int(host_block_id)))  # type: ignore[call-overload]
 
     def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
         """Count an adopted lookup of ``num_keys`` blocks below the device: each block is counted by
-        the first tier that was asked for it and, on a hit, by the tier that served it."""
-        n_host = len(hit.host_keys) - hit.num_from_disk
-        self.host.stats.lookups += num_keys
-        self.host.stats.hit_blocks += n_host
-        if self.disk is not None:
-            self.disk.stats.lookups += num_keys - n_host
-            self.disk.stats.hit_blocks += hit.num_from_disk
-
-    def _promote(self, keys: list[BlockKey]) -> None:
-        assert self.disk is not None and self.mover is not None
-        spec = self.host.prepare_store(keys)
-        if not spec.keys:
-            return
-        load = self.disk.prepare_load(spec.keys)
-        for key, slot, path in zip(spec.keys, spec.addresses, load.addresses, strict=True):
-            self._promoting.add(key)
-            self.mover.start_disk_load(key, str(path), int(slot))  # type: ignore[arg-type]
+        every tier that was asked for it and, on a hit, by the tier that served it."""
+        served = hit.blocks_by_tier()
+        remaining = num_keys
+        for tier in self.tiers:
+            tier.counters.lookups += remaining
+            n = served.get(tier.medium, 0)
+            tier.counters.hit_blocks += n
+            remaining -= n
 
     # ------------------------------------------------------------------------------ loads and stores
+    def can_load(self, keys: Sequence[BlockKey]) -> bool:
+        return all(self.host.contains(k) for k in keys)
+
     def hold(self, keys: Sequence[BlockKey]) -> None:
         """Pin host hits between the lookup and the device allocation (which may evict in the host
         tier through write-back stores); ``load`` takes the pin over."""
@@ -171,14 +205,14 @@ class TierCoordinator:
         """Plan host → device loads of ``keys``, which the caller pinned (``hold`` or ``swap_out``)."""
         spec = self.host.prepare_load(keys)
         self.host.unpin(keys)
-        for key, slot, block_id in zip(keys, spec.addresses, device_block_ids, strict=True):
-            self._plan.loads.append((int(slot), block_id))  # type: ignore[call-overload]
+        for key, host_block_id, block_id in zip(keys, spec.addresses, device_block_ids, strict=True):
+            self._plan.loads.append((int(host_block_id), block_id))  # type: ignore[call-overload]
             self._plan.load_keys.append(key)
-        self._from_disk.difference_update(keys)
+            self._promoted.pop(key, None)
 
     def store(self, block_id: int, key: BlockKey) -> bool:
         """Plan a device → host store of one block unless the host tier has (or is getting) it."""
-        if self.host.slot_of(key) is not None:
+        if self.host.host_block_of(key) is not None:
             return False
         spec = self.host.prepare_store([key])
         if not spec.keys:
@@ -200,12 +234,15 @@ class TierCoordinator:
         return plan
 
     def complete_plan(self, plan: SwapPlan) -> None:
-        """The plan's copies have run: publish stored keys, unpin loaded ones, drop private ones."""
+        """The plan's copies have run: publish stored keys, unpin loaded ones, drop private ones, and
+        write the new host blocks down to the write-through external tiers."""
         self.host.complete_store(plan.store_keys)
         self.host.complete_load(plan.load_keys)
         self.host.discard(plan.discard_keys)
-        if self.policy == "write_through" and self.disk_active:
-            self._store_to_disk([k for k in plan.store_keys if k not in self._private])
+        shared = [k for k in plan.store_keys if k not in self._private]
+        for level in self.external:
+            if level.policy == "write_through" and level.active:
+                self._store_down(level, shared)
 
     # ------------------------------------------------------------------------------ swap
     def swap_out(self, blocks: Sequence[tuple[int, BlockKey | None]]) -> SwappedOut | None:
@@ -213,8 +250,10 @@ class TierCoordinator:
         in the host tier, pinned. None (and nothing planned) if the host tier has no room."""
         keys = [key if key is not None else self._private_key() for _, key in blocks]
         private = {k for (_, h), k in zip(blocks, keys, strict=True) if h is None}
-        needed = [(b, k) for (b, _), k in zip(blocks, keys, strict=True) if self.host.slot_of(k) is None]
-        present = [k for k in keys if self.host.slot_of(k) is not None]
+        needed = [
+            (b, k) for (b, _), k in zip(blocks, keys, strict=True) if self.host.host_block_of(k) is None
+        ]
+        present = [k for k in keys if self.host.host_block_of(k) is not None]
         self.host.pin(present)  # making room for the others must not evict these
         spec = self.host.prepare_store([k for _, k in needed])
         if len(spec.keys) != len(needed):
@@ -223,8 +262,8 @@ class TierCoordinator:
             self._private.difference_update(private)
             return None
         self.host.pin(spec.keys)
-        for (block_id, key), slot in zip(needed, spec.addresses, strict=True):
-            self._plan.stores.append((block_id, int(slot)))  # type: ignore[call-overload]
+        for (block_id, key), host_block_id in zip(needed, spec.addresses, strict=True):
+            self._plan.stores.append((block_id, int(host_block_id)))  # type: ignore[call-overload]
             self._plan.store_keys.append(key)
         return SwappedOut(keys, private)
 
@@ -248,62 +287,74 @@ class TierCoordinator:
         self._private.add(key)
         return key
 
-    # ------------------------------------------------------------------------------ disk
-    def _host_evicted(self, key: BlockKey, slot: int) -> None:
-        self._from_disk.discard(key)
-        if self.disk_active and key not in self._private:
-            self._store_to_disk([key], {key: slot})
+    # ------------------------------------------------------------------------------ external tiers
+    def _host_evicted(self, key: BlockKey, host_block_id: int) -> None:
+        self._promoted.pop(key, None)
+        if key in self._private:
+            return
+        for level in self.external:
+            if level.active:
+                self._store_down(level, [key], {key: host_block_id})
 
-    def _store_to_disk(self, keys: Sequence[BlockKey], slots: dict[BlockKey, int] | None = None) -> None:
-        assert self.disk is not None and self.mover is not None
-        keys = [k for k in keys if k not in self._disk_storing and not self.disk.contains(k)]
+    def _store_down(
+        self, level: ExternalLevel, keys: Sequence[BlockKey], host_blocks: dict[BlockKey, int] | None = None
+    ) -> None:
+        """Write host blocks ``keys`` to an external tier unless it holds (or is getting) them."""
+        assert self.host_bytes is not None
+        keys = [k for k in keys if k not in level.storing and not level.tier.contains(k)]
         if not keys:
             return
-        spec = self.disk.prepare_store(keys)
-        for key, path in zip(spec.keys, spec.addresses, strict=True):
-            slot = slots[key] if slots else self.host.slot_of(key)
-            assert slot is not None
-            self._disk_storing.add(key)
-            self.mover.start_disk_store(key, str(path), slot)
+        spec = level.tier.prepare_store(keys)
+        for key, address in zip(spec.keys, spec.addresses, strict=True):
+            host_block_id = host_blocks[key] if host_blocks else self.host.host_block_of(key)
+            assert host_block_id is not None
+            level.storing.add(key)
+            level.worker.submit_store(key, address, self.host_bytes.host_snapshot(host_block_id))
 
-    def poll(self, results: Sequence[IOResultLike] | None = None) -> None:
-        """Apply finished disk reads and writes (from ``mover.poll_io()`` unless given)."""
-        if self.mover is None:
-            return
-        for r in self.mover.poll_io() if results is None else results:
-            self._apply(r)
+    def poll(self) -> None:
+        """Apply the external tiers' finished reads and writes."""
+        for level in self.external:
+            for r in level.worker.poll():
+                self._apply(level, r)
 
     def wait(self, timeout: float) -> None:
-        """Block until some disk I/O finishes (or ``timeout``): used when nothing else can run."""
-        if self.mover is not None and self.has_pending_io:
-            for r in self.mover.wait_io(timeout):
-                self._apply(r)
+        """Block until some external I/O finishes (or ``timeout``): used when nothing else can run."""
+        busy = [level for level in self.external if level.promoting] or [
+            level for level in self.external if level.storing
+        ]
+        if busy:
+            for r in busy[0].worker.wait(timeout):
+                self._apply(busy[0], r)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Write every held host block to disk and wait (engine shutdown: a restart finds them)."""
-        if self.mover is None:
-            return
-        if self.disk_active:
-            self._store_to_disk([k for k in self.host.held_keys() if k not in self._private])
-        for r in self.mover.drain_io(timeout):
-            self._apply(r)
+        """Write every held host block down to the external tiers and wait (engine shutdown: a
+        restart finds them)."""
+        shared = [k for k in self.host.held_keys() if k not in self._private]
+        for level in self.external:
+            if level.active:
+                self._store_down(level, shared)
+        for level in self.external:
+            for r in level.worker.drain(timeout):
+                self._apply(level, r)
 
-    def _apply(self, r: IOResultLike) -> None:
-        disk = self.disk
-        assert disk is not None
+    def close(self) -> None:
+        """Stop the external tiers' workers (after the jobs already submitted)."""
+        for level in self.external:
+            for r in level.worker.close(timeout=30.0):
+                self._apply(level, r)
+
+    def _apply(self, level: ExternalLevel, r: IOResultLike) -> None:
+        tier = level.tier
         if r.kind == "load":
-            self._promoting.discard(r.key)
+            level.promoting.discard(r.key)
             self.host.complete_store([r.key], ok=r.ok)
             if r.ok:
-                self._from_disk.add(r.key)
-                disk.complete_load([r.key])  # counts blocks and bytes loaded
-                disk.stats.load_seconds += r.seconds
+                self._promoted[r.key] = tier.medium
+                tier.complete_load([r.key], r.seconds)
             else:
-                disk.invalidate(r.key, r.error or "unreadable")  # drops the pin, removes the file
+                tier.invalidate(r.key, r.error or "unreadable")  # drops the pin, removes the block
         else:
-            self._disk_storing.discard(r.key)
-            disk.complete_store([r.key], ok=r.ok)  # counts blocks and bytes stored
-            if r.ok:
-                disk.stats.store_seconds += r.seconds
-            elif r.fatal and not disk.disabled:
-                disk.disable(r.error or "write failed")
+            level.storing.discard(r.key)
+            tier.complete_store([r.key], ok=r.ok, seconds=r.seconds)
+            if not r.ok and r.fatal and not tier.disabled:
+                tier.disable(r.error or "write failed")

@@ -1,8 +1,9 @@
-"""The host tier (L2): a fixed number of block slots in host memory, an LRU map of keys to slots.
+"""The host tier (L2): a fixed number of blocks in host memory, an LRU map of keys to host blocks.
 
 This module is the bookkeeping only; the bytes live in one buffer owned by the transfer layer
-(``kvtier/transfer/mover.py``: pinned memory on CUDA, an ordinary tensor on CPU), and slot ``s`` of
-this tier is block ``s`` of that buffer. A slot is in one of four states::
+(``kvtier/transfer/mover.py``: pinned memory on CUDA, an ordinary tensor on CPU), and host block
+``h`` of this tier is block ``h`` of that buffer (host block ids are not device block ids). A host
+block is in one of four states::
 
     free        not in any map                          handed out by prepare_store
     reserved    key in _reserved: bytes on their way    invisible to lookup, never evicted
@@ -10,8 +11,11 @@ this tier is block ``s`` of that buffer. A slot is in one of four states::
     pinned      held or reserved, with pins > 0         a load in flight or a swapped-out sequence:
                                                         never evicted
 
-Eviction pops the oldest unpinned held key. ``on_evict(key, slot)`` sees it first, while the slot's
+Eviction pops the oldest unpinned held key. ``on_evict(key, host_block_id)`` sees it first, while its
 bytes are still intact, so the coordinator can demote the block to disk instead of dropping it.
+
+Counters: the tier counts its own evictions; the mover records the device↔host copies it runs into
+``counters`` (it did the work); lookups and hits are counted by the coordinator.
 """
 
 from __future__ import annotations
@@ -19,19 +23,20 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvtier.tiers.base import BlockKey, KVTier, LoadSpec, Medium, StoreSpec, TierStats
+from kvtier.stats import Medium, TierCounters
+from kvtier.tiers.base import BlockKey, KVTier, LoadSpec, StoreSpec
 
 
 class HostTier(KVTier):
     medium = Medium.HOST
 
-    def __init__(self, num_slots: int, on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
-        if num_slots <= 0:
-            raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
-        self.stats = TierStats()
+    def __init__(self, num_blocks: int, on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
+        self.counters = TierCounters()
         self.on_evict = on_evict
-        self._num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self._num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._held: OrderedDict[BlockKey, int] = OrderedDict()
         self._reserved: dict[BlockKey, int] = {}
         self._pins: Counter[BlockKey] = Counter()
@@ -39,19 +44,19 @@ class HostTier(KVTier):
     # ------------------------------------------------------------------------ occupancy
     @property
     def capacity_blocks(self) -> int:
-        return self._num_slots
+        return self._num_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self._num_slots - len(self._free)
+        return self._num_blocks - len(self._free)
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._held
 
-    def slot_of(self, key: BlockKey) -> int | None:
-        """The slot of a held or reserved key."""
-        slot = self._held.get(key)
-        return self._reserved.get(key) if slot is None else slot
+    def host_block_of(self, key: BlockKey) -> int | None:
+        """The host block id of a held or reserved key."""
+        host_block_id = self._held.get(key)
+        return self._reserved.get(key) if host_block_id is None else host_block_id
 
     def held_keys(self) -> list[BlockKey]:
         """Held keys, least recently used first."""
@@ -59,13 +64,13 @@ class HostTier(KVTier):
 
     # ------------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadSpec:
-        slots = []
+        host_block_ids = []
         for key in keys:
             if key not in self._held:
                 raise KeyError(f"host tier: load of a key it does not hold ({key.hex()[:12]})")
-            slots.append(self._held[key])
+            host_block_ids.append(self._held[key])
         self.pin(keys)
-        return LoadSpec(tuple(keys), tuple(slots))
+        return LoadSpec(tuple(keys), tuple(host_block_ids))
 
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
         self.unpin(keys)
@@ -76,27 +81,27 @@ class HostTier(KVTier):
     # ------------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
         accepted: list[BlockKey] = []
-        slots: list[int] = []
+        host_block_ids: list[int] = []
         evicted: list[BlockKey] = []
         for key in dict.fromkeys(keys):  # in order, without duplicates
             if key in self._held or key in self._reserved:
                 continue
             if not self._free and not self._evict_one(evicted):
                 break  # everything is pinned or reserved: the rest does not fit
-            slot = self._free.pop()
-            self._reserved[key] = slot
+            host_block_id = self._free.pop()
+            self._reserved[key] = host_block_id
             accepted.append(key)
-            slots.append(slot)
-        return StoreSpec(tuple(accepted), tuple(slots), tuple(evicted))
+            host_block_ids.append(host_block_id)
+        return StoreSpec(tuple(accepted), tuple(host_block_ids), tuple(evicted))
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
         for key in keys:
-            slot = self._reserved.pop(key)
+            host_block_id = self._reserved.pop(key)
             if ok:
-                self._held[key] = slot
+                self._held[key] = host_block_id
             else:
                 self._pins.pop(key, None)
-                self._free.append(slot)
+                self._free.append(host_block_id)
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
         for key in self._held:
@@ -104,14 +109,14 @@ class HostTier(KVTier):
                 break
         else:
             return False
-        slot = self._held[key]
+        host_block_id = self._held[key]
         if self.on_evict is not None:
-            self.on_evict(key, slot)
+            self.on_evict(key, host_block_id)
         del self._held[key]
         self._pins.pop(key, None)
-        self._free.append(slot)
+        self._free.append(host_block_id)
         evicted.append(key)
-        self.stats.blocks_evicted += 1
+        self.counters.blocks_evicted += 1
         return True
 
     # ------------------------------------------------------------------------ pins
@@ -138,8 +143,8 @@ class HostTier(KVTier):
 
     def check_integrity(self) -> None:
         used = list(self._held.values()) + list(self._reserved.values())
-        assert len(set(used)) == len(used), "host tier: a slot is used twice"
-        assert not set(used) & set(self._free), "host tier: a used slot is also free"
-        assert len(used) + len(self._free) == self._num_slots, "host tier: slots do not add up"
+        assert len(set(used)) == len(used), "host tier: a host block is used twice"
+        assert not set(used) & set(self._free), "host tier: a used host block is also free"
+        assert len(used) + len(self._free) == self._num_blocks, "host tier: blocks do not add up"
         for key in self._pins:
             assert key in self._held or key in self._reserved, "host tier: a pin on a key it does not hold"

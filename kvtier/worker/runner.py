@@ -18,12 +18,6 @@ def allocate_kv_pool(
     return torch.zeros(shape, dtype=model.dtype, device=device)
 
 
-def kv_block_bytes(model: LlamaModel, block_size: int) -> int:
-    c = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
-    return c.num_layers * block_size * 2 * c.num_kv_heads * c.head_dim * elem
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
         self.model = model

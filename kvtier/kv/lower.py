@@ -1,0 +1,93 @@
+"""What the KV manager needs from the tiers below the device pool, declared here so that ``kv/``
+never imports ``tiers/`` (``kvtier.tiers.coordinator.TierCoordinator`` implements it).
+
+The manager drives the lower tiers at four moments::
+
+    lookup(keys) ─► LowerHit          after the device pool misses: which following blocks the host
+                                      tier holds (load them this step) and how many more are on
+                                      their way up from disk or a remote store
+    hold / load                       adopting a hit: pin the host blocks, then plan their loads
+    on_device_evict / on_block_full   a cached device block is being reused / a block became full:
+                                      the write policy decides whether to plan a store
+    swap_out / swap_in / release      preemption by swap
+    take_plan() ─► SwapPlan           the step's device↔host copies, once per scheduler step
+
+Torch-free bookkeeping; the bytes move in ``kvtier/transfer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.kv.hashing import BlockHash
+from kvtier.kv.plan import SwapPlan
+from kvtier.stats import Medium
+
+
+@dataclass(frozen=True)
+class LowerHit:
+    """Where the blocks after the device hits live. ``host_keys`` can be loaded this step; some of
+    them were promoted into the host tier from a lower one for this prefix (``promoted``, blocks per
+    medium). ``num_pending_blocks`` more are being read up into the host tier."""
+
+    host_keys: tuple[BlockHash, ...] = ()
+    promoted: tuple[tuple[Medium, int], ...] = ()
+    num_pending_blocks: int = 0
+
+    def blocks_by_tier(self) -> dict[Medium, int]:
+        """``host_keys`` by the tier that served them."""
+        by_tier = {Medium.HOST: len(self.host_keys) - sum(n for _, n in self.promoted)}
+        by_tier.update(self.promoted)
+        return by_tier
+
+
+NO_LOWER_HIT = LowerHit()
+
+
+@dataclass
+class SwappedOut:
+    """A sequence preempted by swap: its blocks in order, pinned in the host tier."""
+
+    keys: list[BlockHash]
+    private_keys: set[BlockHash]  # blocks without a prefix-cache hash (partial or uncached)
+
+
+class LowerTiers(Protocol):
+    def lookup(self, keys: Sequence[BlockHash]) -> LowerHit:
+        """Leading ``keys`` held below the device (may start reads from slower tiers)."""
+
+    def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
+        """Count an adopted lookup of ``num_keys`` blocks below the device."""
+
+    def can_load(self, keys: Sequence[BlockHash]) -> bool:
+        """Whether every key is still in the host tier (nothing evicted it since the lookup)."""
+
+    def hold(self, keys: Sequence[BlockHash]) -> None:
+        """Pin host hits between the lookup and the device allocation; ``load`` takes the pin over."""
+
+    def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
+        """Plan host → device loads of held ``keys``."""
+
+    def on_device_evict(self, block_id: int, key: BlockHash) -> None:
+        """A cached device block is about to be reused for other KV."""
+
+    def on_block_full(self, block_id: int, key: BlockHash) -> None:
+        """A device block became full and computed (and entered the hash map)."""
+
+    def swap_out(self, blocks: Sequence[tuple[int, BlockHash | None]]) -> SwappedOut | None:
+        """Plan stores that keep ``(device_block_id, hash or None)`` blocks pinned in the host tier;
+        None (nothing planned) when the host tier has no room."""
+
+    def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> None:
+        """Plan the loads that bring a swapped-out sequence back."""
+
+    def release(self, swapped: SwappedOut) -> None:
+        """A swapped-out sequence ended without resuming: unpin and drop its private blocks."""
+
+    def take_plan(self) -> SwapPlan:
+        """The device↔host copies planned since the last call."""
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the tiers' books do not balance."""

@@ -1,0 +1,39 @@
+"""``SwapPlan``: the device↔host copies one scheduler step needs, planned once and run as a batch.
+
+The KV manager's lower tiers accumulate the plan while the scheduler allocates; it travels in
+``SchedulerOutput.swap`` and is executed before the forward::
+
+    1. stores   device block → host block   (evicted cached blocks, write-through blocks, swap-out)
+    2. loads    host block → device block   (prefix hits in the host tier, swap-in)
+    3. copy-on-write copies, then the forward
+
+Stores go first: a block evicted this step may be handed out again in the same step and be
+overwritten by a load or by the forward. After the copies ran, the lower tiers' ``complete_plan``
+publishes the stored keys and unpins the loaded ones.
+
+Device blocks and host blocks are numbered separately: ``device_block_id`` indexes the device pool,
+``host_block_id`` the host tier's buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.kv.hashing import BlockHash
+
+
+@dataclass
+class SwapPlan:
+    stores: list[tuple[int, int]] = field(default_factory=list)  # (device_block_id, host_block_id)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host_block_id, device_block_id)
+    store_keys: list[BlockHash] = field(default_factory=list)  # one per store, same order
+    load_keys: list[BlockHash] = field(default_factory=list)  # one per load, same order
+    # Private blocks of swapped-in sequences: dropped from the host tier once loaded.
+    discard_keys: list[BlockHash] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.stores and not self.loads and not self.discard_keys
+
+    def __len__(self) -> int:
+        return len(self.stores) + len(self.loads)

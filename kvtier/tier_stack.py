@@ -1,0 +1,50 @@
+"""Building the tiers under the device pool from a ``TierConfig``, and wiring their byte movers.
+
+This is where a tier is registered::
+
+    TierConfig ──► HostTier (bookkeeping) ◄── TierMover (device↔host copies, the host buffer)
+               └─► DiskTier ◄── BlockIOWorker(DiskBlockIO)   an ExternalLevel under the host tier
+                   (a tier added later: its bookkeeping, its BlockIO, one more ExternalLevel)
+
+The engine, the statistics and the metrics see the tiers only through ``TierCoordinator.tiers``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvtier.config import TierConfig
+from kvtier.tiers.base import TierIdentity
+from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
+from kvtier.tiers.disk import DiskBlockIO, DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.transfer.io_worker import BlockIOWorker
+from kvtier.transfer.mover import TierMover
+
+log = logging.getLogger("kvtier.engine")
+
+
+def build_tiers(
+    config: TierConfig, identity: TierIdentity, device_kv: torch.Tensor
+) -> tuple[TierCoordinator | None, TierMover | None]:
+    """The host tier (and the external tiers under it) with the mover that copies their bytes, or Nones."""
+    if config.num_host_blocks <= 0:
+        return None, None
+    host = HostTier(config.num_host_blocks)
+    external: list[ExternalLevel] = []
+    if config.disk_dir is not None:
+        disk = DiskTier(config.disk_dir, config.disk_bytes, identity)
+        worker = BlockIOWorker(DiskBlockIO(identity), name="kvtier-disk-io")
+        external.append(ExternalLevel(disk, worker, config.store_policy))
+    coordinator = TierCoordinator(host, external, config.store_policy)
+    mover = TierMover(device_kv, config.num_host_blocks, host.counters)
+    coordinator.host_bytes = mover
+    log.info(
+        "host tier: %d blocks, %.2f GiB (%d bytes pinned)",
+        config.num_host_blocks,
+        mover.host.nbytes / 2**30,
+        mover.host.pinned_bytes,
+    )
+    return coordinator, mover

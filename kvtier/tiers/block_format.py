@@ -1,0 +1,244 @@
+"""The one format of a stored block, and the block files written in it (torch-free).
+
+Every tier whose bytes live outside the process (disk today) stores a block as one value: a fixed-size
+header that says what the bytes mean, followed by the payload, the block's raw bytes. Readers check
+every header field against what they expect, so a block written for another model, KV dtype or block
+shape is never loaded, and both checksums, so a damaged one is a miss.
+
+Block file layout (little endian; the header is one 4 KiB page, so the payload is page-aligned)::
+
+    offset  size  field
+         0     8  magic               b"KVTBLK\\r\\n"
+         8     2  format version      u16 (FORMAT_VERSION)
+        10     2  header size         u16 (HEADER_NBYTES)
+        12     4  payload crc32       u32, zlib.crc32 of the payload
+        16     8  payload size        u64, bytes
+        24    32  key                 the block's sha256 hash (also the file name)
+        56     1  ndim                u8, <= 8
+        57     1  dtype length        u8, <= 16
+        58     2  fingerprint length  u16, <= 360
+        60     4  reserved            zero
+        64    64  block shape         8 x u64, unused dims zero
+       128    16  dtype               ascii ("float32", "bfloat16", "float16"), zero padded
+       144   360  model fingerprint   utf-8, zero padded (a longer one is stored as "sha256:<hex>")
+       504  3588  zero padding
+      4092     4  header crc32        u32, zlib.crc32 of bytes [0, 4092)
+      4096     -  payload             the block's raw bytes, C order, shape and dtype of the identity
+
+A file is valid only if every field matches what the reader expects (magic, version, the key in its
+name, the tier's identity, the payload size, the file size, both checksums). Anything else is a miss:
+the file is removed and never loaded. Writes go to a temp file in the same directory and are renamed
+into place, so a reader sees either a whole old file or a whole new one, never a torn block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+
+from kvtier.tiers.base import BlockKey, TierIdentity
+
+ByteBuffer = bytes | bytearray | memoryview
+
+MAGIC = b"KVTBLK\r\n"
+FORMAT_VERSION = 1
+HEADER_NBYTES = 4096
+FILE_SUFFIX = ".kvb"
+TEMP_MARKER = ".kvb.tmp."
+MAX_NDIM = 8
+DTYPE_FIELD_NBYTES = 16
+FINGERPRINT_FIELD_NBYTES = 360
+_FIXED = struct.Struct("<8sHHIQ32sBBH4x8Q16s360s")  # bytes [0, 504)
+_CRC_OFFSET = HEADER_NBYTES - 4
+FILE_NAME = re.compile(r"^[0-9a-f]{64}\.kvb$")
+
+
+class CorruptBlock(ValueError):
+    """A stored block that must not be loaded: truncated, damaged, or written for another identity."""
+
+
+@dataclass(frozen=True)
+class BlockFileHeader:
+    """The decoded fixed-size header of a block file."""
+
+    key: BlockKey
+    model_fingerprint: str
+    dtype: str
+    block_shape: tuple[int, ...]
+    payload_nbytes: int
+    payload_crc32: int
+
+
+def _fingerprint_field(fingerprint: str) -> bytes:
+    encoded = fingerprint.encode("utf-8")
+    if len(encoded) > FINGERPRINT_FIELD_NBYTES:
+        encoded = b"sha256:" + hashlib.sha256(encoded).hexdigest().encode("ascii")
+    return encoded
+
+
+def encode_header(key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int) -> bytes:
+    """The ``HEADER_NBYTES`` header of a block file (layout in the module docstring)."""
+    if len(key) != 32:
+        raise ValueError(f"a block key is 32 bytes, got {len(key)}")
+    shape = tuple(identity.block_shape)
+    dtype = identity.dtype.encode("ascii")
+    if len(shape) > MAX_NDIM or len(dtype) > DTYPE_FIELD_NBYTES:
+        raise ValueError(f"identity does not fit the header: shape {shape}, dtype {identity.dtype!r}")
+    fingerprint = _fingerprint_field(identity.model_fingerprint)
+    dims = shape + (0,) * (MAX_NDIM - len(shape))
+    lengths = (len(shape), len(dtype), len(fingerprint))
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_NBYTES,
+        checksum,
+        payload_nbytes,
+        bytes(key),
+        *lengths,
+        *dims,
+        dtype,
+        fingerprint,
+    )
+    header = fixed + bytes(_CRC_OFFSET - len(fixed))
+    return header + struct.pack("<I", zlib.crc32(header))
+
+
+def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
+    """Parse and check a header's own integrity (magic, version, size, crc); raises CorruptBlock."""
+    if len(header) < HEADER_NBYTES:
+        raise CorruptBlock(f"truncated header ({len(header)} of {HEADER_NBYTES} bytes)")
+    header = memoryview(header)[:HEADER_NBYTES]
+    if bytes(header[:8]) != MAGIC:
+        raise CorruptBlock("not a kvtier block file (bad magic)")
+    (stored_crc,) = struct.unpack_from("<I", header, _CRC_OFFSET)
+    if zlib.crc32(header[:_CRC_OFFSET]) != stored_crc:
+        raise CorruptBlock("header checksum mismatch")
+    fields = _FIXED.unpack_from(header)
+    _, version, header_nbytes, payload_crc, payload_nbytes, key, ndim, dtype_len, fp_len = fields[:9]
+    if version != FORMAT_VERSION or header_nbytes != HEADER_NBYTES:
+        raise CorruptBlock(f"format version {version} (header {header_nbytes} B), expected {FORMAT_VERSION}")
+    dims, dtype, fingerprint = fields[9:17], fields[17], fields[18]
+    if ndim > MAX_NDIM or dtype_len > DTYPE_FIELD_NBYTES or fp_len > FINGERPRINT_FIELD_NBYTES:
+        raise CorruptBlock("header field lengths out of range")
+    try:
+        return BlockFileHeader(
+            key=BlockKey(key),
+            model_fingerprint=fingerprint[:fp_len].decode("utf-8"),
+            dtype=dtype[:dtype_len].decode("ascii"),
+            block_shape=tuple(dims[:ndim]),
+            payload_nbytes=payload_nbytes,
+            payload_crc32=payload_crc,
+        )
+    except UnicodeDecodeError as exc:
+        raise CorruptBlock(f"undecodable header text: {exc}") from exc
+
+
+def validate_header(
+    raw: bytes | bytearray | memoryview, file_nbytes: int, key: BlockKey, identity: TierIdentity
+) -> BlockFileHeader:
+    """The header of a ``file_nbytes`` file that must hold block ``key`` of ``identity``; raises
+    CorruptBlock on any mismatch (the payload checksum is left to the reader)."""
+    header = decode_header(raw)
+    if header.key != key:
+        raise CorruptBlock("the header names another block")
+    expected_fp = _fingerprint_field(identity.model_fingerprint).decode("utf-8")
+    if header.model_fingerprint != expected_fp:
+        raise CorruptBlock(f"written for another model ({header.model_fingerprint[:16]}...)")
+    if header.dtype != identity.dtype:
+        raise CorruptBlock(f"written as {header.dtype}, expected {identity.dtype}")
+    if header.block_shape != tuple(identity.block_shape):
+        raise CorruptBlock(f"block shape {header.block_shape}, expected {tuple(identity.block_shape)}")
+    if header.payload_nbytes != identity.block_bytes:
+        raise CorruptBlock(f"payload of {header.payload_nbytes} B, expected {identity.block_bytes}")
+    if file_nbytes != HEADER_NBYTES + header.payload_nbytes:
+        raise CorruptBlock(f"file of {file_nbytes} B, expected {HEADER_NBYTES + header.payload_nbytes}")
+    return header
+
+
+def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> os.stat_result:
+    """Check a block file's header and size without reading the payload; raises CorruptBlock."""
+    with open(path, "rb") as handle:
+        raw = handle.read(HEADER_NBYTES)
+        stat = os.fstat(handle.fileno())
+    validate_header(raw, stat.st_size, key, identity)
+    return stat
+
+
+_temp_ids = itertools.count()
+
+
+def _check_size(buffer: memoryview, identity: TierIdentity, what: str) -> None:
+    if buffer.nbytes != identity.block_bytes or not buffer.contiguous:
+        raise ValueError(f"{what} is {buffer.nbytes} B, expected {identity.block_bytes} contiguous bytes")
+
+
+def write_block_file(
+    path: str | os.PathLike[str], key: BlockKey, identity: TierIdentity, data: ByteBuffer
+) -> int:
+    """Write ``data`` (the block's raw bytes) as block ``key`` of ``identity``; returns the file size.
+
+    Atomic: the bytes go to ``<path>.tmp.<pid>.<n>`` in the same directory (created if missing), which is
+    renamed over ``path`` once complete; on any error the temp file is removed and the error re-raised.
+    Not fsynced: a crash can lose recent files or leave a damaged one, which the checksums turn into a
+    miss.
+    """
+    payload = memoryview(data).cast("B")
+    _check_size(payload, identity, "data")
+    header = encode_header(key, identity, payload.nbytes, zlib.crc32(payload))
+    path = os.fspath(path)
+    temp = f"{path}.tmp.{os.getpid()}.{next(_temp_ids)}"
+    try:
+        try:
+            handle = open(temp, "wb")  # noqa: SIM115 (closed below, before the rename)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            handle = open(temp, "wb")  # noqa: SIM115
+        with handle:
+            handle.write(header)
+            handle.write(payload)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    return HEADER_NBYTES + payload.nbytes
+
+
+def _read_exactly(fd: int, buffer: memoryview) -> int:
+    """Fill ``buffer`` from ``fd``; returns the bytes read (fewer only at end of file)."""
+    total = 0
+    while total < buffer.nbytes:
+        n = os.readv(fd, [buffer[total:]])
+        if n == 0:
+            break
+        total += n
+    return total
+
+
+def read_block_file(
+    path: str | os.PathLike[str], key: BlockKey, identity: TierIdentity, out: ByteBuffer
+) -> None:
+    """Read and fully validate block ``key`` into ``out`` (a writable buffer of the block's size).
+
+    Raises CorruptBlock if anything does not match (then ``out`` holds garbage and must not be used),
+    OSError (e.g. FileNotFoundError) if the file cannot be read, ValueError if ``out`` is unsuitable.
+    """
+    payload = memoryview(out).cast("B")
+    _check_size(payload, identity, "out")
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        raw = bytearray(HEADER_NBYTES)
+        got = _read_exactly(fd, memoryview(raw))
+        header = validate_header(memoryview(raw)[:got], os.fstat(fd).st_size, key, identity)
+        if _read_exactly(fd, payload) != payload.nbytes:
+            raise CorruptBlock("truncated payload")
+    finally:
+        os.close(fd)
+    if zlib.crc32(payload) != header.payload_crc32:
+        raise CorruptBlock("payload checksum mismatch")

@@ -1,0 +1,171 @@
+"""``BlockIOWorker``: moves block bytes between host memory and a tier outside the process, on a
+background thread, so the scheduler's thread never waits on a disk or a network.
+
+It knows nothing about where the bytes go: the tier plugs in a :class:`BlockIO` (its own ``read`` and
+``write`` of one block at an address: a file path for the disk tier, an object name for a network
+store). Buffers are plain byte buffers (``memoryview``), so this module is torch-free::
+
+    scheduler thread                         worker thread (one, daemon)
+    ────────────────                         ───────────────────────────
+    submit_store(key, address, data) ─jobs─► io.write(key, address, data)
+    submit_load(key, address, out)   ─FIFO─► io.read(key, address, out)    validate, fill ``out``
+    poll() / wait() / drain()        ◄─────  IOResult(kind, key, ok, error, fatal, nbytes, seconds)
+
+Jobs run one at a time in submission order, so a load submitted after a store of the same address
+sees the stored block. The worker owns ``data`` from ``submit_store`` on (pass a snapshot) and writes
+into ``out`` (a view into the host tier's buffer) only for a load: ``out`` is valid only if that
+load's result has ``ok=True``.
+
+Failures never escape the thread. ``fatal=True`` (``io.is_fatal``) means the tier as a whole is
+unusable and should be turned off; otherwise a failed load is a miss for that one block.
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from kvtier.tiers.base import BlockKey
+
+ByteBuffer = bytes | bytearray | memoryview
+
+
+class BlockIO(Protocol):
+    """One tier's block reads and writes; each raises on failure."""
+
+    def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None: ...
+    def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None: ...
+    def is_fatal(self, exc: BaseException) -> bool: ...
+
+
+@dataclass(frozen=True)
+class IOResult:
+    """The outcome of one job. ``nbytes``: payload bytes moved (0 on failure)."""
+
+    kind: Literal["load", "store"]
+    key: BlockKey
+    ok: bool
+    error: str | None = None
+    fatal: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    kind: Literal["load", "store"]
+    key: BlockKey
+    address: object
+    buffer: ByteBuffer
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of a job's failure: the errno name when there is one."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror} ({exc.filename})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class BlockIOWorker:
+    """One daemon thread running a tier's block reads and writes; results come back through ``poll``."""
+
+    def __init__(self, io: BlockIO, *, name: str = "kvtier-block-io") -> None:
+        self.io = io
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._results: deque[IOResult] = deque()
+        self._done = threading.Condition()
+        self._num_pending = 0  # submitted, no result yet (guarded by _done)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------ submitting
+    def submit_store(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
+        """Write ``data`` (bytes the worker now owns) as block ``key`` at ``address``."""
+        self._submit(_Job("store", key, address, data))
+
+    def submit_load(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
+        """Read block ``key`` from ``address`` into ``out``; ``out`` is valid only if the result is ok."""
+        self._submit(_Job("load", key, address, out))
+
+    def _submit(self, job: _Job) -> None:
+        with self._done:
+            if self._closed:
+                raise RuntimeError("the block I/O worker is closed")
+            self._num_pending += 1
+        self._jobs.put(job)
+
+    # ------------------------------------------------------------------------ collecting
+    @property
+    def pending(self) -> int:
+        """Jobs submitted whose result is not ready yet."""
+        with self._done:
+            return self._num_pending
+
+    def poll(self) -> list[IOResult]:
+        """The results ready now (never blocks)."""
+        with self._done:
+            return self._take()
+
+    def wait(self, timeout: float | None = None) -> list[IOResult]:
+        """Block until at least one result is ready (or ``timeout`` seconds pass, or nothing is pending)."""
+        with self._done:
+            self._done.wait_for(lambda: self._results or not self._num_pending, timeout)
+            return self._take()
+
+    def drain(self, timeout: float | None = None) -> list[IOResult]:
+        """Block until every submitted job has finished; all results not yet taken. After a timeout,
+        the results ready so far (``pending`` then says how many are still running)."""
+        with self._done:
+            self._done.wait_for(lambda: not self._num_pending, timeout)
+            return self._take()
+
+    def close(self, timeout: float | None = None) -> list[IOResult]:
+        """Finish the submitted jobs, stop the thread, and return the results not yet taken. Idempotent."""
+        with self._done:
+            already = self._closed
+            self._closed = True
+        if not already:
+            self._jobs.put(None)
+        self._thread.join(timeout)
+        return self.poll()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _take(self) -> list[IOResult]:
+        results = list(self._results)
+        self._results.clear()
+        return results
+
+    # ------------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            result = self._execute(job)
+            del job  # a store's snapshot is freed now, not when the next job arrives
+            with self._done:
+                self._results.append(result)
+                self._num_pending -= 1
+                self._done.notify_all()
+
+    def _execute(self, job: _Job) -> IOResult:
+        start = time.perf_counter()
+        try:
+            if job.kind == "store":
+                self.io.write(job.key, job.address, job.buffer)
+            else:
+                self.io.read(job.key, job.address, job.buffer)
+        except BaseException as exc:  # noqa: BLE001 (nothing may escape the worker thread)
+            seconds = time.perf_counter() - start
+            return IOResult(job.kind, job.key, False, describe(exc), self.io.is_fatal(exc), 0, seconds)
+        nbytes = memoryview(job.buffer).nbytes
+        return IOResult(job.kind, job.key, True, None, False, nbytes, time.perf_counter() - start)
