@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -112,6 +113,7 @@ class TierConfig:
     disk_dir: str | None = None
     disk_bytes: int = 0
     store_policy: StorePolicy = "write_back"
+    secret: bytes | None = field(default=None, repr=False)  # signs blocks below the host tier
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,12 @@ class EngineConfig:
     @property
     def max_model_len(self) -> int:
         return self.scheduler.max_model_len
+
+
+def _secret(value: str | None) -> bytes | None:
+    """The block-signing secret: the argument, else ``$KVTIER_REMOTE_SECRET``, else none."""
+    value = value if value is not None else os.environ.get("KVTIER_REMOTE_SECRET")
+    return value.encode("utf-8") if value else None
 
 
 def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
@@ -164,7 +172,11 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.preemption_mode
         ),
         tiers=TierConfig(
-            num_host_blocks, args.kv_disk_dir, int(args.kv_disk_gb * 2**30), args.kv_store_policy
+            num_host_blocks,
+            args.kv_disk_dir,
+            int(args.kv_disk_gb * 2**30),
+            args.kv_store_policy,
+            _secret(args.kv_remote_secret),
         ),
     )
 
@@ -186,6 +198,9 @@ class EngineArgs:
     kv_disk_dir: str | None = None  # disk tier (L3) directory; None disables it
     kv_disk_gb: float = 10.0  # disk tier size cap
     kv_store_policy: StorePolicy = "write_back"
+    # Signs blocks written below the host tier (HMAC-SHA256) and refuses unsigned or forged ones on
+    # read (disk, and a shared remote store); default: $KVTIER_REMOTE_SECRET, else none.
+    kv_remote_secret: str | None = None
     preemption_mode: PreemptionMode = "auto"
     seed: int = 0
     num_threads: int | None = None

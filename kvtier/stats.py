@@ -3,10 +3,14 @@
 Who writes what (one owner per counter record)::
 
     Medium.DEVICE   KVCacheManager          lookups, hits and evictions of the device pool
-    Medium.HOST     HostTier + TierMover    occupancy, lookups, hits; the mover records the
-                                            device↔host copies it ran (blocks, bytes, seconds)
-    Medium.DISK     DiskTier                everything, as its reads and writes complete
+    Medium.HOST     HostTier                its evictions
+                    TierMover               the device↔host copies it ran (blocks, bytes, seconds)
+    Medium.DISK     DiskTier                loads, stores, evictions, failures, as its I/O completes
     (a tier added later owns its own record the same way)
+
+Lookups and hits of the tiers below the device are counted when the scheduler adopts a hit (a
+request held back while its blocks are read is looked up again every step, and counted once), by the
+``TierCoordinator``, which alone knows which tier served each block.
 
 ``LLMEngine.stats()`` only snapshots: each tier turns its live :class:`TierCounters` into a frozen-in-time
 :class:`TierSnapshot`, keyed by :class:`Medium` in :class:`EngineStats`. The server's metrics, the CLI

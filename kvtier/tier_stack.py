@@ -36,7 +36,7 @@ def build_tiers(
     external: list[ExternalLevel] = []
     if config.disk_dir is not None:
         disk = DiskTier(config.disk_dir, config.disk_bytes, identity)
-        worker = BlockIOWorker(DiskBlockIO(identity), name="kvtier-disk-io")
+        worker = BlockIOWorker(DiskBlockIO(identity, config.secret), name="kvtier-disk-io")
         external.append(ExternalLevel(disk, worker, config.store_policy))
     coordinator = TierCoordinator(host, external, config.store_policy)
     mover = TierMover(device_kv, config.num_host_blocks, host.counters)

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,9 @@ from kvtier.tiers.base import BlockKey, TierIdentity
 from kvtier.tiers.block_format import (
     HEADER_NBYTES,
     CorruptBlock,
+    decode_block_value,
     decode_header,
+    encode_block_value,
     encode_header,
     read_block_file,
     write_block_file,
@@ -541,3 +544,58 @@ def test_worker_close_finishes_queued_jobs_and_rejects_new_ones(tmp_path: Path) 
     assert worker.close(timeout=1) == []  # idempotent
     with pytest.raises(RuntimeError):
         worker.submit_load(K("0"), str(tmp_path / "0.kvb"), byte_view(torch.empty(SHAPE)))
+
+
+# ------------------------------------------------------------------------------------------ authenticity
+def forge(path: str, identity: TierIdentity = IDENT) -> None:
+    """What an attacker with write access does: edit the payload, then make every checksum agree."""
+    raw = bytearray(Path(path).read_bytes())
+    raw[HEADER_NBYTES:] = bytes(len(raw) - HEADER_NBYTES)  # zero the KV
+    header = decode_header(raw[:HEADER_NBYTES])
+    payload = memoryview(raw)[HEADER_NBYTES:]
+    raw[:HEADER_NBYTES] = encode_header(
+        K("A"), identity, header.payload_nbytes, zlib.crc32(payload), header.mac
+    )
+    Path(path).write_bytes(raw)
+
+
+def test_secret_signs_blocks_and_refuses_forged_or_unsigned_ones(tmp_path: Path) -> None:
+    """Checksums alone accept a forged block; with a secret, only blocks signed with it load."""
+    secret, path, data = b"s3cret", str(tmp_path / "a.kvb"), block(seed=3)
+    write_block_file(path, K("A"), IDENT, byte_view(data), secret)
+    assert same_bytes(read_block(path, K("A")), data)  # no secret configured: the CRC still checks
+    out = torch.empty(SHAPE)
+    read_block_file(path, K("A"), IDENT, byte_view(out), secret)
+    assert same_bytes(out, data)
+    with pytest.raises(CorruptBlock, match="bad MAC"):
+        read_block_file(path, K("A"), IDENT, byte_view(out), b"another secret")
+
+    forge(path)
+    assert not read_block(path, K("A")).any()  # the forgery passes every checksum...
+    with pytest.raises(CorruptBlock, match="bad MAC"):  # ...but not the MAC
+        read_block_file(path, K("A"), IDENT, byte_view(out), secret)
+
+    write_block_file(path, K("A"), IDENT, byte_view(data))  # unsigned, e.g. from a run without the secret
+    with pytest.raises(CorruptBlock, match="unsigned"):
+        read_block_file(path, K("A"), IDENT, byte_view(out), secret)
+
+
+def test_block_values_round_trip_and_refuse_what_does_not_match() -> None:
+    """The one-value form (header + payload) a store keyed by name holds."""
+    data, out = block(seed=4), torch.empty(SHAPE)
+    value = encode_block_value(K("A"), IDENT, byte_view(data), b"k")
+    assert len(value) == HEADER_NBYTES + IDENT.block_bytes
+    decode_block_value(value, K("A"), IDENT, byte_view(out), b"k")
+    assert same_bytes(out, data)
+    for bad, match in [
+        (value[:-1], "file of"),  # truncated
+        (value[:HEADER_NBYTES] + bytes(IDENT.block_bytes), "checksum"),  # corrupt payload
+    ]:
+        with pytest.raises(CorruptBlock, match=match):
+            decode_block_value(bad, K("A"), IDENT, byte_view(out), b"k")
+    with pytest.raises(CorruptBlock, match="another block"):
+        decode_block_value(value, K("B"), IDENT, byte_view(out), b"k")
+    with pytest.raises(CorruptBlock, match="another model"):
+        decode_block_value(value, K("A"), ident(fingerprint="cd" * 32), byte_view(out), b"k")
+    with pytest.raises(CorruptBlock, match="bad MAC"):
+        decode_block_value(value, K("A"), IDENT, byte_view(out), b"other")

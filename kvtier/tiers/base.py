@@ -35,6 +35,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium, TierCounters, TierSnapshot
@@ -74,11 +75,30 @@ class StoreSpec:
     evicted: tuple[BlockKey, ...] = field(default=())
 
 
+class BlockListener(Protocol):
+    """Told which blocks a tier now holds or no longer holds (KV events for a cache-aware router)."""
+
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockKey]) -> None: ...
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockKey]) -> None: ...
+
+
 class KVTier(ABC):
-    """One lower tier. All methods are called from one thread (the scheduler's)."""
+    """One lower tier. All methods are called from one thread (the scheduler's).
+
+    A tier tells its ``listener`` (if any) when blocks become visible to lookups (``_announce_stored``)
+    and when they stop being (``_announce_removed``): stored, evicted, invalidated, dropped."""
 
     medium: Medium
     counters: TierCounters
+    listener: BlockListener | None = None
+
+    def _announce_stored(self, keys: Sequence[BlockKey]) -> None:
+        if self.listener is not None and keys:
+            self.listener.blocks_stored(self.medium, keys)
+
+    def _announce_removed(self, keys: Sequence[BlockKey]) -> None:
+        if self.listener is not None and keys:
+            self.listener.blocks_removed(self.medium, keys)
 
     @property
     @abstractmethod

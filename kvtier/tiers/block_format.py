@@ -17,17 +17,23 @@ Block file layout (little endian; the header is one 4 KiB page, so the payload i
         56     1  ndim                u8, <= 8
         57     1  dtype length        u8, <= 16
         58     2  fingerprint length  u16, <= 360
-        60     4  reserved            zero
+        60     4  flags               u32: bit 0 set = the MAC field holds a MAC (others zero)
         64    64  block shape         8 x u64, unused dims zero
        128    16  dtype               ascii ("float32", "bfloat16", "float16"), zero padded
        144   360  model fingerprint   utf-8, zero padded (a longer one is stored as "sha256:<hex>")
-       504  3588  zero padding
+       504    32  MAC                 HMAC-SHA256(secret, bytes [0, 504) + payload), or zero
+       536  3556  zero padding
       4092     4  header crc32        u32, zlib.crc32 of bytes [0, 4092)
       4096     -  payload             the block's raw bytes, C order, shape and dtype of the identity
 
-A file is valid only if every field matches what the reader expects (magic, version, the key in its
-name, the tier's identity, the payload size, the file size, both checksums). Anything else is a miss:
-the file is removed and never loaded. Writes go to a temp file in the same directory and are renamed
+A block is valid only if every field matches what the reader expects (magic, version, the key it was
+asked for, the tier's identity, the payload size, the stored size, both checksums). Anything else is a
+miss: the block is removed and never loaded.
+
+Checksums catch damage, not forgery: anyone who can write the directory (or the store) can write a
+consistent header. With a secret (``kv_remote_secret``), writers add a MAC over the header fields and
+the payload and readers refuse a block whose MAC is missing or does not verify, so only a holder of
+the secret can produce a block that loads. Writes go to a temp file in the same directory and are renamed
 into place, so a reader sees either a whole old file or a whole new one, never a torn block.
 """
 
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import itertools
 import os
 import re
@@ -54,7 +61,9 @@ TEMP_MARKER = ".kvb.tmp."
 MAX_NDIM = 8
 DTYPE_FIELD_NBYTES = 16
 FINGERPRINT_FIELD_NBYTES = 360
-_FIXED = struct.Struct("<8sHHIQ32sBBH4x8Q16s360s")  # bytes [0, 504)
+_FIXED = struct.Struct("<8sHHIQ32sBBHI8Q16s360s")  # bytes [0, 504): what a MAC signs
+MAC_NBYTES = 32
+FLAG_MAC = 1
 _CRC_OFFSET = HEADER_NBYTES - 4
 FILE_NAME = re.compile(r"^[0-9a-f]{64}\.kvb$")
 
@@ -73,6 +82,8 @@ class BlockFileHeader:
     block_shape: tuple[int, ...]
     payload_nbytes: int
     payload_crc32: int
+    mac: bytes | None = None  # the stored MAC, if the writer had a secret
+    signed: bytes = b""  # the header bytes the MAC covers (with the payload)
 
 
 def _fingerprint_field(fingerprint: str) -> bytes:
@@ -82,8 +93,36 @@ def _fingerprint_field(fingerprint: str) -> bytes:
     return encoded
 
 
-def encode_header(key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int) -> bytes:
-    """The ``HEADER_NBYTES`` header of a block file (layout in the module docstring)."""
+def encode_header(
+    key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int, mac: bytes | None = None
+) -> bytes:
+    """The ``HEADER_NBYTES`` header of a block (layout in the module docstring)."""
+    fields = _signed_fields(key, identity, payload_nbytes, checksum, FLAG_MAC if mac is not None else 0)
+    if mac is not None and len(mac) != MAC_NBYTES:
+        raise ValueError(f"a MAC is {MAC_NBYTES} bytes, got {len(mac)}")
+    header = fields + (mac or bytes(MAC_NBYTES))
+    header += bytes(_CRC_OFFSET - len(header))
+    return header + struct.pack("<I", zlib.crc32(header))
+
+
+def _mac(secret: bytes, signed: bytes | memoryview, payload: memoryview) -> bytes:
+    digest = hmac.new(secret, signed, hashlib.sha256)
+    digest.update(payload)
+    return digest.digest()
+
+
+def block_header(key: BlockKey, identity: TierIdentity, payload: memoryview, secret: bytes | None) -> bytes:
+    """The header for ``payload``: its checksum, and a MAC when there is a secret."""
+    checksum = zlib.crc32(payload)
+    if secret is None:
+        return encode_header(key, identity, payload.nbytes, checksum)
+    signed = _signed_fields(key, identity, payload.nbytes, checksum, FLAG_MAC)
+    return encode_header(key, identity, payload.nbytes, checksum, _mac(secret, signed, payload))
+
+
+def _signed_fields(
+    key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int, flags: int
+) -> bytes:
     if len(key) != 32:
         raise ValueError(f"a block key is 32 bytes, got {len(key)}")
     shape = tuple(identity.block_shape)
@@ -93,7 +132,7 @@ def encode_header(key: BlockKey, identity: TierIdentity, payload_nbytes: int, ch
     fingerprint = _fingerprint_field(identity.model_fingerprint)
     dims = shape + (0,) * (MAX_NDIM - len(shape))
     lengths = (len(shape), len(dtype), len(fingerprint))
-    fixed = _FIXED.pack(
+    return _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         HEADER_NBYTES,
@@ -101,12 +140,11 @@ def encode_header(key: BlockKey, identity: TierIdentity, payload_nbytes: int, ch
         payload_nbytes,
         bytes(key),
         *lengths,
+        flags,
         *dims,
         dtype,
         fingerprint,
     )
-    header = fixed + bytes(_CRC_OFFSET - len(fixed))
-    return header + struct.pack("<I", zlib.crc32(header))
 
 
 def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
@@ -123,9 +161,12 @@ def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
     _, version, header_nbytes, payload_crc, payload_nbytes, key, ndim, dtype_len, fp_len = fields[:9]
     if version != FORMAT_VERSION or header_nbytes != HEADER_NBYTES:
         raise CorruptBlock(f"format version {version} (header {header_nbytes} B), expected {FORMAT_VERSION}")
-    dims, dtype, fingerprint = fields[9:17], fields[17], fields[18]
+    flags, dims, dtype, fingerprint = fields[9], fields[10:18], fields[18], fields[19]
     if ndim > MAX_NDIM or dtype_len > DTYPE_FIELD_NBYTES or fp_len > FINGERPRINT_FIELD_NBYTES:
         raise CorruptBlock("header field lengths out of range")
+    if flags & ~FLAG_MAC:
+        raise CorruptBlock(f"unknown header flags {flags:#x}")
+    mac_end = _FIXED.size + MAC_NBYTES
     try:
         return BlockFileHeader(
             key=BlockKey(key),
@@ -134,9 +175,23 @@ def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
             block_shape=tuple(dims[:ndim]),
             payload_nbytes=payload_nbytes,
             payload_crc32=payload_crc,
+            mac=bytes(header[_FIXED.size : mac_end]) if flags & FLAG_MAC else None,
+            signed=bytes(header[: _FIXED.size]),
         )
     except UnicodeDecodeError as exc:
         raise CorruptBlock(f"undecodable header text: {exc}") from exc
+
+
+def check_payload(header: BlockFileHeader, payload: memoryview, secret: bytes | None) -> None:
+    """Raise CorruptBlock unless ``payload`` matches the header's checksum and, with a secret, its MAC."""
+    if zlib.crc32(payload) != header.payload_crc32:
+        raise CorruptBlock("payload checksum mismatch")
+    if secret is None:
+        return
+    if header.mac is None:
+        raise CorruptBlock("unsigned block (a secret is configured)")
+    if not hmac.compare_digest(header.mac, _mac(secret, header.signed, payload)):
+        raise CorruptBlock("bad MAC (not written with this secret, or edited)")
 
 
 def validate_header(
@@ -179,7 +234,11 @@ def _check_size(buffer: memoryview, identity: TierIdentity, what: str) -> None:
 
 
 def write_block_file(
-    path: str | os.PathLike[str], key: BlockKey, identity: TierIdentity, data: ByteBuffer
+    path: str | os.PathLike[str],
+    key: BlockKey,
+    identity: TierIdentity,
+    data: ByteBuffer,
+    secret: bytes | None = None,
 ) -> int:
     """Write ``data`` (the block's raw bytes) as block ``key`` of ``identity``; returns the file size.
 
@@ -190,7 +249,7 @@ def write_block_file(
     """
     payload = memoryview(data).cast("B")
     _check_size(payload, identity, "data")
-    header = encode_header(key, identity, payload.nbytes, zlib.crc32(payload))
+    header = block_header(key, identity, payload, secret)
     path = os.fspath(path)
     temp = f"{path}.tmp.{os.getpid()}.{next(_temp_ids)}"
     try:
@@ -222,7 +281,11 @@ def _read_exactly(fd: int, buffer: memoryview) -> int:
 
 
 def read_block_file(
-    path: str | os.PathLike[str], key: BlockKey, identity: TierIdentity, out: ByteBuffer
+    path: str | os.PathLike[str],
+    key: BlockKey,
+    identity: TierIdentity,
+    out: ByteBuffer,
+    secret: bytes | None = None,
 ) -> None:
     """Read and fully validate block ``key`` into ``out`` (a writable buffer of the block's size).
 
@@ -240,5 +303,26 @@ def read_block_file(
             raise CorruptBlock("truncated payload")
     finally:
         os.close(fd)
-    if zlib.crc32(payload) != header.payload_crc32:
-        raise CorruptBlock("payload checksum mismatch")
+    check_payload(header, payload, secret)
+
+
+def encode_block_value(
+    key: BlockKey, identity: TierIdentity, data: ByteBuffer, secret: bytes | None
+) -> bytes:
+    """One stored value holding block ``key``: header then payload (for stores keyed by name)."""
+    payload = memoryview(data).cast("B")
+    _check_size(payload, identity, "data")
+    return block_header(key, identity, payload, secret) + payload
+
+
+def decode_block_value(
+    value: ByteBuffer, key: BlockKey, identity: TierIdentity, out: ByteBuffer, secret: bytes | None
+) -> None:
+    """Check a stored value of block ``key`` and copy its payload into ``out``; raises CorruptBlock."""
+    raw = memoryview(value).cast("B")
+    dst = memoryview(out).cast("B")
+    _check_size(dst, identity, "out")
+    header = validate_header(raw[:HEADER_NBYTES], raw.nbytes, key, identity)
+    payload = raw[HEADER_NBYTES:]
+    check_payload(header, payload, secret)
+    dst[:] = payload

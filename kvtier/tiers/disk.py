@@ -70,15 +70,16 @@ class DiskBlockIO:
     and the coordinator invalidates that key. A fatal failure (the disk is full, read-only, not ours)
     turns the tier off."""
 
-    def __init__(self, identity: TierIdentity) -> None:
+    def __init__(self, identity: TierIdentity, secret: bytes | None = None) -> None:
         self.identity = identity
+        self.secret = secret  # with a secret, blocks are signed on write and verified on read
 
     def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
-        read_block_file(str(address), key, self.identity, out)
+        read_block_file(str(address), key, self.identity, out, self.secret)
         _touch(str(address))
 
     def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
-        write_block_file(str(address), key, self.identity, data)
+        write_block_file(str(address), key, self.identity, data, self.secret)
 
     @staticmethod
     def is_fatal(exc: BaseException) -> bool:
