@@ -39,7 +39,7 @@ _ENGINE_HELP = {
     "kv_disk_dir": "disk KV tier directory (needs --kv-host-gb); persists across restarts",
     "kv_disk_gb": "disk KV tier size cap in GiB (default 10)",
     "kv_store_policy": "write_back (store blocks when evicted) or write_through (as soon as full)",
-    "kv_remote_secret": "sign blocks stored below the host tier, refuse forged ones (default: $KVTIER_REMOTE_SECRET)",
+    "kv_remote_secret": "sign blocks below the host tier; refuse forged ones (default $KVTIER_REMOTE_SECRET)",
     "preemption_mode": "auto (cheaper of swap and recompute), swap or recompute",
     "seed": "engine seed (unseeded requests draw from it)",
     "num_threads": "torch CPU threads",
