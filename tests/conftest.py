@@ -442,3 +442,13 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGU
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path):
+    """A fresh real redis-server on a free loopback port (persistence off), stopped after the test."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
