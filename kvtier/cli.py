@@ -1,68 +1,44 @@
-"""``kvtier`` command line: generate · chat · bench.
+"""``kvtier`` command line: generate · chat · serve · bench · demo · plan.
 
 Engine flags have the names of ``LLM(...)`` keyword arguments (``--kv-device-blocks`` is
-``kv_device_blocks``). Bad input ends with one line on stderr and exit status 2, never a traceback
-(set ``KVTIER_DEBUG=1`` to get the traceback). Status messages (loading...) go to stderr when it is a
-terminal; results go to stdout.
+``kv_device_blocks``); :mod:`kvtier.args` makes them from ``EngineArgs``. ``generate`` and ``chat`` live
+here; every other subcommand is added when it is parsed, from its own module's ``add_args`` (so
+``kvtier --help`` imports neither torch nor FastAPI). Bad input ends with one line on stderr and exit
+status 2, never a traceback (set ``KVTIER_DEBUG=1`` to get the traceback). Status messages (loading...)
+go to stderr when it is a terminal; results go to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import importlib
 import os
 import sys
 import time
-import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvtier.config import ConfigError, DType, EngineArgs, PreemptionMode, StorePolicy
+from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
+from kvtier.config import ConfigError, EngineArgs
 
 if TYPE_CHECKING:
     from kvtier.llm import LLM
     from kvtier.outputs import RequestOutput
     from kvtier.sampling_params import SamplingParams
 
-_ENGINE_HELP = {
-    "model": "model path: an HF directory or a .gguf file (default: embedded SmolLM2-135M-Instruct)",
-    "dtype": "auto (the model's own precision), float32 (exact), bfloat16 (fast)",
-    "block_size": "tokens per KV block (a power of two)",
-    "kv_device_blocks": "device KV pool size in blocks",
-    "kv_device_gb": "device KV pool size in GiB (default 1)",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (chunked prefill)",
-    "max_model_len": "longest prompt + output",
-    "enable_prefix_caching": "reuse cached prompt prefixes",
-    "kv_host_gb": "host-memory KV tier in GiB (0: off); evicted blocks are kept there",
-    "kv_disk_dir": "disk KV tier directory (needs --kv-host-gb); persists across restarts",
-    "kv_disk_gb": "disk KV tier size cap in GiB (default 10)",
-    "kv_store_policy": "write_back (store blocks when evicted) or write_through (as soon as full)",
-    "kv_remote_secret": "sign blocks below the host tier; refuse forged ones (default $KVTIER_REMOTE_SECRET)",
-    "preemption_mode": "auto (cheaper of swap and recompute), swap or recompute",
-    "seed": "engine seed (unseeded requests draw from it)",
-    "num_threads": "torch CPU threads",
-}
-_INT_FLAGS = {"block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens"}
-_INT_FLAGS |= {"max_model_len", "seed", "num_threads"}
-_CHOICES = {
-    "kv_store_policy": typing.get_args(StorePolicy),
-    "preemption_mode": typing.get_args(PreemptionMode),
-}
-
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one ``kvtier: error:`` line (exit status 2), like every bad input."""
+    """argparse, but a usage error is one ``kvtier: error:`` line (exit status 2), like every bad input.
+
+    A subcommand whose code lives in another module has ``populate`` set (see :func:`_lazy`): its
+    arguments are added, and its module imported, only when that subcommand is parsed.
+    """
+
+    populate: Callable[[argparse.ArgumentParser], None] | None = None
 
     def error(self, message: str) -> NoReturn:
         _fail(f"{message} (see '{self.prog} --help')")
-
-
-class _LazyParser(_Parser):
-    """A subcommand whose arguments are added when it is used (the bench module imports torch)."""
-
-    populate: Callable[[argparse.ArgumentParser], None] | None = None
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         if self.populate is not None:
@@ -84,33 +60,6 @@ def _status(message: str) -> None:
     """A progress/status line on stderr, only for a person watching a terminal."""
     if sys.stderr.isatty():
         print(f"kvtier: {message}", file=sys.stderr, flush=True)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine (the keyword arguments of LLM(...))")
-    for f in dataclasses.fields(EngineArgs):
-        if f.name not in _ENGINE_HELP:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        default = None if f.default is dataclasses.MISSING else f.default
-        help_text = _ENGINE_HELP[f.name]
-        if f.name == "enable_prefix_caching":
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name == "dtype":
-            g.add_argument(flag, choices=typing.get_args(DType), default=default, help=help_text)
-        elif f.name in _CHOICES:
-            g.add_argument(flag, choices=_CHOICES[f.name], default=default, help=help_text)
-        else:
-            kind: Callable[[str], Any] = int if f.name in _INT_FLAGS else str
-            kind = float if f.name in ("kv_device_gb", "kv_host_gb", "kv_disk_gb") else kind
-            g.add_argument(flag, type=kind, default=default, help=help_text)
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    kwargs = {name: getattr(ns, name) for name in _ENGINE_HELP if hasattr(ns, name)}
-    args = EngineArgs(**kwargs)
-    args.validate()  # before anything slow: a bad flag value fails at once
-    return args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -148,8 +97,7 @@ def _make_llm(args: EngineArgs) -> LLM:
     _status(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...")
     from kvtier.llm import LLM
 
-    kwargs = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("model", "extra")}
-    llm = LLM(args.model, progress=sys.stderr.isatty(), **kwargs)
+    llm = LLM(args.model, progress=sys.stderr.isatty(), **engine_kwargs(args))
     engine = llm.engine
     _status(
         f"model ready in {time.monotonic() - t0:.1f}s ({engine.device.type}, {engine.dtype}, "
@@ -260,53 +208,28 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         print(f"  [{_stats(final, first, total)}]", file=sys.stderr, flush=True)
 
 
-def cmd_plan(ns: argparse.Namespace) -> int:
-    from kvtier import planner  # pure arithmetic, no torch
-
-    return planner.run(ns)
-
-
-def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.planner import add_args  # stdlib-only module: cheap even when another command runs
-
-    add_args(p)
+_BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
+    "throughput": "kvtier vs HF transformers: decode, prefill, mixed, cached, start-up",
+    "serve": "HTTP load: Poisson arrivals, TTFT/ITL percentiles, server overhead",
+    "multiturn": "multi-turn chat TTFT: no caching, device, +host, +disk, restart",
+    "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
+}
 
 
-def cmd_bench(ns: argparse.Namespace) -> int:
-    from kvtier.bench import throughput
+def _lazy(sub: Any, name: str, module: str, help_text: str, unavailable: str | None = None) -> None:
+    """Subcommand ``name`` of ``sub``, run by ``module``: its ``add_args(parser)`` adds the arguments and
+    sets ``func``, when the subcommand is parsed. An import failure is one error line (``unavailable``,
+    else the module's name, "is unavailable: ..."), so the other commands work whatever it imports."""
 
-    return throughput.main(ns)
-
-
-def _add_throughput_args(b: argparse.ArgumentParser) -> None:
-    try:  # generate and chat must keep working whatever the benchmark module does
-        from kvtier.bench.throughput import add_args
-    except Exception as exc:
-        _fail(f"the benchmark is unavailable: {type(exc).__name__}: {exc}")
-    else:
-        add_args(b)
-        b.set_defaults(func=cmd_bench)
-
-
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.server.serve import add_args  # cheap: FastAPI, uvicorn and torch load when it starts
-
-    add_args(p)
-
-
-def _lazy_args(module: str) -> Callable[[argparse.ArgumentParser], None]:
-    """Populate a lazy subcommand from ``module.add_args`` (which sets ``func``), failing in one line."""
-
-    def populate(b: argparse.ArgumentParser) -> None:
-        import importlib
-
+    def populate(p: argparse.ArgumentParser) -> None:
         try:
             add_args = importlib.import_module(module).add_args
         except Exception as exc:
-            _fail(f"{module} is unavailable: {type(exc).__name__}: {exc}")
-        add_args(b)
+            _fail(f"{unavailable or module} is unavailable: {type(exc).__name__}: {exc}")
+        add_args(p)
 
-    return populate
+    parser = sub.add_parser(name, help=help_text)
+    parser.populate = populate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,35 +249,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1 chat and completions, /metrics)")
-    _add_serve_args(p)
+    serve_help = "OpenAI-compatible HTTP server (/v1 chat and completions, /metrics)"
+    _lazy(sub, "serve", "kvtier.server.serve", serve_help)
 
-    p = sub.add_parser("bench", help="benchmarks (print a table)")
-    bsub = p.add_subparsers(dest="bench", required=True, parser_class=_LazyParser)
-    b = bsub.add_parser(
-        "throughput", help="kvtier vs HF transformers: decode, prefill, mixed, cached, start-up"
+    bench = sub.add_parser("bench", help="benchmarks (print a table)").add_subparsers(
+        dest="bench", required=True
     )
-    assert isinstance(b, _LazyParser)
-    b.populate = _add_throughput_args
-    b = bsub.add_parser("serve", help="HTTP load: Poisson arrivals, TTFT/ITL percentiles, server overhead")
-    assert isinstance(b, _LazyParser)
-    b.populate = _lazy_args("kvtier.bench.serve")
-    b = bsub.add_parser("multiturn", help="multi-turn chat TTFT: no caching, device, +host, +disk, restart")
-    assert isinstance(b, _LazyParser)
-    b.populate = _lazy_args("kvtier.bench.multiturn")
-    b = bsub.add_parser("transfer", help="tier store/load bandwidth vs memcpy; decode with write-back on/off")
-    assert isinstance(b, _LazyParser)
-    b.populate = _lazy_args("kvtier.bench.transfer")
+    for name, bench_help in _BENCHMARKS.items():
+        _lazy(bench, name, f"kvtier.bench.{name}", bench_help, unavailable="the benchmark")
 
-    p = sub.add_parser("demo", help="demonstrations (print what happens)")
-    dsub = p.add_subparsers(dest="demo", required=True, parser_class=_LazyParser)
-    b = dsub.add_parser("offload", help="seed 000's offload demo: miss, device, host; disk after a restart")
-    assert isinstance(b, _LazyParser)
-    b.populate = _lazy_args("kvtier.demo")
+    demo = sub.add_parser("demo", help="demonstrations (print what happens)").add_subparsers(
+        dest="demo", required=True
+    )
+    demo_help = "the tiered KV cache at work: a miss, device and host hits; disk hits after a restart"
+    _lazy(demo, "offload", "kvtier.demo", demo_help)
 
-    p = sub.add_parser("plan", help="capacity planner: KV pool, concurrency, decode and reload estimates")
-    _add_plan_args(p)
-    p.set_defaults(func=cmd_plan)
+    plan_help = "capacity planner: KV pool, concurrency, decode and reload estimates"
+    _lazy(sub, "plan", "kvtier.planner", plan_help)
     return parser
 
 

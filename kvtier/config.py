@@ -183,38 +183,71 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """Engine arguments: keyword arguments of ``LLM(...)`` and ``--flags`` of the CLI (same names)."""
+    """Engine arguments: keyword arguments of ``LLM(...)`` and ``--flags`` of the CLI (same names).
 
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
-    dtype: DType = "auto"
-    block_size: int = 16
-    kv_device_blocks: int | None = None
-    kv_device_gb: float | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    kv_host_gb: float = 0.0  # host-memory tier (L2); 0 disables it
-    kv_disk_dir: str | None = None  # disk tier (L3) directory; None disables it
-    kv_disk_gb: float = 10.0  # disk tier size cap
-    kv_store_policy: StorePolicy = "write_back"
-    # Signs blocks written below the host tier (HMAC-SHA256) and refuses unsigned or forged ones on
-    # read (disk, and a shared remote store); default: $KVTIER_REMOTE_SECRET, else none.
-    kv_remote_secret: str | None = None
-    preemption_mode: PreemptionMode = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    # Extra fields for later tiers/servers are added here, each with a default.
-    extra: dict[str, Any] = field(default_factory=dict)
+    Each field is declared once, here: ``kvtier.args`` turns it into a ``--flag`` (its type from the
+    annotation, its help from ``metadata["help"]``) for ``generate``, ``chat``, ``serve`` and the benches.
+    """
+
+    model: str | None = field(  # None: the embedded SmolLM2-135M-Instruct GGUF
+        default=None,
+        metadata={
+            "help": "model path: an HF directory or a .gguf file (default: embedded SmolLM2-135M-Instruct)"
+        },
+    )
+    dtype: DType = field(
+        default="auto",
+        metadata={"help": "auto (the model's own precision), float32 (exact), bfloat16 (fast)"},
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
+    kv_device_blocks: int | None = field(default=None, metadata={"help": "device KV pool size in blocks"})
+    kv_device_gb: float | None = field(
+        default=None, metadata={"help": "device KV pool size in GiB (default 1)"}
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one step (chunked prefill)"}
+    )
+    max_model_len: int | None = field(default=None, metadata={"help": "longest prompt + output"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached prompt prefixes"})
+    kv_host_gb: float = field(
+        default=0.0, metadata={"help": "host-memory KV tier in GiB (0: off); evicted blocks are kept there"}
+    )
+    kv_disk_dir: str | None = field(
+        default=None,
+        metadata={"help": "disk KV tier directory (needs --kv-host-gb); persists across restarts"},
+    )
+    kv_disk_gb: float = field(default=10.0, metadata={"help": "disk KV tier size cap in GiB (default 10)"})
+    kv_store_policy: StorePolicy = field(
+        default="write_back",
+        metadata={"help": "write_back (store blocks when evicted) or write_through (as soon as full)"},
+    )
+    kv_remote_secret: str | None = field(
+        default=None,
+        metadata={
+            "help": "sign blocks stored below the host tier (HMAC-SHA256) and refuse unsigned or forged "
+            "ones (default: $KVTIER_REMOTE_SECRET, else none)"
+        },
+    )
+    preemption_mode: PreemptionMode = field(
+        default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
+    )
+    seed: int = field(default=0, metadata={"help": "engine seed (unseeded requests draw from it)"})
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads", "aliases": ("--threads",)}
+    )
 
     def validate(self) -> None:
+        """ConfigError naming the first bad argument (fields with a ``Literal`` type or a float are
+        checked from their annotation)."""
+        hints = typing.get_type_hints(EngineArgs)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_device_blocks is not None and self.kv_device_blocks < 2:
             raise ConfigError(f"kv_device_blocks must be at least 2, got {self.kv_device_blocks}")
-        for name in ("kv_device_gb", "kv_host_gb", "kv_disk_gb"):
+        for name, hint in hints.items():
             value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
+            if float in (hint, *typing.get_args(hint)) and value is not None and not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number, got {value}")
         if self.kv_device_gb is not None and self.kv_device_gb <= 0:
             raise ConfigError(f"kv_device_gb must be positive, got {self.kv_device_gb}")
@@ -232,13 +265,6 @@ class EngineArgs:
             raise ConfigError(
                 "kv_disk_dir needs kv_host_gb > 0: disk blocks are read back through host memory"
             )
-        if self.kv_store_policy not in ("write_back", "write_through"):
-            raise ConfigError(
-                f"kv_store_policy must be write_back or write_through, got {self.kv_store_policy!r}"
-            )
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ConfigError(
-                f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name, hint in hints.items():
+            if typing.get_origin(hint) is Literal:
+                check_choice(name, getattr(self, name), hint)

@@ -1,4 +1,4 @@
-"""``kvtier demo offload``: seed 000's offload demo on the real model, plus a restart that hits disk.
+"""``kvtier demo offload``: the tiered KV cache at work on the real model, and a restart that hits disk.
 
 Four phases on a tiny device pool (the host and disk tiers below it)::
 
@@ -16,11 +16,14 @@ cached tokens by tier and its time to first token; each phase ends with the tier
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
 
 SYSTEM = (
     "You are a helpful assistant for a team of engineers. Answer briefly, precisely and politely. "
@@ -42,16 +45,13 @@ SOURCES = ("miss", "device", "host", "disk")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-disk-dir",
-        default=None,
-        help="disk tier directory (default: a fresh temporary directory, removed afterwards)",
-    )
-    p.add_argument("--kv-device-blocks", type=int, default=32, help="device pool in blocks (default 32)")
-    p.add_argument("--kv-host-gb", type=float, default=0.25, help="host tier in GiB (default 0.25)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request (default 8)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--model", default=None, help="model path (default: embedded SmolLM2-135M-Instruct)")
+    add_engine_args(
+        p,
+        ["model", "kv_device_blocks", "kv_host_gb", "kv_disk_dir", "num_threads"],
+        defaults={"kv_device_blocks": 32, "kv_host_gb": 0.25},
+        notes={"kv_disk_dir": "default: a fresh temporary directory, removed afterwards"},
+    )
     p.set_defaults(func=main)
 
 
@@ -134,15 +134,11 @@ def _messages(user: str, system: str | None = SYSTEM) -> list[dict[str, str]]:
 def run_demo(ns: argparse.Namespace, disk_dir: str) -> list[Served]:
     from kvtier import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {
-        "kv_device_blocks": ns.kv_device_blocks,
-        "kv_host_gb": ns.kv_host_gb,
-        "kv_disk_dir": disk_dir,
-        "num_threads": ns.threads,
-    }
+    args = dataclasses.replace(engine_args_from(ns), kv_disk_dir=disk_dir)
+    kwargs = engine_kwargs(args)
     params = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens, ignore_eos=True)
     served: list[Served] = []
-    llm = LLM(ns.model, **kwargs)
+    llm = LLM(args.model, **kwargs)
     try:
         bs = llm.engine.config.cache.block_size
         host = llm.engine.stats().tiers["host"].capacity_blocks
@@ -174,7 +170,7 @@ def run_demo(ns: argparse.Namespace, disk_dir: str) -> list[Served]:
         llm.close()  # flushes device and host blocks to disk
 
     _header("Phase 4: restart on the same disk directory (disk hits)")
-    llm = LLM(ns.model, **kwargs)
+    llm = LLM(args.model, **kwargs)
     try:
         print_tiers(llm)
         _warm_up(llm)

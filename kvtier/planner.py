@@ -364,6 +364,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ Each returns ``kvtier.planner.ModelSpec`` keyword arguments. Nothing here loads 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import mmap
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ConfigError
+from kvtier.hf_config import config_errors, decoder_shape, read_json
 
 # name -> ModelSpec keyword arguments (everything except the derived parameter count)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -63,50 +65,35 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def hf_spec(config_path: Path) -> dict[str, Any]:
     """ModelSpec keywords from an HF ``config.json`` (its ``text_config`` for a multimodal config). The
-    parameter count is summed from the safetensors headers beside it, else left to the planner (0)."""
-    try:
-        cfg = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {config_path}: {exc}") from exc
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{config_path} does not hold a JSON object")
+    parameter count is summed from the safetensors headers beside it, else left to the planner (0).
+    Any decoder is read, also one the engine cannot run (a Qwen3, say)."""
+    cfg = read_json(config_path)
     cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     params = _safetensors_params(config_path.parent)
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        return dict(
-            name=config_path.resolve().parent.name,
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            num_params=params,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qk_norm=cfg.get("model_type") == "qwen3",
-            max_context=int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None,
-            source="hf",
-        )
-    except KeyError as exc:
-        raise ConfigError(f"{config_path} is missing {exc.args[0]!r}") from exc
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"{config_path} has an invalid value: {exc}") from exc
+    with config_errors(str(config_path)):
+        shape = decoder_shape(cfg)
+        max_context = int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None
+    return dict(
+        name=config_path.resolve().parent.name,
+        **dataclasses.asdict(shape),
+        num_params=params,
+        qk_norm=cfg.get("model_type") == "qwen3",
+        max_context=max_context,
+        source="hf",
+    )
 
 
 def _safetensors_params(directory: Path) -> int:
     """Total elements of the checkpoint's tensors, read from the safetensors headers only; 0 when there are
     no (complete) safetensors weights. Shards come from ``model.safetensors.index.json`` when it exists."""
     index = directory / "model.safetensors.index.json"
-    try:
-        names = (
-            set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-            if index.is_file()
-            else {f.name for f in directory.glob("*.safetensors") if not f.name.startswith("consolidated")}
-        )  # Mistral's consolidated.safetensors repeats the HF shards
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ConfigError(f"cannot read {index}: {exc}") from exc
+    if index.is_file():
+        try:
+            names = set(read_json(index)["weight_map"].values())
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"cannot read {index}: {exc}") from exc
+    else:  # Mistral's consolidated.safetensors repeats the HF shards
+        names = {f.name for f in directory.glob("*.safetensors") if not f.name.startswith("consolidated")}
     files = [directory / name for name in sorted(names)]
     if not all(f.is_file() for f in files):
         return 0

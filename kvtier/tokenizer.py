@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer as _Backend
 
 from kvtier.config import ConfigError
+from kvtier.hf_config import read_json
 
 _REPLACEMENT_CHAR = "\ufffd"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -29,17 +30,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; ConfigError when it is unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
-    return data
 
 
 def _find_chat_template(path: Path, config: dict[str, Any]) -> str | None:
@@ -55,7 +45,7 @@ def _find_chat_template(path: Path, config: dict[str, Any]) -> str | None:
         return jinja_file.read_text(encoding="utf-8")
     json_file = path / "chat_template.json"
     if json_file.is_file():
-        value = _read_json(json_file).get("chat_template")
+        value = read_json(json_file).get("chat_template")
         return value if isinstance(value, str) else None
     return None
 
@@ -102,7 +92,7 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises a bare Exception on malformed files
             raise ConfigError(f"cannot read {tokenizer_file}: {exc}") from exc
         config_file = path / "tokenizer_config.json"
-        config = _read_json(config_file) if config_file.is_file() else {}
+        config = read_json(config_file) if config_file.is_file() else {}
         specials = {key: tok for key in _SPECIAL_TOKEN_KEYS if (tok := _token_content(config.get(key)))}
         add_bos = config.get("add_bos_token")
         return cls(

@@ -23,6 +23,8 @@ class FakeEngine:
         self.threads: set[str] = set()
         self.fail_next_step = False
         self.closed = False
+        self.tokenizer = object()  # AsyncEngine copies these two when the model has loaded
+        self.max_model_len = 64
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
@@ -100,6 +102,17 @@ def test_outputs_arrive_in_order_and_the_engine_is_only_touched_by_its_thread() 
         return await asyncio.gather(*(one(n) for n in (1, 5, 3)))
 
     assert run(go) == [["0"], ["0", "1", "2", "3", "4"], ["0", "1", "2"]]
+
+
+def test_the_model_facts_are_copied_when_it_has_loaded() -> None:
+    fake = FakeEngine()
+    before = AsyncEngine(lambda: fake)
+    assert (before.tokenizer, before.max_model_len) == (None, None)
+
+    async def go(ae: AsyncEngine) -> tuple[object, int | None]:
+        return ae.tokenizer, ae.max_model_len
+
+    assert run(go, fake) == (fake.tokenizer, 64)
 
 
 def test_bad_input_raises_and_queues_nothing() -> None:

@@ -43,7 +43,7 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return rc, out.out, out.err
 
 
-# ----------------------------------------------------------------------------------- the seed's examples
+# ------------------------------------------------------------------ the capacity model's worked examples
 
 
 def test_kv_bytes_per_token_8b_class() -> None:
@@ -59,7 +59,7 @@ def test_fp8_kv_doubles_concurrency_at_8k() -> None:
     p16 = plan(qwen, Deployment(kv_dtype="fp16", context=CTX))
     p8 = plan(qwen, Deployment(kv_dtype="fp8", context=CTX))
     assert (p16.max_seqs, p8.max_seqs) == (44, 88)
-    # the seed's pool: 80 GB x 0.9 - 2 GB reserve - 8.19e9 params x 2 bytes
+    # the worked example's pool: 80 GB x 0.9 - 2 GB reserve - 8.19e9 params x 2 bytes
     assert p16.usable_bytes_per_device == pytest.approx(70e9)
     assert p16.kv_pool_bytes_per_device == pytest.approx(70e9 - 2 * 8_190_735_360)
     assert p16.kv_bytes_per_seq_per_device == 147_456 * CTX
@@ -108,8 +108,8 @@ def test_70b_tp2_generous_budget_holds_a_handful_and_tp4_holds_fifty() -> None:
         ("llama-3.2-1b", 1_235_814_400),
         ("mistral-7b", 7_248_023_552),
         ("llama-3.1-8b", 8_030_261_248),
-        ("qwen3-8b", 8_190_735_360),  # the seed's 8.19e9
-        ("llama-3.1-70b", 70_553_706_496),  # the seed's 70.6e9
+        ("qwen3-8b", 8_190_735_360),  # the worked example's 8.19e9
+        ("llama-3.1-70b", 70_553_706_496),  # the worked example's 70.6e9
     ],
 )
 def test_preset_parameter_counts_match_published_checkpoints(name: str, params: int) -> None:

@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.args import add_engine_args
+
 WORDS = (  # noqa: SIM905 - a word list reads better as text
     "cache block memory tier host disk device token prompt answer model layer attention query key value "
     "system user agent document report table figure section result method data server request batch "
@@ -55,11 +57,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=48, help="generated tokens per turn")
     p.add_argument("--device-fraction", type=float, default=0.25, help="device pool / live conversations")
     p.add_argument("--quick", action="store_true", help="4 conversations x 3 turns, small texts (smoke run)")
-    p.add_argument("--kv-disk-dir", default=None, help="disk tier directory (default: a temporary one)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (and llama.cpp's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
     p.add_argument("--chart", default="bench-multiturn.png", help="PNG chart path ('' for none)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    notes = {"kv_disk_dir": "default: a temporary one", "num_threads": "and llama.cpp's"}
+    add_engine_args(p, ["kv_disk_dir", "num_threads"], notes=notes)
     p.set_defaults(func=main)
 
 
@@ -344,7 +346,7 @@ def main(ns: argparse.Namespace) -> int:
     max_len = max(work.prompt_len(c, last) for c in range(work.num_convs)) + work.answer_tokens + 1
     base: dict[str, Any] = {
         "kv_device_blocks": device_blocks,
-        "num_threads": ns.threads,
+        "num_threads": ns.num_threads,
         "max_model_len": max_len,
     }
     prompts = [work.prompt_len(c, t) for c in range(work.num_convs) for t in range(work.num_turns)]
@@ -380,7 +382,7 @@ def main(ns: argparse.Namespace) -> int:
         ]
         for name, note, kwargs, max_tokens in runs:
             results[name] = run_kvtier(name, note, loaded, work, kwargs, max_tokens)
-        results["llama.cpp"] = run_llamacpp(work, int(max(host_all_gb, 0.1) * 2**30), ns.threads)
+        results["llama.cpp"] = run_llamacpp(work, int(max(host_all_gb, 0.1) * 2**30), ns.num_threads)
     finally:
         if disk_tmp is not None:
             disk_tmp.cleanup()

@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 
+from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
+
 TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
 
 
@@ -72,8 +74,6 @@ def _rates(text: str) -> list[float]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.cli import add_engine_args
-
     g = p.add_argument_group("load")
     g.add_argument("--url", default=None, help="a running server (default: start one in this process)")
     g.add_argument("--api-key", default=None, help="Bearer key for --url")
@@ -216,8 +216,8 @@ def offline_llm(ns: argparse.Namespace) -> Any:
     """An ``LLM`` with the bench's engine flags (the same as the server's)."""
     from kvtier.llm import LLM
 
-    engine_kwargs = {k: v for k, v in asdict(_engine_args(ns)).items() if k not in ("model", "extra")}
-    return LLM(ns.model, **engine_kwargs)
+    args = engine_args_from(ns)
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def offline_tokens_per_s(llm: Any, work: list[tuple[list[int], int]]) -> float:
@@ -229,12 +229,6 @@ def offline_tokens_per_s(llm: Any, work: list[tuple[list[int], int]]) -> float:
     outs = llm.generate([p for p, _ in work], params)
     seconds = time.perf_counter() - t0
     return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-
-
-def _engine_args(ns: argparse.Namespace) -> Any:
-    from kvtier.cli import engine_args_from
-
-    return engine_args_from(ns)
 
 
 async def _bench(ns: argparse.Namespace, url: str, in_process: bool) -> dict[str, Any]:
@@ -285,7 +279,7 @@ def main(ns: argparse.Namespace) -> int:
         from kvtier.server.app import ServerSettings, create_app
         from kvtier.server.serve import default_model_name, engine_factory, serve_in_thread
 
-        args = _engine_args(ns)
+        args = engine_args_from(ns)
         settings = ServerSettings(model_name=default_model_name(args.model), api_key=ns.api_key)
         print("starting the server in this process ...", file=sys.stderr, flush=True)
         server = serve_in_thread(create_app(engine_factory(args), settings))

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvtier.args import add_engine_args
+
 
 @dataclass
 class Row:
@@ -38,13 +40,16 @@ class Row:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=2, help="torch threads for both engines")
+    add_engine_args(
+        p, ["num_threads"], defaults={"num_threads": 2}, notes={"num_threads": "for HF transformers too"}
+    )
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=1000)
     p.add_argument("--mixed-requests", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not for reporting)")
     p.add_argument("--skip-hf", action="store_true", help="kvtier rows only")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.set_defaults(func=main)
 
 
 def _best(fn: Callable[[], object], repeat: int = 3) -> float:
@@ -213,7 +218,7 @@ def main(ns: argparse.Namespace) -> int:
 
     if ns.quick:
         ns.decode_tokens, ns.prefill_tokens, ns.mixed_requests = 16, 300, 8
-    torch.set_num_threads(ns.threads)
+    torch.set_num_threads(ns.num_threads)
     rows: list[Row] = []
 
     def row(
@@ -248,9 +253,9 @@ def main(ns: argparse.Namespace) -> int:
         )
 
     print("loading kvtier (float32) ...", file=sys.stderr, flush=True)
-    llm = LLM(dtype="float32", num_threads=ns.threads)
+    llm = LLM(dtype="float32", num_threads=ns.num_threads)
     vocab = llm.engine.model_config.vocab_size
-    hf = None if ns.skip_hf else load_hf(ns.threads)
+    hf = None if ns.skip_hf else load_hf(ns.num_threads)
     prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
 
     ours = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
@@ -300,14 +305,14 @@ def main(ns: argparse.Namespace) -> int:
     )
 
     del llm
-    llm_bf16 = LLM(dtype="bfloat16", num_threads=ns.threads)
+    llm_bf16 = LLM(dtype="bfloat16", num_threads=ns.num_threads)
     ours = kvtier_prefill_s(llm_bf16, vocab, ns.prefill_tokens)
     row(f"prefill {ns.prefill_tokens} tokens, bf16", ours, hf_prefill, "s", False, 2.5, ">= 2.5x HF fp32")
     del llm_bf16
 
     row(
         "start-up to first token (2nd launch)",
-        startup_first_token_s(ns.threads),
+        startup_first_token_s(ns.num_threads),
         None,
         "s",
         False,
@@ -325,7 +330,7 @@ def main(ns: argparse.Namespace) -> int:
 
 def print_table(rows: list[Row], ns: argparse.Namespace) -> None:
     print(
-        f"\nkvtier bench throughput — SmolLM2-135M-Instruct, {ns.threads} threads, "
+        f"\nkvtier bench throughput — SmolLM2-135M-Instruct, {ns.num_threads} threads, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs"
     )
     print(

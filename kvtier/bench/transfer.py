@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from kvtier.args import add_engine_args
+
 BATCHES = (1, 4, 16, 64, 256, 1024)
 BLOCK_SHAPE = (30, 16, 2, 3, 64)  # the default model: layers, block_size, K/V, kv heads, head_dim
 
@@ -34,13 +36,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--max-blocks", type=int, default=1024, help="largest batch (1,024 blocks = 755 MB a side)"
     )
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions per copy (best is kept)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--decode-seqs", type=int, default=8, help="sequences decoded together")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens generated per sequence")
     p.add_argument("--decode-reps", type=int, default=3, help="A/B repetitions (interleaved)")
     p.add_argument("--skip-decode", action="store_true", help="bandwidth only (no model)")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not for reporting)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_engine_args(p, ["num_threads"], notes={"num_threads": "default: torch's"})
     p.set_defaults(func=main)
 
 
@@ -198,8 +200,8 @@ def main(ns: argparse.Namespace) -> int:
         ns.decode_seqs, ns.decode_tokens, ns.decode_reps = 4, 32, 1
     if ns.max_blocks < 1:
         raise ValueError("--max-blocks must be at least 1")
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
+    if ns.num_threads:
+        torch.set_num_threads(ns.num_threads)
     block_mib = torch.Size(BLOCK_SHAPE).numel() * 4 / 2**20
     print(
         f"kvtier bench transfer — block {list(BLOCK_SHAPE)} fp32 = {block_mib:.3f} MiB, torch "
@@ -211,7 +213,7 @@ def main(ns: argparse.Namespace) -> int:
     print_bandwidth(rows)
     decode = None
     if not ns.skip_decode:
-        decode = measure_decode(ns.decode_seqs, ns.decode_tokens, ns.decode_reps, ns.threads)
+        decode = measure_decode(ns.decode_seqs, ns.decode_tokens, ns.decode_reps, ns.num_threads)
         print_decode(decode, ns)
     if ns.json:
         with open(ns.json, "w") as f:

@@ -7,33 +7,22 @@ start-up path: it imports nothing heavier than safetensors (torch comes in throu
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
 from kvtier.config import ConfigError, ModelConfig
+from kvtier.hf_config import config_errors, decoder_shape, parse_rope, read_json
 
 if TYPE_CHECKING:
     import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("llama3", "linear")
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _DTYPE_NAMES.update({"half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
 _TORCH_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``; ConfigError when unreadable or not an object."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} does not hold a JSON object")
-    return data
 
 
 def _id_list(value: Any) -> list[int]:
@@ -45,36 +34,6 @@ def _id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
     return []
-
-
-def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """``(rope_theta, rope_scaling)`` from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5).
-
-    The scaling dict is normalised to HF's form with a ``rope_type`` key ("llama3" or "linear"); the default
-    rope gives None. Other types (yarn, dynamic, longrope...) are a ConfigError.
-    """
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form: take full attention
-        params = params["full_attention"]
-    scaling = cfg.get("rope_scaling") or (params if isinstance(params, dict) else None)
-    theta = cfg.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    theta = float(theta) if theta is not None else 10000.0
-    if not isinstance(scaling, dict):
-        return theta, None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"unsupported rope scaling type {rope_type!r} (supported: llama3, linear)")
-    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "rope_type")}
-    if "factor" not in out:
-        raise ConfigError(f"rope scaling {rope_type!r} needs a 'factor'")
-    required = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    if rope_type == "llama3" and (missing := [k for k in required if k not in out]):
-        raise ConfigError(f"llama3 rope scaling is missing {', '.join(missing)}")
-    return theta, {"rope_type": rope_type, **out}
 
 
 def _native_dtype(cfg: dict[str, Any]) -> str | None:
@@ -109,38 +68,25 @@ def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = No
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"unsupported activation {act!r} (kvtier runs SiLU-gated MLPs)")
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    with config_errors("config.json"):
+        shape = decoder_shape(cfg)
         theta, scaling = parse_rope(cfg)
         generation_cfg = generation_cfg or {}
         eos = _id_list(cfg.get("eos_token_id")) + _id_list(generation_cfg.get("eos_token_id"))
         bos = cfg.get("bos_token_id", generation_cfg.get("bos_token_id"))
-        return ModelConfig(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+        config = ModelConfig(
+            **dataclasses.asdict(shape),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=_max_positions(cfg, arch),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             native_dtype=_native_dtype(cfg) or "float32",
         )
-    except ConfigError:
-        raise
-    except KeyError as exc:
-        raise ConfigError(f"config.json is missing {exc.args[0]!r}") from exc
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
-        raise ConfigError(f"config.json has an invalid value: {exc}") from exc
+    return config
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

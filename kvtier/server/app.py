@@ -9,6 +9,16 @@
 thread when the app starts (see :mod:`kvtier.server.async_engine`), so ``/health`` answers at once.
 A request is checked in this order: key (401), body shape (400), model name (404), parameters (400),
 engine loaded and queue room (503 with ``Retry-After``), prompt (400, from the engine).
+
+The routes and handlers are plain module-level functions; what they share lives on ``app.state``
+(``engine``: the :class:`AsyncEngine`, ``metrics``, ``settings``, ``started``). The two completion
+routes run in three steps::
+
+    _open(request, body)         model name (404), parameters (400); the arrival time
+    (the route's own)            its prompt input (400); opened.tokenizer() (503 while loading);
+                                 the prompts rendered (chat template / tokenized text)
+    opened.complete(...)         admit: queue room (503), engine.add each prompt (400)
+                                 respond: an SSE stream, or one JSON body (499 if the client left)
 """
 
 from __future__ import annotations
@@ -39,10 +49,12 @@ from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    GenerationRequest,
     bad_request,
     validation_error,
 )
 from kvtier.server.responses import DONE, Formatter, Kind, sse
+from kvtier.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
 
@@ -96,6 +108,11 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+def _abort_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.abort()
+
+
 def create_app(
     factory: Callable[[], LLMEngine],
     settings: ServerSettings,
@@ -105,227 +122,280 @@ def create_app(
     """The app; ``app.state.engine`` is its :class:`AsyncEngine`, ``app.state.metrics`` its metrics."""
     metrics = ServerMetrics(lambda: engine.stats)
     engine = AsyncEngine(factory, observer=metrics, max_queue=settings.max_queue, on_load_error=on_load_error)
-    started = int(time.time())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await asyncio.to_thread(engine.shutdown)
-
-    app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.started = int(time.time())
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineNotReady, _not_ready)
+    app.include_router(v1)
+    app.include_router(root)
+    return app
 
-    # ------------------------------------------------------------------------------------ errors
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        if exc.status == 400:
-            metrics.reject("invalid_request")
-        return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.reject("invalid_request")
-        return validation_error(list(exc.errors())).response()
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine: AsyncEngine = app.state.engine
+    engine.start()
+    yield
+    await asyncio.to_thread(engine.shutdown)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
-    @app.exception_handler(EngineNotReady)
-    async def _not_ready(request: Request, exc: EngineNotReady) -> JSONResponse:
-        return _unavailable(str(exc), "model_not_ready").response()
+# ---------------------------------------------------------------------------------------- errors
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    if exc.status == 400:
+        request.app.state.metrics.reject("invalid_request")
+    return exc.response()
 
-    # ------------------------------------------------------------------------------- helpers
-    def check_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(
-            token.strip().encode(), settings.api_key.encode()
-        ):
-            raise APIError(
-                401,
-                "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != settings.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    request.app.state.metrics.reject("invalid_request")
+    return validation_error(list(exc.errors())).response()
 
-    async def admit(
-        prompts: list[PromptType], params: SamplingParams, cache_salt: str | None, arrival: float, param: str
-    ) -> list[RequestStream]:
-        if not engine.ready:
-            raise EngineNotReady(engine.not_ready_reason())
-        if engine.overloaded(len(prompts)):
-            metrics.reject("queue_full")
-            raise _unavailable(
-                f"the server is overloaded ({engine.queue_depth()} requests waiting, --max-queue "
-                f"{engine.max_queue}); retry later",
-                "queue_full",
-            )
-        streams: list[RequestStream] = []
-        try:
-            for prompt in prompts:
-                stream = await engine.add(prompt, params, cache_salt=cache_salt, arrival_time=arrival)
-                streams.append(stream)
-        except ConfigError as exc:
-            for s in streams:
-                s.abort()
-            err = bad_request(exc, param)
-            if "max_model_len" in str(exc):
-                err.code = "context_length_exceeded"
-            raise err from None
-        except BaseException:
-            for s in streams:
-                s.abort()
-            raise
-        return streams
 
-    async def respond(
-        request: Request,
-        kind: Kind,
-        streams: list[RequestStream],
-        n: int,
-        logprobs: bool,
-        stream: bool,
-        include_usage: bool,
-    ) -> Response:
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        fmt = Formatter(
-            kind,
-            engine.engine.tokenizer,
-            f"{prefix}-{uuid.uuid4().hex}",
-            settings.model_name,
-            n,
-            logprobs=logprobs,
-            include_usage=include_usage,
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+
+
+async def _not_ready(request: Request, exc: EngineNotReady) -> JSONResponse:
+    return _unavailable(str(exc), "model_not_ready").response()
+
+
+# ---------------------------------------------------------------------------------------- checks
+def check_key(request: Request) -> None:
+    """The ``/v1`` routes' dependency: 401 unless the request carries the ``--api-key`` (when one is set)."""
+    api_key = request.app.state.settings.api_key
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(
+            401,
+            "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
-        def abort_all() -> None:
-            for s in streams:
-                s.abort()
 
-        if stream:
+def check_model(settings: ServerSettings, model: str | None) -> None:
+    if model is not None and model != settings.model_name:
+        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-            async def chunks() -> AsyncIterator[str]:
-                try:
-                    async for chunk in fmt.stream(_merge(streams), len(streams)):
-                        yield chunk
-                except (EngineDeadError, EngineNotReady) as exc:
-                    yield sse(APIError(500, str(exc), type="server_error").body())
-                    yield DONE
-                finally:
-                    abort_all()
 
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(
-                chunks(),
-                media_type="text/event-stream",
-                headers=headers,
-                background=BackgroundTask(abort_all),
-            )
+# ----------------------------------------------------------------------------- admit and respond
+async def admit(
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    prompts: list[PromptType],
+    params: SamplingParams,
+    *,
+    cache_salt: str | None,
+    arrival: float,
+    param: str,
+) -> list[RequestStream]:
+    """One stream per prompt, or none: 503 while loading or when the queue is full, 400 (naming
+    ``param``) when the engine rejects a prompt (the streams already added are aborted)."""
+    if not engine.ready:
+        raise EngineNotReady(engine.not_ready_reason())
+    if engine.overloaded(len(prompts)):
+        metrics.reject("queue_full")
+        raise _unavailable(
+            f"the server is overloaded ({engine.queue_depth()} requests waiting, --max-queue "
+            f"{engine.max_queue}); retry later",
+            "queue_full",
+        )
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            stream = await engine.add(prompt, params, cache_salt=cache_salt, arrival_time=arrival)
+            streams.append(stream)
+    except ConfigError as exc:
+        _abort_all(streams)
+        err = bad_request(exc, param)
+        if "max_model_len" in str(exc):
+            err.code = "context_length_exceeded"
+        raise err from None
+    except BaseException:
+        _abort_all(streams)
+        raise
+    return streams
 
-        async def collect() -> list[RequestOutput]:
-            finals: dict[int, RequestOutput] = {}
-            async for i, out in _merge(streams):
-                if out.finished:
-                    finals[i] = out
-            return [finals[i] for i in range(len(streams))]
 
-        work = asyncio.ensure_future(collect())
-        watch = asyncio.ensure_future(_until_disconnected(request))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():  # the client left: abort, nobody will read the answer
-                work.cancel()
-                abort_all()
-        if work.cancelled():
-            return Response(status_code=499)
-        try:
-            finals = work.result()
-        except (EngineDeadError, EngineNotReady) as exc:
-            raise APIError(500, str(exc), type="server_error") from None
-        return JSONResponse(fmt.response(finals))
+async def respond(request: Request, fmt: Formatter, streams: list[RequestStream], stream: bool) -> Response:
+    """The answer to one API call: server-sent events as the streams produce, or one JSON body."""
+    if stream:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(
+            _events(fmt, streams),
+            media_type="text/event-stream",
+            headers=headers,
+            background=BackgroundTask(_abort_all, streams),
+        )
+    return await _json_body(request, fmt, streams)
 
-    # ------------------------------------------------------------------------------------ routes
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @v1.post("/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        check_model(body.model)
-        params = body.sampling_params()
-        conversation = body.conversation()
-        if not engine.ready:
+async def _events(fmt: Formatter, streams: list[RequestStream]) -> AsyncIterator[str]:
+    """The SSE chunks; an engine failure mid-stream ends it with an error event and ``[DONE]``."""
+    try:
+        async for chunk in fmt.stream(_merge(streams), len(streams)):
+            yield chunk
+    except (EngineDeadError, EngineNotReady) as exc:
+        yield sse(APIError(500, str(exc), type="server_error").body())
+        yield DONE
+    finally:
+        _abort_all(streams)
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in _merge(streams):
+        if out.finished:
+            finals[i] = out
+    return [finals[i] for i in range(len(streams))]
+
+
+async def _json_body(request: Request, fmt: Formatter, streams: list[RequestStream]) -> Response:
+    """Wait for every stream's final output, or for the client to leave (then abort them: 499)."""
+    work = asyncio.ensure_future(_finals(streams))
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():  # the client left: abort, nobody will read the answer
+            work.cancel()
+            _abort_all(streams)
+    if work.cancelled():
+        return Response(status_code=499)
+    try:
+        finals = work.result()
+    except (EngineDeadError, EngineNotReady) as exc:
+        raise APIError(500, str(exc), type="server_error") from None
+    return JSONResponse(fmt.response(finals))
+
+
+# ------------------------------------------------------------------------------ completion routes
+@dataclass
+class _Opened:
+    """A completion request past its first checks (key, body shape, model name, parameters)."""
+
+    request: Request
+    body: GenerationRequest
+    params: SamplingParams
+    arrival: float  # time.monotonic() when the route was entered
+
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; EngineNotReady (503) while the model loads."""
+        engine: AsyncEngine = self.request.app.state.engine
+        if not engine.ready or engine.tokenizer is None:
             raise EngineNotReady(engine.not_ready_reason())
-        tokenizer = engine.engine.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-        except ConfigError as exc:
-            raise bad_request(exc, "messages") from None
-        # The template holds whatever special tokens it wants: no BOS added (as LLM.chat).
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        streams = await admit([prompt], params, body.cache_salt, arrival, "messages")
-        logprobs = body.logprobs
-        return await respond(request, "chat", streams, body.n, logprobs, body.stream, body.include_usage)
+        return engine.tokenizer
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        arrival = time.monotonic()
-        check_model(body.model)
-        params = body.sampling_params()
-        given = body.prompts()
-        if not engine.ready:
-            raise EngineNotReady(engine.not_ready_reason())
-        tokenizer = engine.engine.tokenizer
-        prompts: list[PromptType] = [
-            {"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p for p in given
-        ]
-        streams = await admit(prompts, params, body.cache_salt, arrival, "prompt")
-        logprobs = body.logprobs is not None
-        return await respond(request, "text", streams, body.n, logprobs, body.stream, body.include_usage)
+    async def complete(self, kind: Kind, prompts: list[PromptType], param: str, logprobs: bool) -> Response:
+        """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
+        body, state = self.body, self.request.app.state
+        streams = await admit(
+            state.engine,
+            state.metrics,
+            prompts,
+            self.params,
+            cache_salt=body.cache_salt,
+            arrival=self.arrival,
+            param=param,
+        )
+        tokenizer = state.engine.tokenizer
+        assert tokenizer is not None  # admitted: the model has loaded
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        fmt = Formatter(
+            kind,
+            tokenizer,
+            request_id,
+            state.settings.model_name,
+            body.n,
+            logprobs=logprobs,
+            include_usage=body.include_usage,
+        )
+        return await respond(self.request, fmt, streams, body.stream)
 
-    def model_card() -> dict[str, Any]:
-        max_len = engine.engine.max_model_len if engine.ready else None
-        return {
-            "id": settings.model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "kvtier",
-            "max_model_len": max_len,
-        }
 
-    @v1.get("/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+def _open(request: Request, body: GenerationRequest) -> _Opened:
+    """The opening step of both completion routes: model name (404), then the parameters (400)."""
+    arrival = time.monotonic()
+    check_model(request.app.state.settings, body.model)
+    return _Opened(request, body, body.sampling_params(), arrival)
 
-    @v1.get("/models/{model:path}")
-    async def model(model: str) -> dict[str, Any]:
-        check_model(model)
-        return model_card()
 
-    app.include_router(v1)
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if engine.ready:
-            return JSONResponse({"status": "ok"})
-        if engine.load_error is not None:
-            return JSONResponse({"status": "error", "message": str(engine.load_error)}, status_code=503)
-        status = "loading" if engine.loading else "stopped"
-        return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    opened = _open(request, body)
+    conversation = body.conversation()
+    tokenizer = opened.tokenizer()
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    except ConfigError as exc:
+        raise bad_request(exc, "messages") from None
+    # The template holds whatever special tokens it wants: no BOS added (as LLM.chat).
+    prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs)
 
-    return app
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    opened = _open(request, body)
+    given = body.prompts()
+    tokenizer = opened.tokenizer()
+    prompts: list[PromptType] = [
+        {"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p for p in given
+    ]
+    return await opened.complete("text", prompts, "prompt", logprobs=body.logprobs is not None)
+
+
+# ---------------------------------------------------------------------------------- other routes
+def _model_card(request: Request) -> dict[str, Any]:
+    state = request.app.state
+    engine: AsyncEngine = state.engine
+    return {
+        "id": state.settings.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "kvtier",
+        "max_model_len": engine.max_model_len if engine.ready else None,
+    }
+
+
+@v1.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(request)]}
+
+
+@v1.get("/models/{model:path}")
+async def model(model: str, request: Request) -> dict[str, Any]:
+    check_model(request.app.state.settings, model)
+    return _model_card(request)
+
+
+root = APIRouter()
+
+
+@root.get("/health")
+async def health(request: Request) -> JSONResponse:
+    engine: AsyncEngine = request.app.state.engine
+    if engine.ready:
+        return JSONResponse({"status": "ok"})
+    if engine.load_error is not None:
+        return JSONResponse({"status": "error", "message": str(engine.load_error)}, status_code=503)
+    status = "loading" if engine.loading else "stopped"
+    return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+@root.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -15,6 +15,10 @@ through the command queue and run between two steps. After every step the thread
 the admission check; an :class:`EngineObserver` (the Prometheus metrics) sees every step's outputs on
 the engine thread. A stream that is closed before its request finished aborts the request, whose blocks
 are then freed before the next step.
+
+What the HTTP layer needs of the model itself, fixed when it has loaded, is copied onto the
+``AsyncEngine`` then (``tokenizer``, ``max_model_len``; None before), so nothing outside the engine
+thread holds the ``LLMEngine``.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.stats import EngineStats
+
+if TYPE_CHECKING:
+    from kvtier.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvtier.server")
 T = TypeVar("T")
@@ -131,6 +138,9 @@ class AsyncEngine:
     ):
         self.max_queue = max_queue
         self.load_error: BaseException | None = None
+        # Set from the engine when the model has loaded (fixed from then on; read from any thread).
+        self.tokenizer: Tokenizer | None = None
+        self.max_model_len: int | None = None
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
@@ -173,13 +183,6 @@ class AsyncEngine:
         """Block (a plain thread, not the event loop) until the model has loaded or failed to."""
         self._loaded.wait(timeout)
         return self.ready
-
-    @property
-    def engine(self) -> LLMEngine:
-        """The engine, for read-only facts fixed at load (tokenizer, max_model_len). Never step it."""
-        if self._engine is None:
-            raise EngineNotReady("the model is not loaded")
-        return self._engine
 
     @property
     def stats(self) -> EngineStats | None:
@@ -290,7 +293,8 @@ class AsyncEngine:
                 self._on_load_error(exc)
             return
         self._snapshot = (engine.stats(), 0)
-        self._engine = engine
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self._engine = engine  # ready from here on
         self._loaded.set()
         try:
             self._serve(engine)

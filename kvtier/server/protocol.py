@@ -110,7 +110,7 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content)
 
 
-class _Generation(_Request):
+class GenerationRequest(_Request):
     """Fields shared by chat and text completions (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
@@ -162,7 +162,7 @@ class _Generation(_Request):
             raise bad_request(exc) from None
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -189,7 +189,7 @@ class ChatCompletionRequest(_Generation):
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationRequest):
     prompt: PromptInput
     max_tokens: int | None = 16
     logprobs: int | None = None

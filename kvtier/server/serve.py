@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.args import add_engine_args, engine_args_from
 from kvtier.config import ConfigError, EngineArgs
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from kvtier.cli import add_engine_args
-
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
@@ -129,8 +128,6 @@ def serve_in_thread(
 
 
 def main(ns: argparse.Namespace) -> int:
-    from kvtier.cli import engine_args_from
-
     args = engine_args_from(ns)
     if ns.max_queue is not None and ns.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {ns.max_queue}")
