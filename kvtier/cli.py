@@ -43,6 +43,8 @@ _ENGINE_HELP = {
     "preemption_mode": "auto (cheaper of swap and recompute), swap or recompute",
     "seed": "engine seed (unseeded requests draw from it)",
     "num_threads": "torch CPU threads",
+    "kv_events_url": "Redis URL for KV events: blocks stored/removed per medium (default: the remote URL)",
+    "kv_replica_id": "this replica's id in KV events and /v1/kv/info (default: hostname:port)",
 }
 _INT_FLAGS = {"block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens"}
 _INT_FLAGS |= {"max_model_len", "seed", "num_threads"}

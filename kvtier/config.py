@@ -23,6 +23,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.kv_events import check_replica_id
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 StorePolicy = Literal["write_back", "write_through"]
@@ -204,6 +208,11 @@ class EngineArgs:
     preemption_mode: PreemptionMode = "auto"
     seed: int = 0
     num_threads: int | None = None
+    # KV events (kvtier/kv_events.py, docs/kv-events.md): the Redis URL of the per-replica event streams
+    # (default: the remote tier's kv_remote_url when set; neither: no events) and this replica's id in
+    # them and in /v1/kv/info (default: hostname:port under `kvtier serve`, else hostname:pid).
+    kv_events_url: str | None = None
+    kv_replica_id: str | None = None
     # Extra fields for later tiers/servers are added here, each with a default.
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -240,5 +249,14 @@ class EngineArgs:
             raise ConfigError(
                 f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
             )
+        if self.kv_events_url is not None and not self.kv_events_url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(
+                f"kv_events_url must be a redis://, rediss:// or unix:// URL, got {self.kv_events_url!r}"
+            )
+        if self.kv_replica_id is not None:
+            try:
+                check_replica_id(self.kv_replica_id)
+            except ValueError as exc:
+                raise ConfigError(f"kv_replica_id: {exc}") from None
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

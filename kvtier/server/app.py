@@ -34,6 +34,7 @@ from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
+from kvtier.server.kv_routes import kv_router
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (
     APIError,
@@ -314,6 +315,7 @@ def create_app(
         return model_card()
 
     app.include_router(v1)
+    app.include_router(kv_router(engine, check_key, settings.model_name))  # GET /v1/kv/info, /v1/kv/blocks
 
     @app.get("/health")
     async def health() -> JSONResponse:
