@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv_events import (
     BlockIndex,
@@ -271,3 +272,17 @@ def test_device_pool_announces_cached_blocks_and_evictions() -> None:
         "s2", other, 0, len(other), kv.get_computed_blocks(other, ("id", "")), ("id", "")
     )
     assert mirror.sync() == {} and kv.cached_blocks() == []
+
+
+# ------------------------------------------------------------------------------------------ arguments
+def test_flags_become_engine_args_and_bad_values_are_refused() -> None:
+    from kvtier.cli import build_parser, engine_args_from
+
+    argv = ["serve", "--kv-events-url", "redis://127.0.0.1:1/0", "--kv-replica-id", "pod-7:8000"]
+    args = engine_args_from(build_parser().parse_args(argv))
+    assert (args.kv_events_url, args.kv_replica_id) == ("redis://127.0.0.1:1/0", "pod-7:8000")
+    with pytest.raises(ConfigError, match="kv_events_url"):
+        EngineArgs(kv_events_url="http://127.0.0.1:6379").validate()
+    with pytest.raises(ConfigError, match="kv_replica_id"):
+        EngineArgs(kv_replica_id="pod 7").validate()
+    assert stream_key("pod-7:8000") == "kvtier:v1:events:pod-7:8000"
