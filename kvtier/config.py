@@ -23,6 +23,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.kv_events import check_replica_id
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 StorePolicy = Literal["write_back", "write_through"]
@@ -236,6 +240,20 @@ class EngineArgs:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads", "aliases": ("--threads",)}
     )
+    kv_events_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Redis URL of this replica's KV event stream (blocks stored/removed per medium; "
+            "docs/kv-events.md); default: the remote tier's URL when set, else no events"
+        },
+    )
+    kv_replica_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "this replica's id in KV events and /v1/kv/info (default: hostname:port under "
+            "`kvtier serve`, else hostname:pid)"
+        },
+    )
 
     def validate(self) -> None:
         """ConfigError naming the first bad argument (fields with a ``Literal`` type or a float are
@@ -268,3 +286,12 @@ class EngineArgs:
         for name, hint in hints.items():
             if typing.get_origin(hint) is Literal:
                 check_choice(name, getattr(self, name), hint)
+        if self.kv_events_url is not None and not self.kv_events_url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(
+                f"kv_events_url must be a redis://, rediss:// or unix:// URL, got {self.kv_events_url!r}"
+            )
+        if self.kv_replica_id is not None:
+            try:
+                check_replica_id(self.kv_replica_id)
+            except ValueError as exc:
+                raise ConfigError(f"kv_replica_id: {exc}") from None

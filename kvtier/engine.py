@@ -14,6 +14,11 @@
         samples = _sample(out, logits) one token per sampling row; n > 1: children fork from the prompt here
         outputs = _update(samples)     stop conditions, text deltas, finished requests leave
 
+With KV events on (``kv_events_url``), the device pool and every tier tell a ``KVEventRecorder`` what
+they store and remove; ``step`` closes each step's events into one batch, published to Redis by a
+background thread (``kvtier/kv_events.py``). ``kv_blocks``/``kv_info`` answer ``GET /v1/kv/blocks`` and
+``/v1/kv/info``.
+
 ``LLMEngine.__init__`` resolves ``EngineArgs`` against the model (``kvtier.config.resolve_engine_config``:
 pool sizes, ``max_model_len``) and builds the pieces from that ``EngineConfig`` alone.
 """
@@ -29,8 +34,16 @@ from typing import Any
 import torch
 
 from kvtier.config import ConfigError, EngineArgs, resolve_engine_config
+from kvtier.kv.hashing import HASH_SPEC_VERSION, BlockHash
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import SwapPlan
+from kvtier.kv_events import (
+    WIRE_VERSION,
+    KVEventRecorder,
+    RedisStreamPublisher,
+    default_replica_id,
+    stream_key,
+)
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.output_processor import OutputProcessor
@@ -90,6 +103,8 @@ class LLMEngine:
         # Block hashes chain from the model's identity and the KV dtype: blocks are only ever
         # reused by the same weights computing in the same precision.
         self.cache_identity = f"{self.loaded.fingerprint}:{config.dtype}"
+        self.replica_id = args.kv_replica_id or default_replica_id()
+        self.kv_events = self._start_kv_events()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
@@ -99,6 +114,19 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    def _start_kv_events(self) -> KVEventRecorder | None:
+        """Attach a recorder to the device pool and every tier when events are on (a URL is set)."""
+        # The remote tier's store is the default (that field arrives with the remote tier).
+        url = self.args.kv_events_url or getattr(self.args, "kv_remote_url", None)
+        if url is None:
+            return None
+        recorder = KVEventRecorder(self.replica_id, RedisStreamPublisher(url, self.replica_id))
+        self.kv.listener = recorder
+        if self.tiers is not None:
+            self.tiers.attach_listener(recorder)  # announces what they hold already (the disk's files)
+        recorder.end_step()  # batch 1: "cleared", then those blocks
+        return recorder
 
     # --------------------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -181,6 +209,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.end_step()  # the step's KV events, one batch (published in the background)
+
+    def _step(self) -> list[RequestOutput]:
         self._poll_tiers()
         out = self.scheduler.schedule()
         self._move_blocks(out.swap)
@@ -318,6 +353,40 @@ class LLMEngine:
             tiers=tiers,
         )
 
+    # ------------------------------------------------------------------------------ KV inspection
+    def kv_blocks(self) -> tuple[dict[Medium, list[BlockHash]], int | None]:
+        """Every block hash each medium holds, and the seq of the last event batch it reflects (None
+        without events). Call between steps (``AsyncEngine.call``): pending events are closed first."""
+        seq = None
+        if self.kv_events is not None:
+            self.kv_events.end_step()
+            seq = self.kv_events.last_seq
+        held = {Medium.DEVICE: [block_hash for _, block_hash in self.kv.cached_blocks()]}
+        if self.tiers is not None:
+            held.update(self.tiers.held_keys())
+        return held, seq
+
+    def kv_info(self) -> dict[str, Any]:
+        """What a router needs to compute this engine's block hashes and to follow its events."""
+        events = self.kv_events
+        return {
+            "replica_id": self.replica_id,
+            "hash_spec_version": HASH_SPEC_VERSION,
+            "block_size": self.kv.block_size,
+            "model_fingerprint": self.loaded.fingerprint,
+            "kv_dtype": self.config.dtype,
+            # A request's chain starts at root_hash((cache_identity, cache_salt or "")): docs/block-hashes.md
+            "cache_identity": self.cache_identity,
+            "enable_prefix_caching": self.kv.enable_caching,
+            "media": [str(Medium.DEVICE)] + [str(t.medium) for t in (self.tiers.tiers if self.tiers else [])],
+            "events": {
+                "enabled": events is not None,
+                "stream": stream_key(self.replica_id),
+                "wire_version": WIRE_VERSION,
+                "instance": events.instance if events is not None else None,
+            },
+        }
+
     # ------------------------------------------------------------------------------ shutdown
     def flush_tiers(self) -> None:
         """Copy every cached device block down to the host tier and every host block to disk, and
@@ -332,10 +401,15 @@ class LLMEngine:
     def close(self) -> None:
         """Flush the tiers (a restart finds the blocks on disk) and stop their workers. Safe to
         call twice; the engine must not be stepped afterwards."""
-        if self.tiers is None or self._closed:
+        if self._closed:
             return
         self._closed = True
         try:
-            self.flush_tiers()
+            if self.tiers is not None:
+                try:
+                    self.flush_tiers()
+                finally:
+                    self.tiers.close()
         finally:
-            self.tiers.close()
+            if self.kv_events is not None:
+                self.kv_events.close()  # the last events (the flush's stores) reach Redis first

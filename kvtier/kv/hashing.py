@@ -35,7 +35,9 @@ BlockHash = NewType("BlockHash", bytes)
 BLOCK_HASH_NUM_BYTES = 32
 
 # Bump the version if the encoding below ever changes: old hashes (e.g. on disk) must not match.
-_DOMAIN = b"kvtier-block-v1"
+# docs/block-hashes.md specifies the encoding; GET /v1/kv/info reports the version to routers.
+HASH_SPEC_VERSION = 1
+_DOMAIN = b"kvtier-block-v%d" % HASH_SPEC_VERSION
 _ROOT_TAG = b"\x00root"
 _BLOCK_TAG = b"\x01block"
 

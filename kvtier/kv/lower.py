@@ -54,6 +54,15 @@ class SwappedOut:
     private_keys: set[BlockHash]  # blocks without a prefix-cache hash (partial or uncached)
 
 
+class BlockListener(Protocol):
+    """Told which blocks a medium now holds or no longer holds (KV events for a cache-aware router,
+    ``kvtier/kv_events.py``). The device pool (through ``KVCacheManager.listener``) and every tier
+    below it (``KVTier.listener``) call it on the scheduler's thread; it must not block."""
+
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None: ...
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockHash]) -> None: ...
+
+
 class LowerTiers(Protocol):
     def lookup(self, keys: Sequence[BlockHash]) -> LowerHit:
         """Leading ``keys`` held below the device (may start reads from slower tiers)."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
-from kvtier.kv.lower import NO_LOWER_HIT, LowerHit, LowerTiers, SwappedOut
+from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerHit, LowerTiers, SwappedOut
 from kvtier.kv.plan import SwapPlan
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
@@ -127,6 +127,8 @@ class KVCacheManager:
         self.device_counters = TierCounters()  # lookups, hits and evictions of the device pool
         self._on_evict = on_evict
         self.tiers = tiers
+        # KV events: told when a block enters the device prefix cache and when it is evicted from it.
+        self.listener: BlockListener | None = None
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
         self._seqs: dict[str, _SeqBlocks] = {}
         self._swapped: dict[str, _Swapped] = {}
@@ -138,6 +140,13 @@ class KVCacheManager:
         if self.tiers is not None and block.block_hash is not None:
             self.tiers.on_device_evict(block.block_id, block.block_hash)
         self.device_counters.blocks_evicted += 1
+        if self.listener is not None and block.block_hash is not None:
+            self.listener.blocks_removed(Medium.DEVICE, [block.block_hash])
+
+    def _cache_block(self, block: KVBlock, key: BlockHash, token_ids: Sequence[int]) -> None:
+        """Enter ``block`` into the device prefix cache under ``key`` (announced when it is new)."""
+        if self.pool.cache_block(block, key, token_ids) and self.listener is not None:
+            self.listener.blocks_stored(Medium.DEVICE, [key])
 
     # ---------------------------------------------------------------- lookup
 
@@ -290,7 +299,7 @@ class KVCacheManager:
         first = len(seq.blocks)
         for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
             i = first + j
-            self.pool.cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+            self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
         seq.blocks.extend(blocks)
         seq.block_hashes.extend(keys)
 
@@ -354,7 +363,7 @@ class KVCacheManager:
             extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
         for i in range(seq.num_cached_blocks, num_full):
             block = seq.blocks[i]
-            self.pool.cache_block(block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            self._cache_block(block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
             if self.tiers is not None:
                 self.tiers.on_block_full(block.block_id, seq.block_hashes[i])
         seq.num_cached_blocks = num_full
@@ -434,7 +443,7 @@ class KVCacheManager:
         seq = swapped.seq
         seq.blocks = fresh
         for i in range(seq.num_cached_blocks):
-            self.pool.cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            self._cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
         self._seqs[seq_id] = seq
         return True
 

@@ -44,6 +44,7 @@ from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
+from kvtier.server.kv_routes import kv_router
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (
     APIError,
@@ -132,6 +133,7 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineNotReady, _not_ready)
     app.include_router(v1)
+    app.include_router(kv_router(check_key))  # GET /v1/kv/info, /v1/kv/blocks
     app.include_router(root)
     return app
 

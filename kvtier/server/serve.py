@@ -7,6 +7,7 @@ when the server starts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.args import add_engine_args, engine_args_from
 from kvtier.config import ConfigError, EngineArgs
+from kvtier.kv_events import default_replica_id
 
 if TYPE_CHECKING:
     import uvicorn
@@ -135,6 +137,8 @@ def main(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in [0, 65535], got {ns.port}")
     name = ns.served_model_name or default_model_name(args.model)  # an unknown model path fails here
     sock = bind(ns.host, ns.port)
+    if args.kv_replica_id is None:  # KV events and /v1/kv/info name this replica hostname:port
+        args = dataclasses.replace(args, kv_replica_id=default_replica_id(sock.getsockname()[1]))
 
     import uvicorn
 

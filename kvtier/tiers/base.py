@@ -35,9 +35,9 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from kvtier.kv.hashing import BlockHash
+from kvtier.kv.lower import BlockListener  # declared in kv/ (the device pool tells it too)
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
 BlockKey = BlockHash
@@ -75,13 +75,6 @@ class StoreSpec:
     evicted: tuple[BlockKey, ...] = field(default=())
 
 
-class BlockListener(Protocol):
-    """Told which blocks a tier now holds or no longer holds (KV events for a cache-aware router)."""
-
-    def blocks_stored(self, medium: Medium, keys: Sequence[BlockKey]) -> None: ...
-    def blocks_removed(self, medium: Medium, keys: Sequence[BlockKey]) -> None: ...
-
-
 class KVTier(ABC):
     """One lower tier. All methods are called from one thread (the scheduler's).
 
@@ -99,6 +92,12 @@ class KVTier(ABC):
     def _announce_removed(self, keys: Sequence[BlockKey]) -> None:
         if self.listener is not None and keys:
             self.listener.blocks_removed(self.medium, keys)
+
+    def held_keys(self) -> list[BlockKey] | None:
+        """The keys visible to lookup (what ``_announce_stored`` announced and ``_announce_removed`` did
+        not take back), for the ``GET /v1/kv/blocks`` snapshot. None: the tier cannot list them (a
+        shared remote store), and the snapshot leaves its medium out."""
+        return None
 
     @property
     @abstractmethod

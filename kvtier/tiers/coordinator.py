@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.config import StorePolicy, check_choice
-from kvtier.kv.lower import NO_LOWER_HIT, LowerHit, SwappedOut
+from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerHit, SwappedOut
 from kvtier.kv.plan import SwapPlan
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
@@ -103,6 +103,7 @@ class TierCoordinator:
         self._promoted: dict[BlockKey, Medium] = {}  # host keys read up from an external tier, not loaded yet
         self._swap_ids = itertools.count()
         self._private: set[BlockKey] = set()  # keys of swapped-out sequences' private blocks
+        self._listener: BlockListener | None = None  # KV events (attach_listener)
 
     @property
     def tiers(self) -> list[KVTier]:
@@ -123,6 +124,38 @@ class TierCoordinator:
 
     def check_integrity(self) -> None:
         self.host.check_integrity()
+
+    # ------------------------------------------------------------------------------ KV events
+    def attach_listener(self, listener: BlockListener) -> None:
+        """Tell ``listener`` what every tier holds now (the disk tier's start-up scan), then every change.
+
+        The host tier's listener is this coordinator: it hides the keys of swapped-out sequences'
+        private blocks, which no prefix can look up (``_private_key``), so a router never sees them."""
+        self._listener = listener
+        self.host.listener = self
+        for level in self.external:
+            level.tier.listener = listener
+        for medium, keys in self.held_keys().items():
+            listener.blocks_stored(medium, keys)
+
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockKey]) -> None:
+        shared = [k for k in keys if k not in self._private]
+        if self._listener is not None and shared:
+            self._listener.blocks_stored(medium, shared)
+
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockKey]) -> None:
+        shared = [k for k in keys if k not in self._private]
+        if self._listener is not None and shared:
+            self._listener.blocks_removed(medium, shared)
+
+    def held_keys(self) -> dict[Medium, list[BlockKey]]:
+        """What each tier that can list its blocks holds, as announced to the listener."""
+        held = {Medium.HOST: [k for k in self.host.held_keys() if k not in self._private]}
+        for level in self.external:
+            keys = level.tier.held_keys()
+            if keys is not None:
+                held[level.tier.medium] = keys
+        return held
 
     # ------------------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[BlockKey]) -> LowerHit:
@@ -240,6 +273,7 @@ class TierCoordinator:
         self.host.complete_load(plan.load_keys)
         self.host.discard(plan.discard_keys)
         shared = [k for k in plan.store_keys if k not in self._private]
+        self._private.difference_update(plan.discard_keys)  # private until dropped (KV events hide them)
         for level in self.external:
             if level.policy == "write_through" and level.active:
                 self._store_down(level, shared)
@@ -271,7 +305,6 @@ class TierCoordinator:
         """Plan the loads that bring a swapped-out sequence back; its pins pass to the loads."""
         self.load(swapped.keys, device_block_ids)
         self._plan.discard_keys.extend(swapped.private_keys)
-        self._private.difference_update(swapped.private_keys)
 
     def release(self, swapped: SwappedOut) -> None:
         """A swapped-out sequence finished without resuming (abort): unpin, drop private blocks."""

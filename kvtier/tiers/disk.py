@@ -149,6 +149,8 @@ class DiskTier(ExternalTier):
         """Held keys, least recently used first."""
         return list(self._held)
 
+    held_keys = keys  # what the tier announced to its listener (the start-up scan's when it attached)
+
     def path_of(self, key: BlockKey) -> str:
         """The final path of block ``key``'s file."""
         name = key.hex()
@@ -206,6 +208,7 @@ class DiskTier(ExternalTier):
             if ok:
                 self._held[key] = None
                 num_stored += 1
+                self._announce_stored([key])
         if num_stored:
             self.counters.record_stores(num_stored, num_stored * self.identity.block_bytes, seconds)
 
@@ -216,6 +219,7 @@ class DiskTier(ExternalTier):
                 del self._held[key]
                 _remove(self.path_of(key))
                 self.counters.blocks_evicted += 1
+                self._announce_removed([key])
                 return key
         return None
 
@@ -231,7 +235,9 @@ class DiskTier(ExternalTier):
                 self.path_of(key),
                 reason,
             )
-        self._held.pop(key, None)
+        if key in self._held:
+            del self._held[key]
+            self._announce_removed([key])
         self._pins.pop(key, None)
         if not self.disabled:
             _remove(self.path_of(key))
@@ -242,6 +248,7 @@ class DiskTier(ExternalTier):
             return
         self.disabled = True
         self.disabled_reason = reason
+        self._announce_removed(list(self._held))
         self._held.clear()
         self._reserved.clear()
         self._pins.clear()

@@ -14,6 +14,9 @@ block is in one of four states::
 Eviction pops the oldest unpinned held key. ``on_evict(key, host_block_id)`` sees it first, while its
 bytes are still intact, so the coordinator can demote the block to disk instead of dropping it.
 
+KV events: ``listener`` hears of a key when it becomes held (``complete_store`` ok) and when it stops
+being held (eviction, ``discard``); reserved keys are not announced.
+
 Counters: the tier counts its own evictions; the mover records the device↔host copies it runs into
 ``counters`` (it did the work); lookups and hits are counted by the coordinator.
 """
@@ -102,6 +105,8 @@ class HostTier(KVTier):
             else:
                 self._pins.pop(key, None)
                 self._free.append(host_block_id)
+        if ok:
+            self._announce_stored(keys)
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
         for key in self._held:
@@ -117,6 +122,7 @@ class HostTier(KVTier):
         self._free.append(host_block_id)
         evicted.append(key)
         self.counters.blocks_evicted += 1
+        self._announce_removed([key])
         return True
 
     # ------------------------------------------------------------------------ pins
@@ -137,9 +143,10 @@ class HostTier(KVTier):
 
     def discard(self, keys: Iterable[BlockKey]) -> None:
         """Drop unpinned held keys now (a swapped-out sequence's private blocks after its resume)."""
-        for key in keys:
-            if key in self._held and not self._pins[key]:
-                self._free.append(self._held.pop(key))
+        dropped = [key for key in dict.fromkeys(keys) if key in self._held and not self._pins[key]]
+        for key in dropped:
+            self._free.append(self._held.pop(key))
+        self._announce_removed(dropped)
 
     def check_integrity(self) -> None:
         used = list(self._held.values()) + list(self._reserved.values())
