@@ -95,6 +95,22 @@ def test_transfer_bandwidth_without_the_model(capsys: pytest.CaptureFixture[str]
     assert data["decode"] is None
 
 
+@pytest.mark.parametrize(
+    ("ratio", "stored_during_decode", "verdict"),
+    [(0.99, 12, "met"), (0.90, 12, "UNMET"), (0.99, 0, "n/a"), (0.90, 0, "n/a")],
+)
+def test_transfer_decode_verdict_needs_stores_during_decode(
+    capsys: pytest.CaptureFixture[str], ratio: float, stored_during_decode: int, verdict: str
+) -> None:
+    """The decode row judges write-back stores only if some block was stored while decoding."""
+    from kvtier.bench.transfer import DecodeResult, print_decode
+
+    result = DecodeResult([100.0], [100.0 * ratio], [ratio], 40, stored_during_decode, 36, 0.1)
+    print_decode(result, argparse.Namespace(decode_seqs=4, decode_tokens=32))
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith(f"target decode with write-back stores <= 5% slower: {verdict} ("), line
+
+
 # ------------------------------------------------------------------------------ slow (real model)
 @pytest.mark.slow
 def test_demo_offload_shows_all_four_sources(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
