@@ -3,6 +3,7 @@ against a server on a loopback port (uvicorn on a thread of this process, the mo
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -119,13 +120,28 @@ def test_completions_greedy_equals_offline_generate(client: OpenAI, reference: L
     assert r.choices[0].text == ref[1].outputs[0].text
 
 
-def test_raw_sse_stream(server: BackgroundServer) -> None:
+def test_raw_sse_stream(server: BackgroundServer, reference: LLM) -> None:
+    """The wire format itself: each event is ``data: `` and one JSON chunk; the chunks carry the
+    greedy text and one finish reason, then the usage chunk, then ``data: [DONE]`` once."""
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    ref = reference.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0]
+
+    request_id = chunks[0]["id"]
+    assert request_id.startswith("cmpl-")
+    assert all((c["id"], c["object"], c["model"]) == (request_id, "text_completion", MODEL) for c in chunks)
+    *content, last = chunks
+    assert content and all([ch["index"] for ch in c["choices"]] == [0] for c in content)
+    assert "".join(c["choices"][0]["text"] for c in content) == ref.text != ""
+    finishes = [c["choices"][0]["finish_reason"] for c in content if c["choices"][0]["finish_reason"]]
+    assert finishes == [ref.finish_reason] == ["length"]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == len(ref.token_ids) == 4
 
 
 def test_n_and_seed_reproducible(client: OpenAI) -> None:

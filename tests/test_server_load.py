@@ -135,8 +135,9 @@ def test_api_key_required(server: BackgroundServer) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_kvtier_serve_command() -> None:
-    """The real CLI: free port, key, a chat request, then Ctrl-C ends it cleanly (no traceback)."""
+def test_kvtier_serve_command(server: BackgroundServer) -> None:
+    """The real CLI: free port, key, a chat request answered like the in-process server answers it,
+    then Ctrl-C ends it cleanly (no traceback)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", "0", "--api-key", KEY, "--max-queue", "8"]
     cmd += ["--kv-device-blocks", "64", "--num-threads", "1", "--log-level", "warning"]
@@ -149,9 +150,16 @@ def test_kvtier_serve_command() -> None:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+        body |= {"temperature": 0, "ignore_eos": True}
         r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
-        assert json.loads(r.text)["model"] == MODEL
+        assert r.status_code == 200
+        got = json.loads(r.text)
+        assert got["model"] == MODEL and got["usage"]["completion_tokens"] == 3
+        assert got["choices"][0]["finish_reason"] == "length"
+        want = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60).json()
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert got["choices"][0]["message"]["content"] != ""
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > 0
         proc.send_signal(signal.SIGINT)
         # A clean stop: uvicorn re-raises the captured SIGINT after its graceful shutdown (130), unless
         # the shutdown completes before it does (0). Either way, no traceback.
