@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,8 +227,27 @@ def test_generate_works_when_bench_module_is_broken(monkeypatch, capsys) -> None
 
 # ------------------------------------------------------------------------------------------ real model
 @pytest.mark.slow
-def test_generate_default_model(default_gguf_path: Path) -> None:
-    proc = run_cli("generate", "The capital of France is", "--max-tokens", "8", timeout=300)
+def test_generate_default_model(converted_default_model: Any, hf_default_model: Any) -> None:
+    """``kvtier generate`` prints the default model's greedy continuation, the one transformers
+    generates from the same GGUF, and its stats line on stderr."""
+    import torch
+
+    prompt = "The capital of France is"
+    proc = run_cli("generate", prompt, "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip(), proc.stdout
     assert "Traceback" not in proc.stderr
+
+    tok = converted_default_model.tokenizer
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        out = hf_default_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=2,
+        )
+    expected = tok.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    assert expected.strip()
+    assert proc.stdout == expected + "\n"
+    assert f"0/{len(ids)} prompt tokens from cache, 8 tokens in " in proc.stderr

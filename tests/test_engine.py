@@ -156,19 +156,52 @@ def test_n_shares_prompt_blocks_with_copy_on_write(tiny_dir) -> None:
 
 
 def test_copy_on_write_copies_the_shared_partial_block(tiny_dir) -> None:
+    """33 prompt tokens: block 8 holds token 32 in slot 0 and is shared by parent and child after the
+    fork. Both decode the same (greedy) token into slot 1 of that block: the second writer must get a
+    copy *before* the forward, or its attention reads an empty slot 0."""
     llm = make(tiny_dir, enable_prefix_caching=False)
     p = prompts(llm.engine.model_config.vocab_size)[5]
     engine = llm.engine
+    kv_cache = engine.runner.kv_cache
     engine.add_request(p, SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True))
     engine.step()  # prefill + fork
     out = engine.scheduler.schedule()
     assert len(out.block_copies) == 1  # the second writer of the partial block got its own copy
     src, dst = out.block_copies[0]
-    engine.runner.execute(out)
-    assert torch.equal(engine.runner.kv_cache[dst, :, :1], engine.runner.kv_cache[src, :, :1])
+    assert [s.block_ids[8] for s in out.decodes] in ([src, dst], [dst, src])
+    assert not torch.equal(kv_cache[dst, :, :1], kv_cache[src, :, :1])  # nothing copied yet
+    logits = engine.runner.execute(out)
+    # Slot 0 (the shared token 32) was copied; slot 1 (the new token 33) each wrote the same KV.
+    assert torch.equal(kv_cache[dst, :, :2], kv_cache[src, :, :2])
+    # Both rows attended to the same context, so both saw the same logits.
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
     engine.scheduler.advance(out)
     while engine.has_unfinished_requests():
         engine.abort_request(next(iter(engine.requests)))
+    check_pool_idle(llm)
+
+
+def test_seeded_n2_children_each_match_an_unforked_run_of_their_tokens(tiny_dir) -> None:
+    """Two seeded children sample different continuations from one forked prompt (33 tokens, the
+    last block shared and then copied on write). Each child's distributions must be the ones an
+    un-forked run sees for the same tokens: prompt + the child's first j tokens, for every j."""
+    llm = make(tiny_dir, enable_prefix_caching=False)
+    p = prompts(llm.engine.model_config.vocab_size)[5]
+    seeded = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=8, logprobs=5, ignore_eos=True)
+    children = llm.generate([p], seeded)[0].outputs
+    assert children[0].token_ids[1:] != children[1].token_ids[1:]  # they diverge after the fork
+    check_pool_idle(llm)
+    for child in children:
+        assert child.logprobs is not None
+        unforked = llm.generate(
+            [p + child.token_ids[:j] for j in range(len(child.token_ids))],
+            SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, ignore_eos=True),
+        )
+        for j, (got, run) in enumerate(zip(child.logprobs, unforked, strict=True)):
+            want = run.outputs[0].logprobs
+            assert want is not None
+            assert got.top.keys() == want[0].top.keys(), f"child {child.index}, token {j}"
+            assert list(got.top.values()) == pytest.approx(list(want[0].top.values()), abs=1e-4)
     check_pool_idle(llm)
 
 

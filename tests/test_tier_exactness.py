@@ -102,9 +102,22 @@ def test_host_and_disk_then_restart_serve_from_disk_with_identical_output(
 
 
 def test_write_through_policy_gives_identical_output(reference: Any) -> None:
-    mt, ss, llm = run(kv_host_gb=0.25, kv_store_policy="write_through")
-    assert (mt, ss) == reference
-    assert llm.engine.stats().tiers["host"].blocks_stored > 0
+    """Write-through stores each block as it fills, before the device pool has evicted anything
+    (write-back would store nothing yet); later prefixes are then served from the host tier."""
+    llm = LLM(kv_device_blocks=SMALL_POOL, kv_host_gb=0.25, kv_store_policy="write_through")
+    hello = llm.render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi."}])
+    llm.generate(hello, GREEDY)  # about 5 of the pool's 20 blocks: no eviction yet
+    stats = llm.engine.stats()
+    assert stats.tiers["device"].blocks_evicted == 0
+    full_blocks = len(hello["prompt_token_ids"]) // llm.engine.cache_config.block_size
+    assert stats.tiers["host"].blocks_stored >= full_blocks > 0
+
+    assert (multiturn(llm), shared_system_prompt(llm)) == reference
+    stats = llm.engine.stats()
+    assert stats.tiers["device"].blocks_evicted > 0
+    host = stats.tiers["host"]
+    assert host.hit_blocks > 0 and host.blocks_loaded > 0
+    llm.engine.kv.check_integrity()
     llm.close()
 
 

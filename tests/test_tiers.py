@@ -52,10 +52,13 @@ class Rig:
         self.tiers.host_bytes = self.mover
         self.kv = KVCacheManager(num_blocks, BS, True, tiers=self.tiers)
         self.gen = torch.Generator().manual_seed(0)
+        self.last_plan = SwapPlan()
 
     def run_plan(self) -> None:
-        plan = self.kv.end_schedule_step()
-        self.mover.execute(plan)
+        """End the scheduling step and run its plan (the mover counts the copies in
+        ``host.counters``, as in the engine); the plan is kept in ``last_plan``."""
+        plan = self.last_plan = self.kv.end_schedule_step()
+        self.mover.execute(plan)  # records the copies in host.counters, as in the engine
         self.tiers.complete_plan(plan)
 
     def prefill(self, seq_id: str, tokens: list[int]) -> dict[str, int]:
@@ -185,22 +188,33 @@ def test_story_write_through_stores_blocks_as_soon_as_they_fill() -> None:
 
 
 def test_story_write_back_skips_blocks_the_host_already_holds() -> None:
-    """A is evicted to host, loaded back by A2, evicted again: the second eviction stores nothing."""
+    """A is evicted to host, loaded back by A2, evicted again: the second eviction stores nothing.
+
+    The step that evicts A2's blocks is B2's prefill step (B2 needs the whole pool), so its own plan
+    is the one to read: ``prefill`` runs it and keeps it in ``last_plan``."""
     rig = Rig(None, host_blocks=8)
+    a_keys = hash_full_blocks(A, BS, root_hash(KEYS))
     rig.prefill("A", A)
     rig.kv.free("A")
-    rig.prefill("B", B)
-    rig.run_plan()
+    rig.prefill("B", B)  # evicts A's 3 cached blocks: stored to host
     rig.kv.free("B")
-    stored = rig.host.counters.hit_blocks, len(rig.host.held_keys())
-    assert rig.prefill("A2", A)["host"] == 12
+    assert rig.host.counters.blocks_stored == 3 and set(rig.host.held_keys()) == set(a_keys)
+
+    assert rig.prefill("A2", A)["host"] == 12  # loads A's blocks, evicts B's 4: stored to host
+    assert rig.last_plan.store_keys != [] and rig.last_plan.load_keys == a_keys
+    a2_block_ids = set(rig.kv.block_ids("A2"))
     rig.kv.free("A2")
-    plan_before = len(rig.host.held_keys())
-    rig.prefill("B2", B)
-    plan = rig.kv.end_schedule_step()
-    assert [k for k in plan.store_keys if k in set(hash_full_blocks(A, BS, root_hash(KEYS)))] == []
-    assert plan_before == len(rig.host.held_keys()) - len(plan.store_keys) + len(plan.store_keys)
-    assert stored[1] >= 3
+    stored_before, held_before = rig.host.counters.blocks_stored, rig.host.held_keys()
+    assert stored_before == 3 + 4 and len(held_before) == 7
+
+    assert rig.prefill("B2", B)["host"] == 12  # takes the whole pool: evicts A2's blocks
+    plan = rig.last_plan
+    assert set(rig.kv.block_ids("B2")) == a2_block_ids  # this step reused (evicted) A2's blocks
+    assert len(plan.loads) == 3  # B's host hits
+    assert plan.stores == [] and plan.store_keys == []  # A's blocks are already in the host tier
+    assert rig.host.counters.blocks_stored == stored_before
+    assert sorted(rig.host.held_keys()) == sorted(held_before)
+    rig.kv.check_integrity()
 
 
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
