@@ -197,7 +197,6 @@ def test_a_shard_swapped_for_a_symlink_at_run_time_is_neither_read_nor_deleted_t
 def test_scan_keeps_a_live_writers_temp_file_and_removes_stale_ones(tmp_path: Path) -> None:
     """Another engine starting on the directory must not delete a write in flight (its writer, this
     process, is alive); a dead writer's temp file, or one older than ten minutes, is a leftover."""
-    make_tier(tmp_path)
     final = Path(make_tier(tmp_path).path_of(K("A")))
     final.parent.mkdir(mode=0o700)
     dead = subprocess.Popen(["true"])
