@@ -3,7 +3,7 @@
 This is where a tier is registered::
 
     TierConfig ──► HostTier (bookkeeping) ◄── TierMover (device↔host copies, the host buffer)
-               └─► DiskTier ◄── BlockIOWorker(DiskBlockIO)   an ExternalLevel under the host tier
+               └─► DiskTier ◄── BlockIOWorker(disk.block_io(secret))   an ExternalLevel under the host tier
                    (a tier added later: its bookkeeping, its BlockIO, one more ExternalLevel)
 
 The engine, the statistics and the metrics see the tiers only through ``TierCoordinator.tiers``.
@@ -18,7 +18,7 @@ import torch
 from kvtier.config import TierConfig
 from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
-from kvtier.tiers.disk import DiskBlockIO, DiskTier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.transfer.io_worker import BlockIOWorker
 from kvtier.transfer.mover import TierMover
@@ -36,7 +36,7 @@ def build_tiers(
     external: list[ExternalLevel] = []
     if config.disk_dir is not None:
         disk = DiskTier(config.disk_dir, config.disk_bytes, identity)
-        worker = BlockIOWorker(DiskBlockIO(identity, config.secret), name="kvtier-disk-io")
+        worker = BlockIOWorker(disk.block_io(config.secret), name="kvtier-disk-io")
         external.append(ExternalLevel(disk, worker, config.store_policy))
     coordinator = TierCoordinator(host, external, config.store_policy)
     mover = TierMover(device_kv, config.num_host_blocks, host.counters)

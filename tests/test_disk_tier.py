@@ -250,6 +250,7 @@ def test_many_bad_files_and_temp_leftovers_give_one_log_line(
         _truncate(first.path_of(K(name)))
     leftover = first.path_of(K("D")) + ".tmp.123.0"
     Path(leftover).write_bytes(b"half a block")
+    os.utime(leftover, (0, 0))  # a crashed run's: old (a fresh one may be a live engine's write)
     unrelated = tmp_path / "README"
     unrelated.write_text("not ours")
     with caplog.at_level(logging.INFO, logger=LOGGER):

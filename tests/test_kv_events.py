@@ -26,6 +26,7 @@ from kvtier.kv_events import (
 )
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, TierIdentity
+from kvtier.tiers.block_format import write_block_file
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskBlockIO, DiskTier
 from kvtier.tiers.host import HostTier
@@ -217,12 +218,20 @@ def test_disk_tier_announces_stores_evictions_invalidations_and_disable(tmp_path
         tmp_path / "disk", 2 * DiskTier(tmp_path / "probe", 0, identity()).file_nbytes, identity()
     )
     disk.listener = mirror.recorder
+
+    def store(*names: str) -> None:  # as the worker does: the file, then the completion
+        spec = disk.prepare_store([k(n) for n in names])
+        for key, path in zip(spec.keys, spec.addresses, strict=True):
+            write_block_file(path, key, identity(), bytes(identity().block_bytes))
+        disk.complete_store(spec.keys)
+
     spec = disk.prepare_store([k("a"), k("b")])
+    write_block_file(spec.addresses[0], k("a"), identity(), bytes(identity().block_bytes))
     disk.complete_store([k("a")], ok=True)
     disk.complete_store([k("b")], ok=False)
     assert mirror.sync() == {Medium.DISK: {k("a")}}
-    disk.complete_store(disk.prepare_store([k("c")]).keys)
-    disk.complete_store(disk.prepare_store([k("d")]).keys)  # evicts a
+    store("c")
+    store("d")  # evicts a
     assert mirror.sync() == {Medium.DISK: {k("c"), k("d")}} == {Medium.DISK: set(disk.held_keys())}
     disk.invalidate(k("c"), "corrupt")
     assert mirror.sync() == {Medium.DISK: {k("d")}}

@@ -94,3 +94,16 @@ def test_engine_step_reads_in_under_30_lines() -> None:
         if isinstance(f, ast.FunctionDef) and f.name == "step"
     ]
     assert (step.end_lineno or 0) - step.lineno + 1 < 30
+
+
+def test_no_merge_conflict_markers_left_behind() -> None:
+    root = PACKAGE.parent
+    files = [root / "README.md", root / "BENCHMARKS.md", *root.glob("docs/*.md"), *PACKAGE.rglob("*.py")]
+    files += [p for p in (root / "tests").glob("*.py") if p.name != "test_structure.py"]
+    marked = [
+        f"{path.relative_to(root)}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if line.startswith(("<<<<<<< ", ">>>>>>> ")) or line == "======="
+    ]
+    assert not marked, marked

@@ -34,12 +34,15 @@ Checksums catch damage, not forgery: anyone who can write the directory (or the 
 consistent header. With a secret (``kv_remote_secret``), writers add a MAC over the header fields and
 the payload and readers refuse a block whose MAC is missing or does not verify, so only a holder of
 the secret can produce a block that loads. Writes go to a temp file in the same directory and are renamed
-into place, so a reader sees either a whole old file or a whole new one, never a torn block.
+into place, so a reader sees either a whole old file or a whole new one, never a torn block. Files are
+created 0600 and missing directories 0700 (whatever the umask), and no read or write follows a symlink
+(a symlinked block file or directory fails with ELOOP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import hmac
 import itertools
@@ -217,20 +220,68 @@ def validate_header(
 
 
 def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> os.stat_result:
-    """Check a block file's header and size without reading the payload; raises CorruptBlock."""
-    with open(path, "rb") as handle:
-        raw = handle.read(HEADER_NBYTES)
-        stat = os.fstat(handle.fileno())
-    validate_header(raw, stat.st_size, key, identity)
+    """Check a block file's header and size without reading the payload; raises CorruptBlock. A
+    symlink is refused (OSError ELOOP), not followed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        raw = bytearray(HEADER_NBYTES)
+        got = _read_exactly(fd, memoryview(raw))
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    validate_header(memoryview(raw)[:got], stat.st_size, key, identity)
     return stat
 
 
 _temp_ids = itertools.count()
+_TEMP_TOKEN = os.urandom(4).hex()  # with the pid: no two live writers share a temp name
+_NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+class BlockExists(FileExistsError):
+    """An exclusive write found the block file already there (another writer published it first)."""
 
 
 def _check_size(buffer: memoryview, identity: TierIdentity, what: str) -> None:
     if buffer.nbytes != identity.block_bytes or not buffer.contiguous:
         raise ValueError(f"{what} is {buffer.nbytes} B, expected {identity.block_bytes} contiguous bytes")
+
+
+def _open_parent(path: str) -> int:
+    """A descriptor of ``path``'s directory, created (``DIR_MODE``) if missing; never a symlink's."""
+    parent = os.path.dirname(path) or "."
+    try:
+        return os.open(parent, _NOFOLLOW_DIR)
+    except FileNotFoundError:
+        os.makedirs(parent, mode=DIR_MODE, exist_ok=True)
+        return os.open(parent, _NOFOLLOW_DIR)
+
+
+def _write_all(fd: int, chunks: tuple[bytes | memoryview, ...]) -> None:
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view.nbytes:
+            view = view[os.write(fd, view) :]
+
+
+def _publish(dir_fd: int, temp: str, name: str, exclusive: bool) -> None:
+    """Rename the finished temp file over ``name``; ``exclusive``: link it in only if ``name`` is not
+    there yet (raising BlockExists otherwise), so a writer learns whether it created the file."""
+    if not exclusive:
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    try:
+        os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError as exc:
+        raise BlockExists(errno.EEXIST, "block file already exists", name) from exc
+    except OSError as exc:  # a filesystem without hard links: no way to know, replace
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    os.unlink(temp, dir_fd=dir_fd)
 
 
 def write_block_file(
@@ -239,33 +290,40 @@ def write_block_file(
     identity: TierIdentity,
     data: ByteBuffer,
     secret: bytes | None = None,
+    *,
+    exclusive: bool = False,
 ) -> int:
     """Write ``data`` (the block's raw bytes) as block ``key`` of ``identity``; returns the file size.
 
-    Atomic: the bytes go to ``<path>.tmp.<pid>.<n>`` in the same directory (created if missing), which is
-    renamed over ``path`` once complete; on any error the temp file is removed and the error re-raised.
-    Not fsynced: a crash can lose recent files or leave a damaged one, which the checksums turn into a
-    miss.
+    Atomic: the bytes go to ``<path>.tmp.<pid>.<token>.<n>`` in the same directory (created ``DIR_MODE``
+    if missing), mode ``FILE_MODE`` whatever the umask, which is renamed over ``path`` once complete
+    (``exclusive``: linked to ``path`` only if it does not exist, else BlockExists). A symlinked
+    directory or temp name is refused (ELOOP), never followed. On any error the temp file is removed and
+    the error re-raised. Not fsynced: a crash can lose recent files or leave a damaged one, which the
+    checksums turn into a miss.
     """
     payload = memoryview(data).cast("B")
     _check_size(payload, identity, "data")
     header = block_header(key, identity, payload, secret)
     path = os.fspath(path)
-    temp = f"{path}.tmp.{os.getpid()}.{next(_temp_ids)}"
+    name = os.path.basename(path)
+    temp = f"{name}.tmp.{os.getpid()}.{_TEMP_TOKEN}.{next(_temp_ids)}"
+    dir_fd = _open_parent(path)
     try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, FILE_MODE, dir_fd=dir_fd)
         try:
-            handle = open(temp, "wb")  # noqa: SIM115 (closed below, before the rename)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            handle = open(temp, "wb")  # noqa: SIM115
-        with handle:
-            handle.write(header)
-            handle.write(payload)
-        os.replace(temp, path)
+            os.fchmod(fd, FILE_MODE)  # the umask may have taken bits away
+            _write_all(fd, (header, payload))
+        finally:
+            os.close(fd)
+        _publish(dir_fd, temp, name, exclusive)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(temp)
+            os.unlink(temp, dir_fd=dir_fd)
         raise
+    finally:
+        os.close(dir_fd)
     return HEADER_NBYTES + payload.nbytes
 
 
@@ -280,6 +338,15 @@ def _read_exactly(fd: int, buffer: memoryview) -> int:
     return total
 
 
+def _open_nofollow(path: str) -> int:
+    """Open a block file for reading; a symlinked file or directory is refused (ELOOP), not followed."""
+    dir_fd = os.open(os.path.dirname(path) or ".", _NOFOLLOW_DIR)
+    try:
+        return os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def read_block_file(
     path: str | os.PathLike[str],
     key: BlockKey,
@@ -290,11 +357,12 @@ def read_block_file(
     """Read and fully validate block ``key`` into ``out`` (a writable buffer of the block's size).
 
     Raises CorruptBlock if anything does not match (then ``out`` holds garbage and must not be used),
-    OSError (e.g. FileNotFoundError) if the file cannot be read, ValueError if ``out`` is unsuitable.
+    OSError (e.g. FileNotFoundError; ELOOP for a symlinked file or directory, never followed) if the
+    file cannot be read, ValueError if ``out`` is unsuitable.
     """
     payload = memoryview(out).cast("B")
     _check_size(payload, identity, "out")
-    fd = os.open(os.fspath(path), os.O_RDONLY)
+    fd = _open_nofollow(os.fspath(path))
     try:
         raw = bytearray(HEADER_NBYTES)
         got = _read_exactly(fd, memoryview(raw))
