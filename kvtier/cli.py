@@ -40,14 +40,19 @@ _ENGINE_HELP = {
     "kv_disk_gb": "disk KV tier size cap in GiB (default 10)",
     "kv_store_policy": "write_back (store blocks when evicted) or write_through (as soon as full)",
     "kv_remote_secret": "sign blocks below the host tier; refuse forged ones (default $KVTIER_REMOTE_SECRET)",
+    "kv_remote_url": "remote KV tier shared by replicas: redis://[:password@]host:6379/0, rediss:// (TLS)",
+    "kv_remote_policy": "remote tier: write_through (publish blocks as soon as full, default) or write_back",
+    "kv_remote_ttl_s": "expiry of remote blocks in seconds, refreshed by a hit (default 86400; 0: none)",
     "preemption_mode": "auto (cheaper of swap and recompute), swap or recompute",
     "seed": "engine seed (unseeded requests draw from it)",
     "num_threads": "torch CPU threads",
 }
 _INT_FLAGS = {"block_size", "kv_device_blocks", "max_num_seqs", "max_num_batched_tokens"}
 _INT_FLAGS |= {"max_model_len", "seed", "num_threads"}
+_FLOAT_FLAGS = {"kv_device_gb", "kv_host_gb", "kv_disk_gb", "kv_remote_ttl_s"}
 _CHOICES = {
     "kv_store_policy": typing.get_args(StorePolicy),
+    "kv_remote_policy": typing.get_args(StorePolicy),
     "preemption_mode": typing.get_args(PreemptionMode),
 }
 
@@ -102,7 +107,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, choices=_CHOICES[f.name], default=default, help=help_text)
         else:
             kind: Callable[[str], Any] = int if f.name in _INT_FLAGS else str
-            kind = float if f.name in ("kv_device_gb", "kv_host_gb", "kv_disk_gb") else kind
+            kind = float if f.name in _FLOAT_FLAGS else kind
             g.add_argument(flag, type=kind, default=default, help=help_text)
 
 
@@ -342,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = bsub.add_parser("multiturn", help="multi-turn chat TTFT: no caching, device, +host, +disk, restart")
     assert isinstance(b, _LazyParser)
     b.populate = _lazy_args("kvtier.bench.multiturn")
+    b = bsub.add_parser(
+        "remote", help="two engines sharing one Redis: TTFT, prefill, hits, bandwidth, dead store"
+    )
+    assert isinstance(b, _LazyParser)
+    b.populate = _lazy_args("kvtier.bench.remote")
     b = bsub.add_parser("transfer", help="tier store/load bandwidth vs memcpy; decode with write-back on/off")
     assert isinstance(b, _LazyParser)
     b.populate = _lazy_args("kvtier.bench.transfer")

@@ -114,6 +114,9 @@ class TierConfig:
     disk_bytes: int = 0
     store_policy: StorePolicy = "write_back"
     secret: bytes | None = field(default=None, repr=False)  # signs blocks below the host tier
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
+    remote_policy: StorePolicy = "write_through"
+    remote_ttl_s: int = 86400
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             int(args.kv_disk_gb * 2**30),
             args.kv_store_policy,
             _secret(args.kv_remote_secret),
+            args.kv_remote_url,
+            args.kv_remote_policy,
+            int(args.kv_remote_ttl_s),
         ),
     )
 
@@ -201,6 +207,10 @@ class EngineArgs:
     # Signs blocks written below the host tier (HMAC-SHA256) and refuses unsigned or forged ones on
     # read (disk, and a shared remote store); default: $KVTIER_REMOTE_SECRET, else none.
     kv_remote_secret: str | None = None
+    # Remote tier (L4) shared by replicas: redis://[:password@]host:port/db, rediss:// (TLS), Valkey alike.
+    kv_remote_url: str | None = None
+    kv_remote_policy: StorePolicy = "write_through"
+    kv_remote_ttl_s: float = 86400.0  # expiry of every stored value, refreshed by a hit; 0: none
     preemption_mode: PreemptionMode = "auto"
     seed: int = 0
     num_threads: int | None = None
@@ -236,9 +246,34 @@ class EngineArgs:
             raise ConfigError(
                 f"kv_store_policy must be write_back or write_through, got {self.kv_store_policy!r}"
             )
+        self._validate_remote()
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ConfigError(
                 f"preemption_mode must be auto, swap or recompute, got {self.preemption_mode!r}"
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def _validate_remote(self) -> None:
+        check_choice("kv_remote_policy", self.kv_remote_policy, StorePolicy)
+        ttl = self.kv_remote_ttl_s
+        if not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl < 0 or ttl != int(ttl):
+            raise ConfigError(f"kv_remote_ttl_s must be a whole number of seconds >= 0, got {ttl!r}")
+        url = self.kv_remote_url
+        if url is None:
+            return
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"kv_remote_url must be a redis://, rediss:// or unix:// URL, got {_without_password(url)!r}"
+            )
+        if self.kv_host_gb <= 0:
+            raise ConfigError(
+                "kv_remote_url needs kv_host_gb > 0: remote blocks are read through host memory"
+            )
+
+
+def _without_password(url: str) -> str:
+    """``url`` for an error message: a password in it is not repeated."""
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('://', 1)[0]}://***@{tail}" if sep else url

@@ -174,3 +174,7 @@ class ExternalTier(KVTier):
     @abstractmethod
     def disable(self, reason: str) -> None:
         """Stop using the tier (logged once)."""
+
+    def close(self) -> None:
+        """Release what the tier holds outside its bookkeeping (connections, threads); after the
+        worker has finished. Default: nothing."""

@@ -342,6 +342,7 @@ class TierCoordinator:
         for level in self.external:
             for r in level.worker.close(timeout=30.0):
                 self._apply(level, r)
+            level.tier.close()
 
     def _apply(self, level: ExternalLevel, r: IOResultLike) -> None:
         tier = level.tier
