@@ -6,8 +6,9 @@ Three pieces, torch-free like the disk tier:
   lookups, one for the I/O worker), the circuit breaker and the error counts, shared by
 * :class:`RemoteTier`: the bookkeeping, on the scheduler's thread (what the coordinator calls), and
 * :class:`RedisBlockIO`: the block reads and writes, on the tier's ``BlockIOWorker`` thread, pipelined:
-  a batch of queued loads is one round trip of ``GETEX``; a batch of stores is one ``EXISTS`` round trip
-  (blocks already there are not sent again, their expiry is refreshed) and one of ``SET ... EX``.
+  a batch of queued loads is one round trip of ``GETEX`` whose replies land straight in the host blocks
+  (``tiers/redis_bulk.py``: no parser copies); a batch of stores is one ``EXISTS`` round trip (blocks
+  already there are not sent again, their expiry is refreshed) and one of ``SET ... EX``.
 
 Keys and values::
 
@@ -50,10 +51,13 @@ from kvtier.tiers.block_format import (
     HEADER_NBYTES,
     ByteBuffer,
     CorruptBlock,
+    check_payload,
     decode_block_value,
     encode_block_value,
+    validate_header,
 )
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.redis_bulk import BulkReader
 
 logger = logging.getLogger("kvtier.tiers.remote")
 
@@ -135,6 +139,7 @@ class RemoteStore:
         self.ttl_s = ttl_s
         self.lookup = self._client(url, lookup_timeout_s, max_connections=2)
         self.io = self._client(url, io_timeout_s, max_connections=max_connections)
+        self.bulk = BulkReader(url, timeout_s=io_timeout_s, max_connections=max_connections)
         self.errors: Counter[str] = Counter({kind: 0 for kind in ERROR_KINDS})
         self._lock = threading.Lock()
         self.generation = 0  # bumped at each outage: what was known to be there may be gone
@@ -211,6 +216,7 @@ class RemoteStore:
         self.breaker.close()
         for client in (self.lookup, self.io):
             client.connection_pool.disconnect()
+        self.bulk.close()
 
 
 class RedisBlockIO:
@@ -223,6 +229,7 @@ class RedisBlockIO:
         self.store = store
         self.identity = identity
         self.secret = secret
+        self._heads: list[memoryview] = []  # scratch block headers (the worker's thread only)
 
     def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
         (error,) = self.read_batch([(key, address, out)])
@@ -246,19 +253,28 @@ class RedisBlockIO:
         return pipe.execute(raise_on_error=False)
 
     def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
-        """``GETEX`` (refreshing the expiry) every block of ``jobs`` and decode each into its ``out``."""
+        """``GETEX`` (refreshing the expiry) every block of ``jobs`` in one round trip, each payload
+        received straight into its ``out``, then validated there."""
         store = self.store
         if not store.breaker.allow():
             return [StoreUnavailable("the remote store is not answering")] * len(jobs)
-        command, ttl = ("getex", {"ex": store.ttl_s}) if store.ttl_s else ("get", {})
+        while len(self._heads) < len(jobs):
+            self._heads.append(memoryview(bytearray(HEADER_NBYTES)))
+        outs = [memoryview(out).cast("B") for _, _, out in jobs]
         try:
-            values = self._execute([(command, (address,), ttl) for _, address, _ in jobs])
+            names = [address for _, address, _ in jobs]
+            values = store.bulk.get_many(names, store.ttl_s, self._heads[: len(jobs)], outs)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 (the store went away: every read is a miss)
             store.failed(exc)
             return [exc] * len(jobs)
-        return [self._decode(job, value) for job, value in zip(jobs, values, strict=True)]
+        return [
+            self._check(job, value, head) for job, value, head in zip(jobs, values, self._heads, strict=False)
+        ]
 
-    def _decode(self, job: tuple[BlockKey, object, ByteBuffer], value: Any) -> BaseException | None:
+    def _check(
+        self, job: tuple[BlockKey, object, ByteBuffer], value: Any, head: memoryview
+    ) -> BaseException | None:
+        """Validate one reply: a value of the expected size already sits in ``head`` and ``out``."""
         key, address, out = job
         if isinstance(value, Exception):
             self.store.failed(value)
@@ -267,11 +283,15 @@ class RedisBlockIO:
             self.store.count("missing")
             return RemoteMiss("missing", "gone between lookup and load (evicted, expired or flushed)")
         try:
-            decode_block_value(value, key, self.identity, out, self.secret)
+            if isinstance(value, int):
+                header = validate_header(head, value, key, self.identity)
+                check_payload(header, memoryview(out).cast("B"), self.secret)
+            else:
+                decode_block_value(value, key, self.identity, out, self.secret)
         except CorruptBlock as exc:
             kind = corrupt_kind(exc)
             self.store.count(kind)
-            self.store.delete_if_same(address, value)  # type: ignore[arg-type]
+            self.store.delete_if_same(address, head if isinstance(value, int) else value)  # type: ignore[arg-type]
             return RemoteMiss(kind, str(exc))
         return None
 
