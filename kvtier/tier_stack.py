@@ -44,7 +44,8 @@ def build_tiers(
 
         store = RemoteStore(config.remote_url, ttl_s=config.remote_ttl_s)
         remote = RemoteTier(store, identity)
-        worker = BlockIOWorker(RedisBlockIO(store, identity, config.secret), name="kvtier-remote-io")
+        io = RedisBlockIO(store, identity, config.secret)
+        worker = BlockIOWorker(io, name="kvtier-remote-io")  # batches of up to 32 blocks per round trip
         external.append(ExternalLevel(remote, worker, config.remote_policy))
         log.info("remote tier: %s (%s, ttl %d s)", store.url, config.remote_policy, config.remote_ttl_s)
     coordinator = TierCoordinator(host, external, config.store_policy)

@@ -430,3 +430,79 @@ def test_errors_and_breaker_state_reach_metrics(
     assert 'kvtier:remote_errors_total{kind="connect"} 0.0' in text
     assert "kvtier:remote_breaker_state 0.0" in text
     assert 'kvtier:tier_blocks_stored_total{tier="remote"} 1.0' in text
+
+
+def test_worker_batches_keep_submission_order_across_kinds(server: RedisServer, replica: Replica) -> None:
+    """Queued jobs are batched by kind without reordering: a load queued after a store sees it."""
+    tier, worker = replica.tier, replica.worker
+    outs = {name: empty() for name in "ABCD"}
+    for i, name in enumerate("ABCD"):
+        (address,) = tier.prepare_store([K(name)]).addresses
+        worker.submit_store(K(name), address, byte_view(block(IDENT, i)))
+        worker.submit_load(K(name), address, byte_view(outs[name]))
+    results = worker.drain(timeout=30)
+    assert [(r.kind, r.key) for r in results] == [
+        (kind, K(name)) for name in "ABCD" for kind in ("store", "load")
+    ]
+    assert all(r.ok for r in results)
+    for i, name in enumerate("ABCD"):
+        assert same_bytes(outs[name], block(IDENT, i))
+
+
+def test_a_hung_store_costs_one_timeout_then_nothing(
+    server: RedisServer, replica: Replica, caplog: pytest.LogCaptureFixture
+) -> None:
+    import os
+    import signal
+
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)  # alive but not answering: connections hang
+    try:
+        t0 = time.perf_counter()
+        assert replica.tier.lookup([K("A")]) == 0
+        assert time.perf_counter() - t0 < 1.0  # the lookup's own timeout (0.25 s), once
+        assert replica.store.error_counts()["timeout"] == 1
+        t0 = time.perf_counter()
+        for _ in range(100):
+            assert replica.tier.lookup([K("A")]) == 0
+        assert (time.perf_counter() - t0) / 100 < 0.002
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    _wait_for(lambda: replica.store.breaker.allow())
+    assert all(r.ok for r in replica.put("A"))
+
+
+def test_story_write_through_remote_publishes_blocks_as_they_fill_then_another_engine_reads_them(
+    server: RedisServer, client: redis.Redis
+) -> None:
+    """The host tier's own policy is write-back, the remote level's write-through: a full block goes
+    device -> host -> Redis at once (not when evicted), and a second engine's rig is served from it."""
+    from kvtier.kv.hashing import hash_full_blocks, root_hash
+    from kvtier.tiers.coordinator import ExternalLevel
+    from tests.test_tiers import BS, KEYS, A, Rig
+
+    rigs = []
+    for _ in range(2):
+        rig = Rig(None, host_blocks=8)  # host policy: write_back
+        remote = Replica(server.url, rig.identity)
+        rig.tiers.external.append(ExternalLevel(remote.tier, remote.worker, "write_through"))
+        rigs.append((rig, remote))
+    try:
+        (first, first_remote), (second, second_remote) = rigs
+        first.prefill("A", A)
+        first.run_plan()  # the full blocks' device -> host copies
+        for r in first_remote.worker.drain(timeout=30):
+            first.tiers._apply(first.tiers.external[0], r)
+        hashes = hash_full_blocks(A, BS, root_hash(KEYS))
+        assert all(client.exists(redis_key(h)) for h in hashes)  # published while A still runs
+        hit = second.kv.get_computed_blocks(A, KEYS)  # a cold engine: the reads start
+        assert hit.lower.num_pending_blocks == 3
+        second.tiers.wait(30.0)
+        while second.tiers.has_pending_io:
+            second.tiers.wait(30.0)
+        assert second.prefill("A2", A)["remote"] == 3 * BS
+        assert second_remote.tier.snapshot(BS).blocks_loaded == 3
+    finally:
+        for _, remote in rigs:
+            remote.close()

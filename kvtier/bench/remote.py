@@ -18,6 +18,7 @@ loopback) and, in the Redis-stopped row, the time each request spends in the rem
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvtier.bench.multiturn import Workload, build_workload, percentile
@@ -47,6 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-fraction", type=float, default=0.25, help="each engine's tiers / live convs")
     p.add_argument("--quick", action="store_true", help="2 conversations x 3 turns, small texts (smoke run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
+    p.add_argument("--json", default=None, help="also write the rows and targets to this JSON file")
     p.set_defaults(func=main)
 
 
@@ -302,7 +304,11 @@ def main(ns: argparse.Namespace) -> int:
             rows.append(run_row("Redis stopped", work, {**base, "kv_remote_url": redis.url}, None))
         finally:
             redis.kill()
-    print_table(rows, bandwidth)
+    targets = print_table(rows, bandwidth)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            out = {"rows": [asdict(r) for r in rows], "bandwidth_gbps": bandwidth, "targets": targets}
+            json.dump(out, f, indent=2)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s (numbers are noisy on a shared machine)")
     return 0
 
@@ -311,7 +317,7 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.0f}" if math.isfinite(x) else "-"
 
 
-def print_table(rows: list[Row], bandwidths: tuple[float, float]) -> None:
+def print_table(rows: list[Row], bandwidths: tuple[float, float]) -> list[tuple[str, bool]]:
     bandwidth, baseline = bandwidths
     heads = ("configuration", "mean TTFT ms", "p50", "p90", "prefill computed")
     heads += ("device hit", "host hit", "remote hit", "Redis in MB", "Redis out MB", "wrong")
@@ -365,3 +371,4 @@ def print_table(rows: list[Row], bandwidths: tuple[float, float]) -> None:
     print("\ntargets:")
     for text, ok in targets:
         print(f"  [{'met' if ok else 'NOT met'}] {text}")
+    return targets
