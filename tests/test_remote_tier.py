@@ -301,6 +301,7 @@ def test_dead_store_costs_under_2ms_logs_once_per_outage_and_recovers(
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
     replica.put("AB")
+    assert all(r.ok for r in replica.get("AB")[0])  # pooled connections exist when it dies
     server.kill()  # the real process, by pid
     keys = [K(c) for c in "ABCDEFGH"]
     replica.tier.lookup([K("X"), *keys])  # the first failure opens the breaker
@@ -326,6 +327,7 @@ def test_dead_store_costs_under_2ms_logs_once_per_outage_and_recovers(
     assert all(r.ok for r in replica.put("AB"))
     results, outs = replica.get("AB")
     assert all(r.ok for r in results) and same_bytes(outs[1], block(IDENT, 1))
+    assert len([r for r in remote_records(caplog) if "unreachable" in r.getMessage()]) == 1  # no stale socket
 
     server.kill()  # a second outage is a second line
     replica.tier.lookup([K("X")])

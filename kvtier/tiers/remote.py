@@ -171,6 +171,7 @@ class RemoteStore:
     def _outage(self) -> None:
         with self._lock:
             self.generation += 1
+        self.bulk.close()  # idle sockets to a dead server would fail the first reads after recovery
 
     def count(self, kind: str, n: int = 1) -> None:
         with self._lock:
