@@ -123,9 +123,12 @@ def test_redis_killed_mid_run_every_request_completes_exactly_and_hits_resume_af
         time.sleep(0.05)
     assert len([r for r in caplog.records if "answers again" in r.getMessage()]) == 1
     fresh = prompts_for("after")
+    stored = engine.stats().tiers[Medium.REMOTE].blocks_stored
     assert _generate_all(engine, fresh) == reference(fresh)  # write-through publishes them again
     engine.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert engine.stats().tiers[Medium.REMOTE].blocks_stored > stored, messages
     reader = _engine(redis_server.url)
     assert _generate_all(reader, fresh) == reference(fresh)
-    assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0  # remote hits resumed
+    assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0, messages  # remote hits resumed
     reader.close()

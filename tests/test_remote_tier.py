@@ -463,7 +463,7 @@ def test_a_hung_store_costs_one_timeout_then_nothing(
     try:
         t0 = time.perf_counter()
         assert replica.tier.lookup([K("A")]) == 0
-        assert time.perf_counter() - t0 < 1.0  # the lookup's own timeout (0.25 s), once
+        assert time.perf_counter() - t0 < 3.0  # the lookup's own timeout (1 s), once
         assert replica.store.error_counts()["timeout"] == 1
         t0 = time.perf_counter()
         for _ in range(100):

@@ -131,7 +131,7 @@ class RemoteStore:
         url: str,
         *,
         ttl_s: int = 86400,
-        lookup_timeout_s: float = 0.25,
+        lookup_timeout_s: float = 1.0,
         io_timeout_s: float = 5.0,
         max_connections: int = 4,
     ) -> None:
