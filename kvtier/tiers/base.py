@@ -175,6 +175,11 @@ class ExternalTier(KVTier):
     def disable(self, reason: str) -> None:
         """Stop using the tier (logged once)."""
 
+    @property
+    def accepting(self) -> bool:
+        """Whether stores are worth preparing now (a tier behind a circuit breaker: not while open)."""
+        return not self.disabled
+
     def close(self) -> None:
         """Release what the tier holds outside its bookkeeping (connections, threads); after the
         worker has finished. Default: nothing."""

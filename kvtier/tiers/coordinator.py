@@ -231,7 +231,7 @@ class TierCoordinator:
         external tier's asks for it (an external tier is written from the host tier, so a write-through
         remote tier needs the block in host memory now, not when the device evicts it)."""
         if self.policy == "write_through" or any(
-            level.policy == "write_through" and level.active for level in self.external
+            level.policy == "write_through" and level.tier.accepting for level in self.external
         ):
             self.store(block_id, key)
 

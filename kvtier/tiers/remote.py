@@ -391,6 +391,10 @@ class RemoteTier(ExternalTier):
         self._forget_after_outage()
         return not self.disabled and self.store.breaker.allow()
 
+    @property
+    def accepting(self) -> bool:
+        return self.available
+
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         if not self.available:
             return 0
