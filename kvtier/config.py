@@ -118,6 +118,9 @@ class TierConfig:
     disk_bytes: int = 0
     store_policy: StorePolicy = "write_back"
     secret: bytes | None = field(default=None, repr=False)  # signs blocks below the host tier
+    remote_url: str | None = field(default=None, repr=False)  # may hold a password
+    remote_policy: StorePolicy = "write_through"
+    remote_ttl_s: int = 86400
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,9 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             int(args.kv_disk_gb * 2**30),
             args.kv_store_policy,
             _secret(args.kv_remote_secret),
+            args.kv_remote_url,
+            args.kv_remote_policy,
+            int(args.kv_remote_ttl_s),
         ),
     )
 
@@ -232,6 +238,24 @@ class EngineArgs:
             "help": "sign blocks stored below the host tier (HMAC-SHA256) and refuse unsigned or forged "
             "ones (default: $KVTIER_REMOTE_SECRET, else none)"
         },
+    )
+    kv_remote_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "shared remote KV tier under the local ones: redis://[:password@]host:port/db, "
+            "rediss:// (TLS), unix://; Valkey alike (needs --kv-host-gb)"
+        },
+    )
+    kv_remote_policy: StorePolicy = field(
+        default="write_through",
+        metadata={
+            "help": "write_through (publish every full block soon after it is computed) or write_back "
+            "(only blocks leaving the host tier)"
+        },
+    )
+    kv_remote_ttl_s: float = field(
+        default=86400.0,
+        metadata={"help": "expiry of every remote value in seconds, refreshed by a hit (0: none)"},
     )
     preemption_mode: PreemptionMode = field(
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
@@ -295,3 +319,27 @@ class EngineArgs:
                 check_replica_id(self.kv_replica_id)
             except ValueError as exc:
                 raise ConfigError(f"kv_replica_id: {exc}") from None
+        self._validate_remote()
+
+    def _validate_remote(self) -> None:
+        ttl = self.kv_remote_ttl_s
+        if not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl < 0 or ttl != int(ttl):
+            raise ConfigError(f"kv_remote_ttl_s must be a whole number of seconds >= 0, got {ttl!r}")
+        url = self.kv_remote_url
+        if url is None:
+            return
+        scheme = url.split("://", 1)[0] if "://" in url else ""
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ConfigError(
+                f"kv_remote_url must be a redis://, rediss:// or unix:// URL, got {_without_password(url)!r}"
+            )
+        if self.kv_host_gb <= 0:
+            raise ConfigError(
+                "kv_remote_url needs kv_host_gb > 0: remote blocks are read through host memory"
+            )
+
+
+def _without_password(url: str) -> str:
+    """``url`` for an error message: a password in it is not repeated."""
+    head, sep, tail = url.rpartition("@")
+    return f"{head.split('://', 1)[0]}://***@{tail}" if sep else url

@@ -6,6 +6,7 @@ Who writes what (one owner per counter record)::
     Medium.HOST     HostTier                its evictions
                     TierMover               the device↔host copies it ran (blocks, bytes, seconds)
     Medium.DISK     DiskTier                loads, stores, evictions, failures, as its I/O completes
+    Medium.REMOTE   RemoteTier              the same; RemoteStore: errors by kind, the breaker state
     (a tier added later owns its own record the same way)
 
 Lookups and hits of the tiers below the device are counted when the scheduler adopts a hit (a
@@ -33,6 +34,12 @@ class Medium(enum.StrEnum):
     HOST = "host"
     DISK = "disk"
     REMOTE = "remote"
+
+
+REMOTE_ERROR_KINDS = ("connect", "timeout", "missing", "corrupt", "foreign", "bad_mac", "rejected")
+"""``TierSnapshot.errors`` of the remote tier (``kvtier:remote_errors_total{kind}``): the store was
+unreachable, too slow; a value was gone between lookup and load (evicted, expired, flushed), damaged,
+written for another model/dtype/shape, forged or unsigned, or refused by the server (out of memory)."""
 
 
 @dataclass(kw_only=True)
@@ -69,6 +76,8 @@ class TierSnapshot(TierCounters):
     capacity_blocks: int
     used_blocks: int
     block_size: int = 0  # tokens per block, to express hits in tokens
+    errors: dict[str, int] = field(default_factory=dict)  # failures by kind (remote: connect, timeout, ...)
+    breaker_state: int = 0  # a tier behind a circuit breaker: 0 closed (in use), 1 open (skipped)
 
     @classmethod
     def of(

@@ -3,7 +3,8 @@
 This is where a tier is registered::
 
     TierConfig ──► HostTier (bookkeeping) ◄── TierMover (device↔host copies, the host buffer)
-               └─► DiskTier ◄── BlockIOWorker(disk.block_io(secret))   an ExternalLevel under the host tier
+               ├─► DiskTier ◄── BlockIOWorker(disk.block_io(secret))   an ExternalLevel under the host tier
+               └─► RemoteTier ◄── BlockIOWorker(RedisBlockIO)          the next one (both share a RemoteStore)
                    (a tier added later: its bookkeeping, its BlockIO, one more ExternalLevel)
 
 The engine, the statistics and the metrics see the tiers only through ``TierCoordinator.tiers``.
@@ -38,6 +39,15 @@ def build_tiers(
         disk = DiskTier(config.disk_dir, config.disk_bytes, identity)
         worker = BlockIOWorker(disk.block_io(config.secret), name="kvtier-disk-io")
         external.append(ExternalLevel(disk, worker, config.store_policy))
+    if config.remote_url is not None:
+        from kvtier.tiers.remote import RedisBlockIO, RemoteStore, RemoteTier
+
+        store = RemoteStore(config.remote_url, ttl_s=config.remote_ttl_s)
+        remote = RemoteTier(store, identity)
+        io = RedisBlockIO(store, identity, config.secret)
+        worker = BlockIOWorker(io, name="kvtier-remote-io")  # batches of up to 32 blocks per round trip
+        external.append(ExternalLevel(remote, worker, config.remote_policy))
+        log.info("remote tier: %s (%s, ttl %d s)", store.url, config.remote_policy, config.remote_ttl_s)
     coordinator = TierCoordinator(host, external, config.store_policy)
     mover = TierMover(device_kv, config.num_host_blocks, host.counters)
     coordinator.host_bytes = mover

@@ -21,6 +21,7 @@ from kvtier.cli import build_parser, main
         (["demo", "offload"], "kvtier.demo"),
         (["bench", "multiturn", "--quick"], "kvtier.bench.multiturn"),
         (["bench", "transfer", "--quick"], "kvtier.bench.transfer"),
+        (["bench", "remote", "--quick"], "kvtier.bench.remote"),
     ],
 )
 def test_commands_are_registered(argv: list[str], module: str) -> None:
@@ -151,6 +152,25 @@ def test_multiturn_quick_reports_host_hits(capsys: pytest.CaptureFixture[str], t
         assert [rec["answer_ok"] for rec in rows[name]["records"]] == [True] * 4 * 2, name  # None: unchecked
     llama = rows["llama.cpp + LlamaRAMCache"]
     assert llama["skipped"] or llama["records"]
+
+
+@pytest.mark.slow
+def test_remote_quick_serves_returning_turns_from_redis(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tests.redis_server import redis_server_binary
+
+    redis_server_binary()  # skips (fails under CI) without redis-server
+    out_json = tmp_path / "remote.json"
+    rc = main(["bench", "remote", "--quick", "--turns", "2", "--json", str(out_json)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "returning turns" in text and "targets:" in text
+    rows = {r["name"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["shared Redis"]["hits"]["remote"] > 0 and rows["no remote tier"]["hits"]["remote"] == 0
+    assert rows["shared Redis"]["net_out"] > 0  # blocks were read out of Redis
+    assert rows["Redis stopped"]["hits"]["remote"] == 0
+    assert all(r["mismatches"] == 0 for r in rows.values())  # the remote tier never changes an answer
 
 
 @pytest.mark.slow

@@ -33,6 +33,8 @@ REQUIRED = {
     "kvtier:tier_bytes_stored": "counter",
     "kvtier:tier_load_seconds": "counter",
     "kvtier:tier_store_seconds": "counter",
+    "kvtier:remote_errors": "counter",
+    "kvtier:remote_breaker_state": "gauge",
 }
 
 

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvtier.outputs import RequestOutput
+from kvtier.stats import REMOTE_ERROR_KINDS as ERROR_KINDS
 from kvtier.stats import EngineStats, Medium, TierSnapshot
 
 PREFIX = "kvtier:"
@@ -56,6 +57,12 @@ _TIER_COUNTERS = (
     ("tier_bytes_stored", "Bytes stored into the tier.", "bytes_stored"),
     ("tier_store_seconds", "Seconds spent storing into the tier.", "store_seconds"),
     ("tier_blocks_evicted", "Blocks evicted from the tier.", "blocks_evicted"),
+)
+# The remote tier's own series (zeros without one): errors by kind, and its circuit breaker.
+_REMOTE_ERRORS = ("remote_errors", "Remote tier failures, by kind (each one a miss or a dropped store).")
+_REMOTE_BREAKER = (
+    "remote_breaker_state",
+    "Remote tier circuit breaker: 0 closed (in use), 1 open (skipped).",
 )
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 _LATENCY_BUCKETS += (20.0, 40.0, 80.0, 160.0, 640.0)
@@ -98,6 +105,17 @@ class _StatsCollector(Collector):
                 for medium in Medium:
                     family.add_metric([medium.value], float(getattr(_tier(stats, medium), attr)))
                 yield family
+        yield from _remote_families(_tier(stats, Medium.REMOTE))
+
+
+def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
+    errors = CounterMetricFamily(PREFIX + _REMOTE_ERRORS[0], _REMOTE_ERRORS[1], labels=["kind"])
+    for kind in list(ERROR_KINDS) + sorted(set(remote.errors) - set(ERROR_KINDS)):
+        errors.add_metric([kind], float(remote.errors.get(kind, 0)))
+    yield errors
+    yield GaugeMetricFamily(
+        PREFIX + _REMOTE_BREAKER[0], _REMOTE_BREAKER[1], value=float(remote.breaker_state)
+    )
 
 
 class ServerMetrics:

@@ -173,3 +173,12 @@ class ExternalTier(KVTier):
     @abstractmethod
     def disable(self, reason: str) -> None:
         """Stop using the tier (logged once)."""
+
+    @property
+    def accepting(self) -> bool:
+        """Whether stores are worth preparing now (a tier behind a circuit breaker: not while open)."""
+        return not self.disabled
+
+    def close(self) -> None:
+        """Release what the tier holds outside its bookkeeping (connections, threads); after the
+        worker has finished. Default: nothing."""

@@ -5,7 +5,8 @@ work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of 
 
     KVCacheManager ──lookup(keys)──────────► host hits (load now) · hits further down (read into host)
                    ──on_device_evict──────► write-back store: device block → host block
-                   ──on_block_full────────► write-through store (policy "write_through")
+                   ──on_block_full────────► write-through store (policy "write_through" of the host
+                                            tier or of an external tier)
                    ──load / swap_out / swap_in ─► host pins and host blocks
                    ◄──take_plan()────────── the step's SwapPlan (device↔host copies)
 
@@ -259,7 +260,12 @@ class TierCoordinator:
         self.store(block_id, key)
 
     def on_block_full(self, block_id: int, key: BlockKey) -> None:
-        if self.policy == "write_through":
+        """Write-through: store a block as soon as it is full, if the host tier's policy or an active
+        external tier's asks for it (an external tier is written from the host tier, so a write-through
+        remote tier needs the block in host memory now, not when the device evicts it)."""
+        if self.policy == "write_through" or any(
+            level.policy == "write_through" and level.tier.accepting for level in self.external
+        ):
             self.store(block_id, key)
 
     def take_plan(self) -> SwapPlan:
@@ -375,6 +381,7 @@ class TierCoordinator:
         for level in self.external:
             for r in level.worker.close(timeout=30.0):
                 self._apply(level, r)
+            level.tier.close()
 
     def _apply(self, level: ExternalLevel, r: IOResultLike) -> None:
         tier = level.tier

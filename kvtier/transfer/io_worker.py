@@ -16,6 +16,11 @@ sees the stored block. The worker owns ``data`` from ``submit_store`` on (pass a
 into ``out`` (a view into the host tier's buffer) only for a load: ``out`` is valid only if that
 load's result has ``ok=True``.
 
+A tier whose store pays per round trip (a network store) may also give its ``BlockIO`` ``read_batch``
+and ``write_batch`` (:class:`BatchBlockIO`): the worker then hands it each run of queued jobs of one kind
+(up to ``max_batch``, still in submission order) to move in one pipelined round trip. A BlockIO without
+them (the disk's) runs one job at a time.
+
 Failures never escape the thread. ``fatal=True`` (``io.is_fatal``) means the tier as a whole is
 unusable and should be turned off; otherwise a failed load is a miss for that one block.
 """
@@ -41,6 +46,13 @@ class BlockIO(Protocol):
     def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None: ...
     def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None: ...
     def is_fatal(self, exc: BaseException) -> bool: ...
+
+
+class BatchBlockIO(BlockIO, Protocol):
+    """A BlockIO that moves many blocks per call; each returns one exception (or None) per job."""
+
+    def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]: ...
+    def write_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]: ...
 
 
 @dataclass(frozen=True)
@@ -74,8 +86,9 @@ def describe(exc: BaseException) -> str:
 class BlockIOWorker:
     """One daemon thread running a tier's block reads and writes; results come back through ``poll``."""
 
-    def __init__(self, io: BlockIO, *, name: str = "kvtier-block-io") -> None:
+    def __init__(self, io: BlockIO, *, name: str = "kvtier-block-io", max_batch: int = 32) -> None:
         self.io = io
+        self.max_batch = max_batch if hasattr(io, "read_batch") and hasattr(io, "write_batch") else 1
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._results: deque[IOResult] = deque()
         self._done = threading.Condition()
@@ -146,15 +159,29 @@ class BlockIOWorker:
 
     # ------------------------------------------------------------------------ the thread
     def _run(self) -> None:
+        carry: _Job | None = None  # a job taken while batching that did not fit the batch: runs next
         while True:
-            job = self._jobs.get()
+            job, carry = (carry, None) if carry is not None else (self._jobs.get(), None)
             if job is None:
                 return
-            result = self._execute(job)
-            del job  # a store's snapshot is freed now, not when the next job arrives
+            batch = [job]
+            while len(batch) < self.max_batch:  # more queued jobs of the same kind join the batch
+                try:
+                    nxt = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None or nxt.kind != job.kind:
+                    if nxt is None:
+                        self._jobs.put(None)  # the end of the queue stays the end
+                    else:
+                        carry = nxt
+                    break
+                batch.append(nxt)
+            results = [self._execute(job)] if len(batch) == 1 else self._execute_batch(batch)
+            del job, batch  # a store's snapshot is freed now, not when the next job arrives
             with self._done:
-                self._results.append(result)
-                self._num_pending -= 1
+                self._results.extend(results)
+                self._num_pending -= len(results)
                 self._done.notify_all()
 
     def _execute(self, job: _Job) -> IOResult:
@@ -169,3 +196,24 @@ class BlockIOWorker:
             return IOResult(job.kind, job.key, False, describe(exc), self.io.is_fatal(exc), 0, seconds)
         nbytes = memoryview(job.buffer).nbytes
         return IOResult(job.kind, job.key, True, None, False, nbytes, time.perf_counter() - start)
+
+    def _execute_batch(self, batch: list[_Job]) -> list[IOResult]:
+        """Run jobs of one kind in one call of the BlockIO's batched path; the time is shared evenly."""
+        io: BatchBlockIO = self.io  # type: ignore[assignment]
+        start = time.perf_counter()
+        jobs = [(job.key, job.address, job.buffer) for job in batch]
+        try:
+            errors = io.write_batch(jobs) if batch[0].kind == "store" else io.read_batch(jobs)
+        except BaseException as exc:  # noqa: BLE001 (nothing may escape the worker thread)
+            errors = [exc] * len(batch)
+        seconds = (time.perf_counter() - start) / len(batch)
+        results = []
+        for job, exc in zip(batch, errors, strict=True):
+            if exc is None:
+                nbytes = memoryview(job.buffer).nbytes
+                results.append(IOResult(job.kind, job.key, True, None, False, nbytes, seconds))
+            else:
+                results.append(
+                    IOResult(job.kind, job.key, False, describe(exc), io.is_fatal(exc), 0, seconds)
+                )
+        return results

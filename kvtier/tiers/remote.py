@@ -1,0 +1,496 @@
+"""The remote tier (L4): KV blocks in a Redis or Valkey server shared by every replica of a model.
+
+Three pieces, torch-free like the disk tier:
+
+* :class:`RemoteStore`: the connection (two bounded pools with timeouts: one for the scheduler's
+  lookups, one for the I/O worker), the circuit breaker and the error counts, shared by
+* :class:`RemoteTier`: the bookkeeping, on the scheduler's thread (what the coordinator calls), and
+* :class:`RedisBlockIO`: the block reads and writes, on the tier's ``BlockIOWorker`` thread, pipelined:
+  a batch of queued loads is one round trip of ``GETEX`` whose replies land straight in the host blocks
+  (``tiers/redis_bulk.py``: no parser copies); a batch of stores is one ``EXISTS`` round trip (blocks
+  already there are not sent again, their expiry is refreshed) and one of ``SET ... EX``.
+
+Keys and values::
+
+    kvtier:v1:<64 hex digits>     the block's chained sha256 hash (kv/hashing.py), which is rooted in
+                                  the model fingerprint, the KV dtype and the request's cache salt
+    value                         one block in the format of tiers/block_format.py: a 4 KiB header
+                                  (version, model fingerprint, dtype, shape, key, crc32s, optional
+                                  HMAC-SHA256) then the payload, written with one SET: never half a value
+
+Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry) and a hit refreshes it (``GETEX``),
+so ``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
+evicts: ``contains`` is a local, bounded set of keys known to be there, and a load that finds nothing
+is a counted miss (``missing``). A value that is truncated, corrupt, written for another model, dtype or
+shape, or whose MAC does not verify is never loaded: a miss, counted by kind, and deleted if the store
+still holds that same value (a compare-and-delete script on the header).
+
+Faults never fail a request: a refused, reset or timed-out command opens the breaker (one warning
+line); while it is open lookups return 0 and stores are dropped without touching the network, and a
+background probe reconnects with backoff (one line when the store answers again). The blocks known
+to be there are forgotten at each outage: a restarted store may be empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import urllib.parse
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier.stats import REMOTE_ERROR_KINDS as ERROR_KINDS
+from kvtier.stats import Medium, TierCounters, TierSnapshot
+from kvtier.tiers.base import BlockKey, ExternalTier, LoadSpec, StoreSpec, TierIdentity
+from kvtier.tiers.block_format import (
+    HEADER_NBYTES,
+    ByteBuffer,
+    CorruptBlock,
+    check_payload,
+    decode_block_value,
+    encode_block_value,
+    validate_header,
+)
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.redis_bulk import BulkReader
+
+logger = logging.getLogger("kvtier.tiers.remote")
+
+KEY_PREFIX = b"kvtier:v1:"
+URL_SCHEMES = ("redis", "rediss", "unix")
+
+# Deletes a bad value only if the store still holds it (a replica may have rewritten it since).
+_DELETE_IF_SAME = """
+if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def redis_key(key: BlockKey) -> bytes:
+    """The store's name of block ``key``: ``kvtier:v1:<hex>``."""
+    return KEY_PREFIX + key.hex().encode("ascii")
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = f"{parts.username}:" if parts.username else ":"
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{netloc}"))
+
+
+class RemoteMiss(Exception):
+    """A load that found no usable value; ``kind`` is one of ``ERROR_KINDS``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class StoreUnavailable(Exception):
+    """The breaker is open: the operation was skipped without touching the network."""
+
+
+def corrupt_kind(exc: CorruptBlock) -> str:
+    """``bad_mac``, ``foreign`` or ``corrupt`` for a value ``decode_block_value`` refused."""
+    text = str(exc)
+    if "MAC" in text or "unsigned" in text:
+        return "bad_mac"
+    if any(s in text for s in ("another model", "written as", "block shape", "another block")):
+        return "foreign"
+    return "corrupt"
+
+
+def _fault_kind(exc: BaseException) -> str | None:
+    """``timeout`` or ``connect`` for an error that means the store is not answering, else None."""
+    if isinstance(exc, redis.TimeoutError | TimeoutError):
+        return "timeout"
+    if isinstance(exc, redis.ConnectionError | ConnectionError | OSError):
+        return "connect"
+    return None
+
+
+class RemoteStore:
+    """A Redis/Valkey server: bounded connection pools, a circuit breaker, error counts by kind.
+
+    ``lookup_timeout_s`` bounds a lookup on the scheduler's thread (connect and reply); the worker's
+    commands, which move megabytes, get ``io_timeout_s``. Nothing is retried in line: a failure opens
+    the breaker and the background probe reconnects."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        ttl_s: int = 86400,
+        lookup_timeout_s: float = 1.0,
+        io_timeout_s: float = 5.0,
+        max_connections: int = 4,
+    ) -> None:
+        self.url = redacted(url)
+        self.ttl_s = ttl_s
+        self.lookup = self._client(url, lookup_timeout_s, max_connections=2)
+        self.io = self._client(url, io_timeout_s, max_connections=max_connections)
+        self.bulk = BulkReader(url, timeout_s=io_timeout_s, max_connections=max_connections)
+        self.errors: Counter[str] = Counter({kind: 0 for kind in ERROR_KINDS})
+        self._lock = threading.Lock()
+        self.generation = 0  # bumped at each outage: what was known to be there may be gone
+        self.breaker = CircuitBreaker(f"remote tier {self.url}", self._probe, on_open=self._outage)
+        self.rejected_reason: str | None = None  # a refusal that retrying cannot fix (authentication)
+        self._delete_if_same = self.io.register_script(_DELETE_IF_SAME)
+        try:
+            self._probe()
+        except redis.AuthenticationError as exc:
+            self.rejected_reason = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 (unreachable at start-up: run without it until it answers)
+            self.failed(exc)
+
+    @staticmethod
+    def _client(url: str, timeout_s: float, *, max_connections: int) -> redis.Redis:
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,  # waiting for a free connection
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return redis.Redis(connection_pool=pool)
+
+    def _probe(self) -> None:
+        self.lookup.ping()
+
+    def _outage(self) -> None:
+        with self._lock:
+            self.generation += 1
+        self.bulk.close()  # idle sockets to a dead server would fail the first reads after recovery
+
+    def count(self, kind: str, n: int = 1) -> None:
+        with self._lock:
+            self.errors[kind] += n
+
+    def error_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.errors)
+
+    def failed(self, exc: BaseException) -> None:
+        """A command failed: count it and, if the store is not answering, open the breaker."""
+        kind = _fault_kind(exc)
+        self.count(kind or "rejected")
+        if kind is not None:
+            self.breaker.record_failure(exc)
+
+    def count_leading(self, names: Sequence[bytes]) -> int:
+        """How many leading ``names`` exist, in one pipelined round trip (0 when not answering)."""
+        if not names or not self.breaker.allow():
+            return 0
+        pipe = self.lookup.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        try:
+            found = pipe.execute()
+        except Exception as exc:  # noqa: BLE001 (a lookup never fails a request)
+            self.failed(exc)
+            return 0
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        return n
+
+    def delete_if_same(self, name: bytes, value: ByteBuffer) -> None:
+        """Delete ``name`` if it still holds a value starting with ``value``'s header."""
+        head = bytes(memoryview(value)[:HEADER_NBYTES])
+        try:
+            self._delete_if_same(keys=[name], args=[head, len(head)])
+        except Exception as exc:  # noqa: BLE001 (best effort)
+            self.failed(exc)
+
+    def close(self) -> None:
+        self.breaker.close()
+        for client in (self.lookup, self.io):
+            client.connection_pool.disconnect()
+        self.bulk.close()
+
+
+class RedisBlockIO:
+    """The remote tier's reads and writes, run by a ``BlockIOWorker`` (addresses are store key names).
+
+    Both paths are batched (the worker hands over each run of queued jobs of one kind): one pipeline per
+    batch. A failed read is a miss for that block; nothing is fatal (an outage is the breaker's job)."""
+
+    def __init__(self, store: RemoteStore, identity: TierIdentity, secret: bytes | None = None) -> None:
+        self.store = store
+        self.identity = identity
+        self.secret = secret
+        self._heads: list[memoryview] = []  # scratch block headers (the worker's thread only)
+
+    def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
+        (error,) = self.read_batch([(key, address, out)])
+        if error is not None:
+            raise error
+
+    def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
+        (error,) = self.write_batch([(key, address, data)])
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def is_fatal(exc: BaseException) -> bool:
+        return False
+
+    def _execute(self, commands: list[tuple[str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
+        """One pipelined round trip; per-command errors come back in place."""
+        pipe = self.store.io.pipeline(transaction=False)
+        for name, args, kwargs in commands:
+            getattr(pipe, name)(*args, **kwargs)
+        return pipe.execute(raise_on_error=False)
+
+    def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
+        """``GETEX`` (refreshing the expiry) every block of ``jobs`` in one round trip, each payload
+        received straight into its ``out``, then validated there."""
+        store = self.store
+        if not store.breaker.allow():
+            return [StoreUnavailable("the remote store is not answering")] * len(jobs)
+        while len(self._heads) < len(jobs):
+            self._heads.append(memoryview(bytearray(HEADER_NBYTES)))
+        outs = [memoryview(out).cast("B") for _, _, out in jobs]
+        try:
+            names = [address for _, address, _ in jobs]
+            values = store.bulk.get_many(names, store.ttl_s, self._heads[: len(jobs)], outs)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 (the store went away: every read is a miss)
+            store.failed(exc)
+            return [exc] * len(jobs)
+        return [
+            self._check(job, value, head) for job, value, head in zip(jobs, values, self._heads, strict=False)
+        ]
+
+    def _check(
+        self, job: tuple[BlockKey, object, ByteBuffer], value: Any, head: memoryview
+    ) -> BaseException | None:
+        """Validate one reply: a value of the expected size already sits in ``head`` and ``out``."""
+        key, address, out = job
+        if isinstance(value, Exception):
+            self.store.failed(value)
+            return value
+        if value is None:
+            self.store.count("missing")
+            return RemoteMiss("missing", "gone between lookup and load (evicted, expired or flushed)")
+        try:
+            if isinstance(value, int):
+                header = validate_header(head, value, key, self.identity)
+                check_payload(header, memoryview(out).cast("B"), self.secret)
+            else:
+                decode_block_value(value, key, self.identity, out, self.secret)
+        except CorruptBlock as exc:
+            kind = corrupt_kind(exc)
+            self.store.count(kind)
+            self.store.delete_if_same(address, head if isinstance(value, int) else value)  # type: ignore[arg-type]
+            return RemoteMiss(kind, str(exc))
+        return None
+
+    def write_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
+        """Send the blocks of ``jobs`` the store lacks (one ``EXISTS`` round trip first), each as one
+        ``SET name value EX ttl``; the expiry of those already there is refreshed instead."""
+        store = self.store
+        if not store.breaker.allow():
+            return [StoreUnavailable("the remote store is not answering: store dropped")] * len(jobs)
+        try:
+            present = self._execute([("exists", (address,), {}) for _, address, _ in jobs])
+            commands = []
+            for (key, address, data), there in zip(jobs, present, strict=True):
+                if there is True or there == 1:
+                    if store.ttl_s:
+                        commands.append(("expire", (address, store.ttl_s), {}))
+                    continue
+                value = encode_block_value(key, self.identity, data, self.secret)
+                commands.append(("set", (address, value), {"ex": store.ttl_s or None}))
+            replies = self._execute(commands) if commands else []
+        except Exception as exc:  # noqa: BLE001 (the store went away: the stores are dropped)
+            store.failed(exc)
+            return [exc] * len(jobs)
+        errors = [r for r in replies if isinstance(r, Exception)]
+        for error in errors[:1]:
+            store.failed(error)  # e.g. OOM under maxmemory with noeviction: rejected
+        if errors:
+            return [errors[0]] * len(jobs)
+        return [None] * len(jobs)
+
+
+class RemoteTier(ExternalTier):
+    """Bookkeeping of the remote tier: the keys known to be in the store, pins, reservations.
+
+    ::
+
+        known      in _known (bounded, oldest first)    contains() is True; the store may have evicted it
+        reserved   in _reserved: a write in flight       invisible to lookup
+        pinned     a load in flight (_pins)
+
+    ``lookup`` walks the known keys, then asks the store about the next ``lookup_limit`` keys in one
+    pipelined ``EXISTS`` round trip (bounded by the lookup timeout; skipped while the breaker is open),
+    and remembers what it found. ``capacity_blocks`` is 0: the store's size is the store's business.
+    """
+
+    medium = Medium.REMOTE
+
+    def __init__(
+        self,
+        store: RemoteStore,
+        identity: TierIdentity,
+        *,
+        max_known_blocks: int = 1 << 20,
+        lookup_limit: int = 256,
+    ) -> None:
+        self.counters = TierCounters()
+        self.store = store
+        self.identity = identity
+        self.max_known_blocks = max_known_blocks
+        self.lookup_limit = lookup_limit
+        self._known: OrderedDict[BlockKey, None] = OrderedDict()
+        self._reserved: set[BlockKey] = set()
+        self._pins: Counter[BlockKey] = Counter()
+        self._generation = store.generation
+        self.disabled = False
+        self.disabled_reason: str | None = None
+        if store.rejected_reason is not None:
+            self.disable(store.rejected_reason)
+
+    # ------------------------------------------------------------------------ occupancy
+    @property
+    def capacity_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._known) + len(self._reserved)
+
+    def contains(self, key: BlockKey) -> bool:
+        self._forget_after_outage()
+        return key in self._known
+
+    def _forget_after_outage(self) -> None:
+        """After an outage the store may have restarted empty: forget the keys known to be there."""
+        if self._generation == self.store.generation:
+            return
+        self._generation = self.store.generation
+        forgotten = [k for k in self._known if not self._pins[k]]
+        for key in forgotten:
+            del self._known[key]
+        self._announce_removed(forgotten)
+
+    @property
+    def available(self) -> bool:
+        """Enabled and the store answering (a read of the breaker's state: no network)."""
+        self._forget_after_outage()
+        return not self.disabled and self.store.breaker.allow()
+
+    @property
+    def accepting(self) -> bool:
+        return self.available
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        if not self.available:
+            return 0
+        n = 0
+        while n < len(keys) and keys[n] in self._known:
+            n += 1
+        rest = keys[n : n + self.lookup_limit]
+        found = self.store.count_leading([redis_key(k) for k in rest])
+        self._announce_stored([k for k in rest[:found] if k not in self._known])
+        for key in rest[:found]:
+            self._remember(key)
+        return n + found
+
+    def held_keys(self) -> list[BlockKey]:
+        """The keys known to be in the store (announced as KV events), oldest first."""
+        return list(self._known)
+
+    def _remember(self, key: BlockKey) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self.max_known_blocks:
+            oldest = next(iter(self._known))
+            if self._pins[oldest]:
+                break
+            del self._known[oldest]  # only forgotten here: a lookup asks the store again
+            self._announce_removed([oldest])
+
+    # ------------------------------------------------------------------------ loads
+    def prepare_load(self, keys: Sequence[BlockKey]) -> LoadSpec:
+        for key in keys:
+            if key not in self._known:
+                raise KeyError(f"remote tier: load of a key not known to be there ({key.hex()[:12]})")
+        self._pins.update(keys)
+        return LoadSpec(tuple(keys), tuple(redis_key(key) for key in keys))
+
+    def complete_load(self, keys: Sequence[BlockKey], seconds: float = 0.0) -> None:
+        num_loaded = 0
+        for key in keys:
+            if self._pins[key] > 1:
+                self._pins[key] -= 1
+            else:
+                self._pins.pop(key, None)
+            if key in self._known:
+                self._known.move_to_end(key)
+                num_loaded += 1
+        if num_loaded:
+            self.counters.record_loads(num_loaded, num_loaded * self.identity.block_bytes, seconds)
+
+    # ------------------------------------------------------------------------ stores
+    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
+        """Reserve the keys not known to be there; nothing while the store is not answering."""
+        if not self.available:
+            return StoreSpec((), ())
+        accepted = [k for k in dict.fromkeys(keys) if k not in self._known and k not in self._reserved]
+        self._reserved.update(accepted)
+        return StoreSpec(tuple(accepted), tuple(redis_key(key) for key in accepted))
+
+    def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, seconds: float = 0.0) -> None:
+        stored = []
+        for key in keys:
+            if key not in self._reserved:
+                continue
+            self._reserved.discard(key)
+            if ok and not self.disabled:
+                self._remember(key)
+                stored.append(key)
+        if stored:
+            self.counters.record_stores(len(stored), len(stored) * self.identity.block_bytes, seconds)
+            self._announce_stored(stored)
+
+    # ------------------------------------------------------------------------ failures
+    def invalidate(self, key: BlockKey, reason: str) -> None:
+        """A load found no usable value (the kind is counted by the I/O): a miss; forget the key."""
+        self.counters.load_failures += 1
+        self._pins.pop(key, None)
+        if key in self._known:
+            del self._known[key]
+            self._announce_removed([key])
+
+    def disable(self, reason: str) -> None:
+        if self.disabled:
+            return
+        self.disabled = True
+        self.disabled_reason = reason
+        removed = list(self._known)
+        self._known.clear()
+        self._reserved.clear()
+        self._pins.clear()
+        self._announce_removed(removed)
+        logger.warning("remote tier disabled, running without it: %s (%s)", reason, self.store.url)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def snapshot(self, block_size: int) -> TierSnapshot:
+        snap = super().snapshot(block_size)
+        snap.errors = self.store.error_counts()
+        snap.breaker_state = int(self.store.breaker.state)
+        return snap

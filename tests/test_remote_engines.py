@@ -1,0 +1,134 @@
+"""The remote tier with the real model: two engine processes share one redis-server, and Redis dies
+(the real process, by pid) while requests generate. The cache never changes the answer: every greedy
+output equals a run with no tiers, and the statistics prove the remote tier really served."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+from typing import Any
+
+import pytest
+
+from kvtier.config import EngineArgs
+from kvtier.engine import LLMEngine
+from kvtier.llm import LLM
+from kvtier.sampling_params import SamplingParams
+from kvtier.stats import Medium
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+LONG_DOC = " ".join(f"Record {i}: the shipment to depot {i % 7} weighs {i * 13 % 97} kg." for i in range(40))
+QUESTIONS = ["Which depot gets record 5?", "What does record 12 weigh?", "Summarize the records."]
+
+
+def prompts_for(tag: str) -> list[str]:
+    return [f"{LONG_DOC}\n[{tag}] {q}" for q in QUESTIONS]
+
+
+def _engine_process(url: str, prompts: list[str], queue: Any) -> None:
+    """One engine in a process of its own: generate, report outputs and remote statistics, flush."""
+    with LLM(kv_device_blocks=256, kv_host_gb=0.05, kv_remote_url=url, num_threads=1) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        llm.engine.flush_tiers()  # the write-through stores still in flight land
+        remote = llm.engine.stats().tiers[Medium.REMOTE]
+        queue.put(
+            (
+                [o.outputs[0].token_ids for o in outs],
+                [int(o.cached_tokens_by_tier.get(Medium.REMOTE, 0)) for o in outs],
+                remote.hit_blocks,
+                remote.blocks_stored,
+            )
+        )
+
+
+def _run_in_process(url: str, prompts: list[str]) -> tuple[list[list[int]], list[int], int, int]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(url, prompts, queue))
+    proc.start()
+    try:
+        result = queue.get(timeout=300)
+    finally:
+        proc.join(60)
+    assert proc.exitcode == 0
+    return result
+
+
+def reference(prompts: list[str]) -> list[list[int]]:
+    with LLM(kv_device_blocks=256) as plain:
+        return [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
+
+
+def test_second_engine_process_is_served_from_the_first_ones_blocks(
+    redis_server: RedisServer, converted_default_model: Any
+) -> None:
+    prompts = prompts_for("shared")
+    expected = reference(prompts)
+    first, first_remote, first_hits, stored = _run_in_process(redis_server.url, prompts)
+    assert first == expected and stored > 0 and first_hits == 0
+    second, second_remote, second_hits, _ = _run_in_process(redis_server.url, prompts)
+    assert second == expected  # the remote tier never changes the answer
+    assert second_hits > 0 and second_remote[0] >= 16 * 30  # the long shared document came from Redis
+
+
+def _engine(url: str) -> LLMEngine:
+    args = EngineArgs(kv_device_blocks=256, kv_host_gb=0.05, kv_remote_url=url, num_threads=1)
+    return LLMEngine(args)
+
+
+def _generate_all(engine: LLMEngine, prompts: list[str], on_step: Any = None) -> list[list[int]]:
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    done: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+        if on_step is not None:
+            on_step(step)
+    return [done[i] for i in ids]
+
+
+def test_redis_killed_mid_run_every_request_completes_exactly_and_hits_resume_after_restart(
+    redis_server: RedisServer, converted_default_model: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvtier.tiers.remote")
+    warm, cold = prompts_for("warm"), prompts_for("cold")
+    expected = reference(warm + cold)
+    writer = _engine(redis_server.url)
+    assert _generate_all(writer, warm) == expected[: len(warm)]  # the warm prompts are now in Redis
+    writer.close()
+
+    engine = _engine(redis_server.url)  # loads the warm prefixes from Redis, computes the cold ones
+
+    def kill_early(step: int) -> None:
+        if step == 2:
+            redis_server.kill()  # the real process, by pid, while reads and writes are in flight
+
+    assert _generate_all(engine, warm + cold, kill_early) == expected
+    outages = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(outages) == 1, [r.getMessage() for r in caplog.records]
+    remote = engine.stats().tiers[Medium.REMOTE]
+    assert remote.breaker_state == 1 and sum(remote.errors.values()) > 0
+
+    redis_server.start()  # the same port, empty (no persistence)
+    deadline = time.monotonic() + 30
+    while engine.stats().tiers[Medium.REMOTE].breaker_state != 0:
+        assert time.monotonic() < deadline, "the remote tier did not come back"
+        time.sleep(0.05)
+    assert len([r for r in caplog.records if "answers again" in r.getMessage()]) == 1
+    fresh = prompts_for("after")
+    stored = engine.stats().tiers[Medium.REMOTE].blocks_stored
+    assert _generate_all(engine, fresh) == reference(fresh)  # write-through publishes them again
+    engine.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert engine.stats().tiers[Medium.REMOTE].blocks_stored > stored, messages
+    reader = _engine(redis_server.url)
+    assert _generate_all(reader, fresh) == reference(fresh)
+    assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0, messages  # remote hits resumed
+    reader.close()
