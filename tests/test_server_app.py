@@ -177,6 +177,8 @@ UNSUPPORTED = [
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
     ({"model": "\udfff"}, "model"),
     ({"stop": ["ok", "\ud83d"]}, "stop"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
+    ({"stop_token_ids": list(range(300))}, "stop_token_ids"),
 ]
 
 
@@ -186,6 +188,11 @@ def test_unsupported_and_invalid_parameters_are_named(client: TestClient, change
     body = json.dumps({**CHAT, **change}, ensure_ascii=True)  # "\ud800" escaped, as a client would send it
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert_error(r, 400, param=param)
+
+
+def test_too_many_prompts_is_400_before_tokenizing(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 5000, "max_tokens": 1})
+    assert_error(r, 400, param="prompt")
 
 
 def test_defaults_of_unsupported_parameters_pass(client: TestClient) -> None:

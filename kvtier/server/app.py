@@ -262,6 +262,20 @@ def tenant_salt(request: Request, body: GenerationRequest) -> str | None:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+def check_fits(engine: AsyncEngine, num_prompts: int, n: int, param: str) -> None:
+    """400 for a request that could never be admitted: more sequences than ``--max-queue`` holds."""
+    weight = num_prompts * n
+    if not engine.fits(weight):
+        raise APIError(
+            400,
+            f"this request runs {weight} sequences ({num_prompts} prompt(s) x n={n}); the server "
+            f"queues at most {engine.max_queue} (--max-queue), so it can never be admitted: send fewer "
+            "prompts or a smaller n",
+            param="n" if n > 1 else param,
+            code="request_too_large",
+        )
+
+
 # ----------------------------------------------------------------------------- admit and respond
 async def admit(
     engine: AsyncEngine,
@@ -278,17 +292,8 @@ async def admit(
     a parameter; the streams already added are aborted). A prompt weighs ``n`` sequences."""
     if not engine.ready:
         raise EngineNotReady(engine.not_ready_reason())
+    check_fits(engine, len(prompts), params.n, param)
     weight = len(prompts) * params.n
-    if not engine.fits(weight):
-        metrics.reject("invalid_request")
-        raise APIError(
-            400,
-            f"this request runs {weight} sequences ({len(prompts)} prompt(s) x n={params.n}); the server "
-            f"queues at most {engine.max_queue} (--max-queue), so it can never be admitted: send fewer "
-            "prompts or a smaller n",
-            param="n" if params.n > 1 else param,
-            code="request_too_large",
-        )
     if engine.overloaded(weight):
         metrics.reject("queue_full")
         raise _unavailable(
@@ -457,6 +462,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     opened = _open(request, body)
     given = body.prompts()
+    check_fits(request.app.state.engine, len(given), body.n, "prompt")  # before tokenizing them all
     tokenizer, max_model_len = opened.tokenizer()
     for p in given:
         if isinstance(p, str):

@@ -22,6 +22,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams
 
+MAX_STOP = 16  # stop strings are checked against every new token: a bounded list
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request (OpenAI's limit)
 MAX_ECHO = 64  # characters of a client's value quoted back in an error message
 MAX_MESSAGE = 2000  # characters of an error message
 
@@ -189,6 +192,13 @@ class GenerationRequest(_Request):
                 raise bad_request(f"{name} is not supported (only 0)", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for name, values, limit in (
+            ("stop", stop, MAX_STOP),
+            ("stop_token_ids", self.stop_token_ids or [], MAX_STOP_TOKEN_IDS),
+        ):
+            if len(values) > limit:
+                raise bad_request(f"{name} holds at most {limit} entries, got {len(values)}", name)
         kwargs: dict[str, Any] = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -198,7 +208,7 @@ class GenerationRequest(_Request):
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -278,4 +288,6 @@ class CompletionRequest(GenerationRequest):
             items = list(p)  # type: ignore[arg-type]
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
+        if len(items) > MAX_PROMPTS:
+            raise bad_request(f"prompt holds at most {MAX_PROMPTS} prompts, got {len(items)}", "prompt")
         return items
