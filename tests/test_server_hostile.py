@@ -179,22 +179,25 @@ def test_n_is_bounded_and_counted_by_admission(server: BackgroundServer) -> None
 
 
 def test_n_fills_the_queue(server: BackgroundServer) -> None:
-    """n=8-like requests no longer slip past --max-queue: queue depth counts each request's n."""
+    """n=8 slipped past --max-queue 4: the queue counted requests. With the engine held busy (nothing
+    leaves the queue), two n=4 requests fill --max-queue 8 and a third is a 503."""
     engine = server.app.state.engine
-    body = {"model": MODEL, "prompt": "Count:", "n": 4, "max_tokens": 64, "ignore_eos": True}
-    with httpx.Client(timeout=120) as client:
-        results: list[int] = []
-
-        def send() -> None:
-            results.append(client.post(server.url + "/v1/completions", json=body).status_code)
-
-        threads = [threading.Thread(target=send) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    body = {"model": MODEL, "prompt": "Count:", "n": 4, "max_tokens": 2}
+    results: list[int] = []
+    blocker = threading.Thread(target=engine.call_sync, args=(lambda _: time.sleep(3),))
+    blocker.start()
+    time.sleep(0.2)
+    threads = []
+    for _ in range(3):
+        threads.append(
+            threading.Thread(target=lambda: results.append(post(server, "/v1/completions", body).status_code))
+        )
+        threads[-1].start()
+        time.sleep(0.3)
+    for t in [blocker, *threads]:
+        t.join()
+    assert sorted(results) == [200, 200, 503]
     assert engine.queue_depth() == 0
-    assert 503 in results and 200 in results, results  # 8 x 4 sequences against a queue of 8
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

@@ -4,9 +4,9 @@
 
     on the event loop (microseconds)             on the tokenizer pool (a few threads)
     ────────────────────────────────             ─────────────────────────────────────
-    too_long_to_tokenize(): characters /         render_chat(): the chat template, contents as text
-      max_token_chars >= max_model_len: 400      encode_texts(): each text prompt
-    token-id prompts: length, 400                check_context(): prompt + max_tokens <= max_model_len
+    check_text_length(): characters /            render_chat(): the chat template, contents as text
+      max_token_chars >= max_model_len: 400      encode_prompts(): each text prompt
+    check_context(): token-id prompts, 400       check_context(): prompt + max_tokens <= max_model_len
 
 A token stands for at most ``Tokenizer.max_token_chars`` characters, so a text of ``c`` characters has at
 least ``c / max_token_chars`` tokens: a megabyte prompt for a 4k-token model is refused without

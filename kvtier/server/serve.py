@@ -92,13 +92,13 @@ def _add_limit_args(g: argparse._ArgumentGroup) -> None:
         "--timeout-header",
         type=float,
         default=10.0,
-        help="close a connection whose request headers take longer (default 10 s)",
+        help="close a connection whose request headers take longer (default 10 s; 0: never)",
     )
     g.add_argument(
         "--timeout-body",
         type=float,
         default=30.0,
-        help="answer 408 to a request whose body takes longer to arrive (default 30 s)",
+        help="answer 408 to a request whose body takes longer to arrive (default 30 s; 0: never)",
     )
 
 

@@ -40,7 +40,7 @@ def uvicorn_config(
     (the drain has already let the requests finish)."""
     return uvicorn.Config(
         app,
-        http=timed_h11_protocol(timeout_header),
+        http=timed_h11_protocol(timeout_header) if timeout_header > 0 else "h11",  # 0: no header timeout
         log_level=log_level,
         timeout_keep_alive=max(1, round(timeout_keep_alive)),
         timeout_graceful_shutdown=5,
