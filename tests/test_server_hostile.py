@@ -367,19 +367,49 @@ common = {
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "stream_options": st.one_of(st.just({"include_usage": True}), junk),
 }
-chat_body = st.fixed_dictionaries(
-    {"messages": st.lists(message, max_size=4), "max_tokens": small_max_tokens},
-    optional={**common, "logprobs": st.booleans(), "top_logprobs": ints},
-)
 prompt = st.one_of(
     text,
     st.lists(text, min_size=1, max_size=3),
     st.lists(ints, max_size=5),
     st.lists(st.lists(st.integers(0, 50_000), max_size=4), max_size=3),
 )
-completion_body = st.fixed_dictionaries(
-    {"prompt": prompt, "max_tokens": small_max_tokens},
-    optional={**common, "logprobs": ints, "echo": st.booleans()},
+chat_fields = {
+    **common,
+    "messages": st.lists(message, max_size=4),
+    "max_tokens": small_max_tokens,
+    "logprobs": st.booleans(),
+    "top_logprobs": ints,
+}
+completion_fields = {
+    **common,
+    "prompt": prompt,
+    "max_tokens": small_max_tokens,
+    "logprobs": ints,
+    "echo": st.booleans(),
+}
+
+
+def hostile(base: st.SearchStrategy[dict], fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy[dict]:
+    """A valid body with up to three fields replaced by hostile values: most requests reach the engine
+    (a body with a dozen random fields is refused at its first bad one and tests little)."""
+    names = st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)
+    overrides = names.flatmap(lambda chosen: st.fixed_dictionaries({k: fields[k] for k in chosen}))
+    return st.tuples(base, overrides).map(lambda pair: {**pair[0], **pair[1]})
+
+
+chat_body = hostile(
+    st.fixed_dictionaries(
+        {
+            "model": st.just(MODEL),
+            "messages": st.lists(message, min_size=1, max_size=3),
+            "max_tokens": st.integers(1, 4),
+        }
+    ),
+    chat_fields,
+)
+completion_body = hostile(
+    st.fixed_dictionaries({"model": st.just(MODEL), "prompt": prompt, "max_tokens": st.integers(1, 4)}),
+    completion_fields,
 )
 raw_body = st.one_of(st.binary(max_size=64), st.just(b"{" * 10_000), st.just(b'{"prompt": "\\ud800"}'))
 

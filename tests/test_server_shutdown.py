@@ -27,8 +27,11 @@ def test_sigterm_lets_running_requests_finish() -> None:
     cmd += ["--kv-device-blocks", "64", "--num-threads", "1", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = re.search(r"on (http://\S+) ", proc.stderr.readline()).group(1)
-        ready = proc.stderr.readline()  # the next line: the model has loaded
+        lines = iter(proc.stderr.readline, "")
+        url = next(
+            re.search(r"serving .* on (http://\S+) ", line) for line in lines if "serving" in line
+        ).group(1)
+        ready = next(line for line in lines if line.startswith("kvtier: ready"))  # the model has loaded
         assert ready.startswith("kvtier: ready:") and url in ready and "device 64 blocks" in ready, ready
         assert httpx.get(url + "/health").status_code == 200
         body = {"model": MODEL, "prompt": "Count to a hundred:", "max_tokens": 40, "ignore_eos": True}
