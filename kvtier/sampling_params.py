@@ -10,13 +10,14 @@ from kvtier.config import ConfigError
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 300  # OpenAI's limit
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (logits / 1e-300 would be inf)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` is greedy. ``seed`` makes a random request reproducible regardless of
+    ``temperature == 0`` (or below 1e-5) is greedy. ``seed`` makes a random request reproducible regardless of
     what else shares its batch. ``stop`` strings end generation and are not part of the output.
     """
 
@@ -102,4 +103,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing the logits by it overflows (as vLLM does)."""
+        return self.temperature < _GREEDY_BELOW

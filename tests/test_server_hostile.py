@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvtier import LLM
@@ -439,6 +439,7 @@ def fuzz_health(server: BackgroundServer) -> Iterator[HealthWatch]:
         completion_body.map(lambda b: ("/v1/completions", b)),
     )
 )
+@example(body=("/v1/completions", {"model": MODEL, "prompt": "0", "max_tokens": 1, "temperature": 2e-246}))
 def test_hostile_requests_are_never_5xx(
     server: BackgroundServer, fuzz_health: HealthWatch, body: tuple
 ) -> None:
