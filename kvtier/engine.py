@@ -156,6 +156,7 @@ class LLMEngine:
         params.validate()
         text, token_ids = self.tokenize_prompt(prompt)
         self._check_prompt(token_ids)
+        self._check_token_params(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
@@ -192,6 +193,14 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room for output"
             )
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """Token ids named by the parameters must be in the vocabulary (the sampler indexes by them)."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+            for t in ids:
+                if not 0 <= t < vocab:
+                    raise ConfigError(f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request now: its blocks go back to the pool before the next step."""

@@ -86,9 +86,10 @@ class LLM:
     def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
         if not conversation:
             raise ConfigError("messages must not be empty")
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-        # The template already contains any special tokens it wants: don't add BOS again.
-        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        # Contents are tokenized as text (a user's "<|im_end|>" is not a control token); no BOS is
+        # added (the template writes the special tokens it wants). The server does the same.
+        text, token_ids = self.tokenizer.encode_chat(list(conversation), add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     def stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None, cache_salt: str | None = None

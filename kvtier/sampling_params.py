@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.config import ConfigError
 
 _MAX_LOGPROBS = 20
+_MAX_LOGIT_BIAS = 300  # OpenAI's limit
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (logits / 1e-300 would be inf)
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
 
-    ``temperature == 0`` is greedy. ``seed`` makes a random request reproducible regardless of
+    ``temperature == 0`` (or below 1e-5) is greedy. ``seed`` makes a random request reproducible regardless of
     what else shares its batch. ``stop`` strings end generation and are not part of the output.
     """
 
@@ -31,12 +34,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs reported per generated token
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -82,7 +88,20 @@ class SamplingParams:
                 raise ConfigError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        self._validate_logit_bias(number, integer)
+
+    def _validate_logit_bias(self, number: Any, integer: Any) -> None:
+        if len(self.logit_bias) > _MAX_LOGIT_BIAS:
+            raise ConfigError(
+                f"logit_bias holds at most {_MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            if integer("logit_bias", token_id) < 0:
+                raise ConfigError(f"logit_bias keys must be token ids (>= 0), got {token_id}")
+            if not -100.0 <= number("logit_bias", bias) <= 100.0:
+                raise ConfigError(f"logit_bias values must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or so close to it that dividing the logits by it overflows (as vLLM does)."""
+        return self.temperature < _GREEDY_BELOW

@@ -4,13 +4,20 @@
 ``chat_template.jinja``). Chat templates render in a sandboxed jinja2 environment set up the way
 ``transformers`` sets up its own, so prompts match ``apply_chat_template(..., tokenize=False)`` byte for byte.
 ``IncrementalDetokenizer`` turns streamed token ids into text deltas without ever cutting a UTF-8 character.
+
+Chat messages are data, not markup: ``encode_chat`` tokenizes what the template itself wrote with its
+special tokens parsed, and each message's content as plain text, so ``<|im_end|>`` written by a user stays
+the characters ``<``, ``|``, ``im``... (as llama.cpp treats user text); a role must be one the template
+knows (``chat_roles``: system, user, assistant, and tool when the template mentions it).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +28,7 @@ from kvtier.hf_config import read_json
 
 _REPLACEMENT_CHAR = "\ufffd"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _token_content(value: Any) -> str | None:
@@ -48,6 +56,17 @@ def _find_chat_template(path: Path, config: dict[str, Any]) -> str | None:
         value = read_json(json_file).get("chat_template")
         return value if isinstance(value, str) else None
     return None
+
+
+_RELEASE_GIL_CHARS = 2048
+
+
+def _encode(backend: _Backend, text: str, add_special_tokens: bool) -> list[int]:
+    """``backend.encode(...).ids``; a long text through ``encode_batch``, which lets go of the GIL while it
+    works (``encode`` does not: tokenizing a long prompt on a worker thread would stall the event loop)."""
+    if len(text) < _RELEASE_GIL_CHARS:
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 class Tokenizer:
@@ -122,7 +141,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` BOS is prepended when the model wants it."""
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(self._backend, text, add_special_tokens)
         if not add_special_tokens or self.bos_token_id is None:
             return ids
         if self.add_bos and not self._post_processor_adds_bos:
@@ -130,6 +149,89 @@ class Tokenizer:
         if not self.add_bos and self._post_processor_adds_bos and ids[:1] == [self.bos_token_id]:
             return ids[1:]
         return ids
+
+    # -------------------------------------------------------------------------- text, not markup
+    @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: a text of ``c`` characters has at least
+        ``c / max_token_chars`` tokens (the cheap length check before tokenizing a huge prompt)."""
+        return max((len(k) for k in self._backend.get_vocab(with_added_tokens=True)), default=1)
+
+    @cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        added = self._backend.get_added_tokens_decoder().values()
+        return tuple(t.content for t in added if t.special and t.content)
+
+    @cached_property
+    def _text_backend(self) -> _Backend:
+        """A copy of the backend that never parses special tokens out of its input."""
+        clone = _Backend.from_str(self._backend.to_str())
+        clone.encode_special_tokens = True
+        return clone
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no special token recognized in it (and none added)."""
+        return _encode(self._text_backend, text, False)
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether ``text`` spells out one of the tokenizer's special tokens."""
+        return any(special in text for special in self._special_texts)
+
+    @cached_property
+    def chat_roles(self) -> frozenset[str]:
+        """The roles a chat message may have: system, user, assistant, and tool if the template has it."""
+        roles = set(CHAT_ROLES)
+        if self.chat_template is not None and re.search(r"""['"]tool['"]""", self.chat_template):
+            roles.add("tool")
+        return frozenset(roles)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        """The rendered conversation and its token ids, message contents tokenized as plain text.
+
+        No BOS is added (the template writes the special tokens it wants). When a content spells a
+        special token, the contents' exact places in the text are found by rendering the conversation
+        again with a marker for each content; a template that changes contents (so they cannot be found)
+        is refused then (``ConfigError``) rather than let the text through as markup."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        contents = [m.get("content") for m in messages if isinstance(m, dict)]
+        if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
+            return text, self.encode(text, add_special_tokens=False)
+        spans = self._content_spans(messages, add_generation_prompt, text)
+        if spans is None:
+            raise ConfigError(
+                "a message content spells a special token, and this model's chat template rewrites "
+                "contents, so it cannot be kept as plain text: remove the special token"
+            )
+        ids: list[int] = []
+        pos = 0
+        for start, end in spans:
+            ids += self.encode(text[pos:start], add_special_tokens=False)
+            ids += self.encode_text(text[start:end])
+            pos = end
+        ids += self.encode(text[pos:], add_special_tokens=False)
+        return text, ids
+
+    def _content_spans(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, text: str
+    ) -> list[tuple[int, int]] | None:
+        """``(start, end)`` of every content's text in ``text``, or None if the template changed one."""
+        tag = secrets.token_hex(8)
+        marked = [
+            {**m, "content": f"\x00{tag}:{i}\x00"} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        pieces = re.split(f"\x00{tag}:(\\d+)\x00", rendered)  # template text, index, template text, ...
+        spans, out, pos = [], [], 0
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                piece = messages[int(piece)]["content"]
+                spans.append((pos, pos + len(piece)))
+            out.append(piece)
+            pos += len(piece)
+        return spans if "".join(out) == text else None
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (special tokens dropped unless ``skip_special_tokens`` is False)."""
@@ -146,7 +248,7 @@ class Tokenizer:
         """Render ``messages`` with the model's chat template, exactly as ``transformers`` renders it."""
         if self.chat_template is None:
             raise ConfigError("this model has no chat template; send a plain prompt instead of chat messages")
-        chat = _plain_messages(messages)
+        chat = _plain_messages(messages, self.chat_roles)
         import jinja2  # deferred: only chat requests pay for jinja2
 
         template = _compile_template(self.chat_template)
@@ -166,14 +268,20 @@ class Tokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids)
 
 
-def _plain_messages(messages: Any) -> list[dict[str, Any]]:
-    """Copy chat messages into plain dicts, checking each has a string role."""
+def _plain_messages(messages: Any, roles: frozenset[str]) -> list[dict[str, Any]]:
+    """Copy chat messages into plain dicts, checking each has one of ``roles``."""
     if not isinstance(messages, list | tuple):
         raise ConfigError("chat messages must be a list of {'role': ..., 'content': ...} objects")
     chat: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ConfigError(f"chat message {i} must be an object with a string 'role'")
+        if message["role"] not in roles:
+            role = message["role"] if len(message["role"]) <= 32 else message["role"][:32] + "..."
+            raise ConfigError(
+                f"chat message {i} has role {role!r}; this model's chat template takes "
+                + ", ".join(sorted(roles))
+            )
         chat.append(dict(message))
     return chat
 

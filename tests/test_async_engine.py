@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -23,8 +24,9 @@ class FakeEngine:
         self.threads: set[str] = set()
         self.fail_next_step = False
         self.closed = False
-        self.tokenizer = object()  # AsyncEngine copies these two when the model has loaded
+        self.tokenizer = SimpleNamespace(max_token_chars=1)  # AsyncEngine copies these two when loaded
         self.max_model_len = 64
+        self.scheduler = SimpleNamespace(waiting=[])  # read for the queue's weight
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)

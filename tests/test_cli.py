@@ -251,3 +251,19 @@ def test_generate_default_model(converted_default_model: Any, hf_default_model: 
     assert expected.strip()
     assert proc.stdout == expected + "\n"
     assert f"0/{len(ids)} prompt tokens from cache, 8 tokens in " in proc.stderr
+
+
+def test_demo_phase_prints_tiers_before_the_table_header(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 15.7: in phase 4 the 'tiers:' line came between the table header and its rows."""
+    from types import SimpleNamespace
+
+    from kvtier.demo import _header
+
+    device = SimpleNamespace(capacity_blocks=8, blocks_evicted=0)
+    engine = SimpleNamespace(
+        stats=lambda: SimpleNamespace(tiers={"device": device}),
+        kv=SimpleNamespace(pool=SimpleNamespace(blocks=[])),
+    )
+    _header("Phase 4: restart", SimpleNamespace(engine=engine))
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == ["---", "tiers:", "request"]

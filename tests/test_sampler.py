@@ -90,3 +90,18 @@ def test_banned_tokens_are_never_drawn() -> None:
     logits[0, 7] = 100.0
     out = Sampler().sample(logits, [SampleRequest(0, "x", 0, SamplingParams(temperature=0.0), (7,))])
     assert out[0][0] != 7
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan() -> None:
+    """Found by the hostile-input suite: temperature 2e-246 made logits / T infinite, softmax NaN, and the
+    engine step (everyone's requests) fail. Below 1e-5 sampling is greedy, as in vLLM."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    params = SamplingParams(temperature=2.171794097621335e-246, seed=0)
+    assert params.greedy
+    assert Sampler().sample(logits, [SampleRequest(0, "s", 0, params)])[0][0] == 1
+
+
+def test_logit_bias_moves_the_choice() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    params = SamplingParams(temperature=0.0, logit_bias={3: 100.0, 1: -100.0})
+    assert Sampler().sample(logits, [SampleRequest(0, "s", 0, params)])[0][0] == 3

@@ -3,6 +3,7 @@ here comes from key, body, model-name and parameter checks, ``/health`` and ``/m
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 
@@ -161,3 +162,103 @@ def test_serve_command_line() -> None:
     assert (ns.host, ns.port, ns.max_queue, ns.api_key, ns.kv_device_blocks) == ("127.0.0.1", 0, 3, "k", 64)
     ns = build_parser().parse_args(["bench", "serve", "--rates", "4,1", "--num-requests", "3"])
     assert ns.rates == [1.0, 4.0] and ns.num_requests == 3 and ns.url is None
+
+
+# ------------------------------------------------------------------ hostile input (issue 15), no model
+UNSUPPORTED = [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"logit_bias": {"abc": 5}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"n": 17}, "n"),  # --max-n 16 by default
+    ({"n": 1000}, "n"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
+    ({"model": "\udfff"}, "model"),
+    ({"stop": ["ok", "\ud83d"]}, "stop"),
+    ({"stop": [str(i) for i in range(17)]}, "stop"),
+    ({"stop_token_ids": list(range(300))}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize(("change", "param"), UNSUPPORTED, ids=[ascii(c) for c, _ in UNSUPPORTED])
+def test_unsupported_and_invalid_parameters_are_named(client: TestClient, change: dict, param: str) -> None:
+    """Issue 15.2/15.6: tools/response_format were silently ignored, n unbounded, a lone surrogate a 500."""
+    body = json.dumps({**CHAT, **change}, ensure_ascii=True)  # "\ud800" escaped, as a client would send it
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, param=param)
+
+
+def test_too_many_prompts_is_400_before_tokenizing(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 5000, "max_tokens": 1})
+    assert_error(r, 400, param="prompt")
+
+
+def test_defaults_of_unsupported_parameters_pass(client: TestClient) -> None:
+    """Clients that send tools=[] or response_format text are not refused (503: the model is loading)."""
+    extra = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}}
+    assert_error(client.post("/v1/chat/completions", json={**CHAT, **extra}), 503)
+
+
+def test_error_messages_do_not_echo_huge_input(client: TestClient) -> None:
+    """Issue 15.6: a 1 MB model name came back whole in the 404."""
+    r = client.post("/v1/chat/completions", json={**CHAT, "model": "m" * 2**20})
+    err = assert_error(r, 404, "model", "model_not_found")
+    assert len(r.content) < 500 and "characters" in err["message"]
+
+
+def test_a_body_without_json_content_type_is_told_so(client: TestClient) -> None:
+    """Issue 15.6: curl -d sends form encoding; the 400 says which header to send."""
+    r = client.post("/v1/chat/completions", content=json.dumps(CHAT))
+    err = assert_error(r, 400, code="invalid_content_type")
+    assert "Content-Type: application/json" in err["message"]
+
+
+def test_body_size_limit_is_413_before_the_body_is_read() -> None:
+    """Issue 15.1: no limit at all; now Content-Length is refused at once, a chunked body as it streams."""
+    release = threading.Event()
+
+    def factory():  # noqa: ANN202 - never returns an engine
+        release.wait(30)
+        raise ConfigError("no model here")
+
+    app = create_app(factory, ServerSettings(model_name=MODEL, max_request_bytes=1000))
+    with TestClient(app) as client:
+        try:
+            big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]})
+            headers = {"content-type": "application/json"}
+            err = assert_error(client.post("/v1/chat/completions", content=big, headers=headers), 413)
+            assert err["code"] == "request_too_large" and "1000" in err["message"]
+
+            def chunks() -> Iterator[bytes]:
+                for i in range(0, len(big), 100):
+                    yield big[i : i + 100].encode()
+
+            r = client.post("/v1/chat/completions", content=chunks(), headers=headers)
+            assert_error(r, 413, code="request_too_large")
+            assert_error(client.post("/v1/chat/completions", json=CHAT), 503)  # small: on to the engine
+        finally:
+            release.set()
+
+
+def test_new_server_flags() -> None:
+    ns = build_parser().parse_args(["serve"])
+    assert (ns.max_n, ns.max_request_bytes, ns.prefix_cache_scope) == (16, 4 * 2**20, "shared")
+    assert (ns.shutdown_timeout, ns.timeout_keep_alive, ns.timeout_header, ns.timeout_body) == (30, 5, 10, 30)
+    ns = build_parser().parse_args(["serve", "--prefix-cache-scope", "user", "--max-n", "4"])
+    assert (ns.prefix_cache_scope, ns.max_n) == ("user", 4)
+
+
+def test_taken_port_is_named() -> None:
+    """Issue 15.7: '[Errno 98] Address already in use' without the port."""
+    from kvtier.server.serve import bind
+
+    taken = bind("127.0.0.1", 0)
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{port}.*--port"):
+            bind("127.0.0.1", port).close()
+    finally:
+        taken.close()

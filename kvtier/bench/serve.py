@@ -12,12 +12,17 @@ starts the server itself), best of ``--overhead-repeats`` alternating runs. The 
 process (and its GIL) with the server, so the ratio includes the client's own cost.
 
 The server starts in this process on a free loopback port unless ``--url`` names a running one.
+
+``--hostile`` mixes hostile traffic into every rate (:mod:`kvtier.bench.hostile`: 20 MB bodies, ``n`` at
+the limit, slow connections) and reports ``/health``'s latency meanwhile; compare the TTFT with a run
+without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -28,6 +33,7 @@ from typing import Any
 import httpx
 
 from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
+from kvtier.bench.hostile import Hostile, HostileStats
 
 TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
 
@@ -92,6 +98,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--workload-seed", type=int, default=0)
     g.add_argument("--json", default=None, help="also write the results to this JSON file")
+    g.add_argument(
+        "--hostile",
+        action="store_true",
+        help="mix in hostile traffic (20 MB bodies, n at the limit, slow connections); time /health",
+    )
+    g.add_argument(
+        "--hostile-n", type=int, default=16, help="n of the hostile requests (the server's --max-n)"
+    )
+    g.add_argument("--hostile-slow", type=int, default=8, help="slow connections held open (default 8)")
     add_engine_args(p)
     p.set_defaults(func=main)
 
@@ -239,15 +254,25 @@ async def _bench(ns: argparse.Namespace, url: str, in_process: bool) -> dict[str
         model = models["data"][0]["id"]
         await run_load(client, model, workload(2, (16, 16), (4, 4), 99), None, 0)  # warm-up
         rows = []
+        hostile = HostileStats()
         for i, rate in enumerate(ns.rates):
             work = workload(ns.num_requests, ns.prompt_len, ns.output_len, ns.workload_seed + i)
-            results, seconds = await run_load(client, model, work, rate, ns.workload_seed + i)
+            mixed: Any = contextlib.nullcontext()
+            if ns.hostile:
+                mixed = Hostile(url, model, ns.hostile_n, ns.hostile_slow, headers, hostile)
+            async with mixed:
+                results, seconds = await run_load(client, model, work, rate, ns.workload_seed + i)
             rows.append(summarize(rate, results, seconds))
             print(f"  rate {rate:g} req/s done in {seconds:.1f}s", file=sys.stderr, flush=True)
         overhead: dict[str, Any] | None = None
         if ns.overhead_requests > 0 and in_process:
             overhead = await _overhead(ns, client, model)
-    return {"model": model, "rows": rows, "overhead": overhead}
+    return {
+        "model": model,
+        "rows": rows,
+        "overhead": overhead,
+        "hostile": hostile.summary() if ns.hostile else None,
+    }
 
 
 async def _overhead(ns: argparse.Namespace, client: httpx.AsyncClient, model: str) -> dict[str, Any]:
@@ -292,9 +317,16 @@ def main(ns: argparse.Namespace) -> int:
             server.stop()
     overhead = out["overhead"]
     print_report(out["model"], out["rows"], overhead, ns)
+    if out["hostile"] is not None:
+        print_hostile(out["hostile"])
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"rows": [asdict(r) for r in out["rows"]], "overhead": overhead}, f, indent=2)
+            result = {
+                "rows": [asdict(r) for r in out["rows"]],
+                "overhead": overhead,
+                "hostile": out["hostile"],
+            }
+            json.dump(result, f, indent=2)
     failed = any(r.errors for r in out["rows"]) or (overhead is not None and overhead["errors"])
     return 1 if failed else 0
 
@@ -325,3 +357,12 @@ def print_report(
             f"server overhead ({ns.overhead_requests} requests at once): server {server:.0f} tok/s vs "
             f"offline LLM.generate {offline:.0f} tok/s = {ratio:.2f}x (target >= 0.90: {met})"
         )
+
+
+def print_hostile(h: dict[str, Any]) -> None:
+    answers = ", ".join(f"{k}: {v}" for k, v in sorted(h["answers"].items()))
+    print(
+        f"hostile traffic mixed in: /health p50 {h['health_p50_ms']:.1f} ms, p99 {h['health_p99_ms']:.1f} "
+        f"ms, max {h['health_max_ms']:.1f} ms over {h['health_polls']} polls ({h['health_errors']} not 200; "
+        f"target p99 < 100 ms: {'met' if h['health_p99_ms'] < 100 else 'NOT met'}); answers: {answers}"
+    )

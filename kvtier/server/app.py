@@ -7,24 +7,35 @@
 
 ``create_app(factory, settings)`` returns the app; the model is built by ``factory`` on the engine
 thread when the app starts (see :mod:`kvtier.server.async_engine`), so ``/health`` answers at once.
-A request is checked in this order: key (401), body shape (400), model name (404), parameters (400),
-engine loaded and queue room (503 with ``Retry-After``), prompt (400, from the engine).
+A request is checked in this order: body size and arrival time (413, 408: :mod:`.limits`), key (401),
+body shape (400), shutting down (503), model name (404), parameters and ``--max-n`` (400), prompt length
+(400; tokenized off the event loop: :mod:`.prompts`), engine loaded (503), a request that could never fit
+``--max-queue`` (400), queue room (503 with ``Retry-After``), prompt (400, from the engine). Every error
+is OpenAI's JSON shape, an unexpected one too (a 500 with the traceback in the log).
 
 The routes and handlers are plain module-level functions; what they share lives on ``app.state``
 (``engine``: the :class:`AsyncEngine`, ``metrics``, ``settings``, ``started``). The two completion
 routes run in three steps::
 
-    _open(request, body)         model name (404), parameters (400); the arrival time
+    _open(request, body)         shutting down (503), model name (404), parameters (400); arrival time
     (the route's own)            its prompt input (400); opened.tokenizer() (503 while loading);
-                                 the prompts rendered (chat template / tokenized text)
-    opened.complete(...)         admit: queue room (503), engine.add each prompt (400)
+                                 the prompts rendered (chat template / tokenized text) on the pool
+    opened.complete(...)         admit: fits the queue at all (400), queue room (503), engine.add (400)
                                  respond: an SSE stream, or one JSON body (499 if the client left)
+
+With ``--prefix-cache-scope user`` every request's ``cache_salt`` is derived from its tenant (the API key
+it presented and its ``user`` field), so one tenant's prompts are never a prefix-cache hit for another
+(see the README's Security section). On SIGTERM the server drains (:mod:`.shutdown`): ``/health`` and new
+requests answer 503 while the running ones finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
+import logging
 import secrets
 import time
 import uuid
@@ -43,8 +54,10 @@ from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
+from kvtier.server import prompts
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.kv_routes import kv_router
+from kvtier.server.limits import RequestLimits
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (
     APIError,
@@ -52,12 +65,15 @@ from kvtier.server.protocol import (
     CompletionRequest,
     GenerationRequest,
     bad_request,
+    clip,
     validation_error,
 )
 from kvtier.server.responses import DONE, Formatter, Kind, sse
 from kvtier.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+logger = logging.getLogger("kvtier.server")
 
 
 @dataclass
@@ -65,6 +81,14 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_queue: int | None = None
+    max_n: int = 16  # most completions per prompt (n)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    timeout_body: float | None = 30.0  # seconds to receive a request's body (408 after)
+    prefix_cache_scope: str = "shared"  # "user": the prefix cache is salted per tenant
+
+
+class ShuttingDown(EngineNotReady):
+    """The server is draining (SIGTERM): no new requests; the unfinished ones are ended with this."""
 
 
 def _unavailable(message: str, code: str) -> APIError:
@@ -119,19 +143,32 @@ def create_app(
     settings: ServerSettings,
     *,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_ready: Callable[[LLMEngine], None] | None = None,
 ) -> FastAPI:
-    """The app; ``app.state.engine`` is its :class:`AsyncEngine`, ``app.state.metrics`` its metrics."""
+    """The app; ``app.state.engine`` is its :class:`AsyncEngine`, ``app.state.metrics`` its metrics.
+    ``on_ready(engine)`` is called on the engine thread when the model has loaded."""
     metrics = ServerMetrics(lambda: engine.stats)
-    engine = AsyncEngine(factory, observer=metrics, max_queue=settings.max_queue, on_load_error=on_load_error)
+    engine = AsyncEngine(
+        factory,
+        observer=metrics,
+        max_queue=settings.max_queue,
+        on_load_error=on_load_error,
+        on_ready=on_ready,
+    )
     app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.started = int(time.time())
+    app.state.draining = False  # set on SIGTERM (kvtier.server.shutdown)
+    app.add_middleware(
+        RequestLimits, max_bytes=settings.max_request_bytes, body_timeout=settings.timeout_body
+    )
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineNotReady, _not_ready)
+    app.add_exception_handler(Exception, _internal)
     app.include_router(v1)
     app.include_router(kv_router(check_key))  # GET /v1/kv/info, /v1/kv/blocks
     app.include_router(root)
@@ -141,9 +178,12 @@ def create_app(
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncEngine = app.state.engine
+    app.state.pool = prompts.tokenizer_pool()
     engine.start()
     yield
+    engine.abort_all(ShuttingDown("the server is shutting down"))
     await asyncio.to_thread(engine.shutdown)
+    app.state.pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -155,6 +195,14 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     request.app.state.metrics.reject("invalid_request")
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and "json" not in content_type.lower():
+        return APIError(
+            400,
+            f"the request body must be JSON: send 'Content-Type: application/json' "
+            f"(got '{clip(content_type) or 'none'}')",
+            code="invalid_content_type",
+        ).response()
     return validation_error(list(exc.errors())).response()
 
 
@@ -164,7 +212,17 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 
 async def _not_ready(request: Request, exc: EngineNotReady) -> JSONResponse:
-    return _unavailable(str(exc), "model_not_ready").response()
+    return _not_ready_error(exc).response()
+
+
+def _not_ready_error(exc: EngineNotReady) -> APIError:
+    code = "server_shutting_down" if isinstance(exc, ShuttingDown) else "model_not_ready"
+    return _unavailable(str(exc), code)
+
+
+async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unexpected: OpenAI's shape, not a plain-text 500 (the traceback is still logged)."""
+    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -185,7 +243,39 @@ def check_key(request: Request) -> None:
 
 def check_model(settings: ServerSettings, model: str | None) -> None:
     if model is not None and model != settings.model_name:
-        raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        raise APIError(
+            404, f"The model `{clip(model)}` does not exist.", param="model", code="model_not_found"
+        )
+
+
+def check_open(request: Request) -> None:
+    """503 once the server is draining (SIGTERM): the router sends the request elsewhere."""
+    if request.app.state.draining:
+        raise ShuttingDown("the server is shutting down; retry on another replica")
+
+
+def tenant_salt(request: Request, body: GenerationRequest) -> str | None:
+    """The request's ``cache_salt``; with ``--prefix-cache-scope user`` one derived from its tenant (the
+    key it presented and its ``user`` field; neither: the anonymous tenant) and its own salt."""
+    if request.app.state.settings.prefix_cache_scope != "user":
+        return body.cache_salt
+    _, _, key = request.headers.get("authorization", "").partition(" ")
+    parts = (key.strip(), body.user or "", body.cache_salt or "")
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def check_fits(engine: AsyncEngine, num_prompts: int, n: int, param: str) -> None:
+    """400 for a request that could never be admitted: more sequences than ``--max-queue`` holds."""
+    weight = num_prompts * n
+    if not engine.fits(weight):
+        raise APIError(
+            400,
+            f"this request runs {weight} sequences ({num_prompts} prompt(s) x n={n}); the server "
+            f"queues at most {engine.max_queue} (--max-queue), so it can never be admitted: send fewer "
+            "prompts or a smaller n",
+            param="n" if n > 1 else param,
+            code="request_too_large",
+        )
 
 
 # ----------------------------------------------------------------------------- admit and respond
@@ -199,25 +289,31 @@ async def admit(
     arrival: float,
     param: str,
 ) -> list[RequestStream]:
-    """One stream per prompt, or none: 503 while loading or when the queue is full, 400 (naming
-    ``param``) when the engine rejects a prompt (the streams already added are aborted)."""
+    """One stream per prompt, or none: 503 while loading or when the queue is full, 400 when the request
+    could never fit the queue or the engine rejects a prompt (naming ``param`` unless the message names
+    a parameter; the streams already added are aborted). A prompt weighs ``n`` sequences."""
     if not engine.ready:
         raise EngineNotReady(engine.not_ready_reason())
-    if engine.overloaded(len(prompts)):
+    check_fits(engine, len(prompts), params.n, param)
+    weight = len(prompts) * params.n
+    if engine.overloaded(weight):
         metrics.reject("queue_full")
         raise _unavailable(
-            f"the server is overloaded ({engine.queue_depth()} requests waiting, --max-queue "
+            f"the server is overloaded ({engine.queue_depth()} sequences waiting, --max-queue "
             f"{engine.max_queue}); retry later",
             "queue_full",
         )
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
-            stream = await engine.add(prompt, params, cache_salt=cache_salt, arrival_time=arrival)
+            stream = await engine.add(
+                prompt, params, cache_salt=cache_salt, arrival_time=arrival, weight=params.n
+            )
             streams.append(stream)
     except ConfigError as exc:
         _abort_all(streams)
-        err = bad_request(exc, param)
+        err = bad_request(exc)
+        err.param = err.param or param
         if "max_model_len" in str(exc):
             err.code = "context_length_exceeded"
         raise err from None
@@ -245,7 +341,10 @@ async def _events(fmt: Formatter, streams: list[RequestStream]) -> AsyncIterator
     try:
         async for chunk in fmt.stream(_merge(streams), len(streams)):
             yield chunk
-    except (EngineDeadError, EngineNotReady) as exc:
+    except EngineNotReady as exc:  # shutting down: the grace period is over
+        yield sse(_not_ready_error(exc).body())
+        yield DONE
+    except EngineDeadError as exc:
         yield sse(APIError(500, str(exc), type="server_error").body())
         yield DONE
     finally:
@@ -267,15 +366,19 @@ async def _json_body(request: Request, fmt: Formatter, streams: list[RequestStre
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
-        if not work.done():  # the client left: abort, nobody will read the answer
-            work.cancel()
+        left = not work.done()
+        for task in (watch, work):
+            task.cancel()
+        await asyncio.gather(watch, work, return_exceptions=True)  # both settled: no stray exception
+        if left:  # the client left (or we were cancelled): abort, nobody will read the answer
             _abort_all(streams)
-    if work.cancelled():
+    if left:
         return Response(status_code=499)
     try:
         finals = work.result()
-    except (EngineDeadError, EngineNotReady) as exc:
+    except EngineNotReady as exc:
+        raise _not_ready_error(exc) from None
+    except EngineDeadError as exc:
         raise APIError(500, str(exc), type="server_error") from None
     return JSONResponse(fmt.response(finals))
 
@@ -290,22 +393,27 @@ class _Opened:
     params: SamplingParams
     arrival: float  # time.monotonic() when the route was entered
 
-    def tokenizer(self) -> Tokenizer:
-        """The model's tokenizer; EngineNotReady (503) while the model loads."""
+    def tokenizer(self) -> tuple[Tokenizer, int]:
+        """The model's tokenizer and ``max_model_len``; EngineNotReady (503) while the model loads."""
         engine: AsyncEngine = self.request.app.state.engine
-        if not engine.ready or engine.tokenizer is None:
+        if not engine.ready or engine.tokenizer is None or engine.max_model_len is None:
             raise EngineNotReady(engine.not_ready_reason())
-        return engine.tokenizer
+        return engine.tokenizer, engine.max_model_len
 
-    async def complete(self, kind: Kind, prompts: list[PromptType], param: str, logprobs: bool) -> Response:
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer pool (never the event loop)."""
+        return await prompts.off_loop(self.request.app.state.pool, fn, *args)
+
+    async def complete(self, kind: Kind, given: list[PromptType], param: str, logprobs: bool) -> Response:
         """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
         body, state = self.body, self.request.app.state
+        check_open(self.request)
         streams = await admit(
             state.engine,
             state.metrics,
-            prompts,
+            given,
             self.params,
-            cache_salt=body.cache_salt,
+            cache_salt=tenant_salt(self.request, body),
             arrival=self.arrival,
             param=param,
         )
@@ -326,9 +434,13 @@ class _Opened:
 
 
 def _open(request: Request, body: GenerationRequest) -> _Opened:
-    """The opening step of both completion routes: model name (404), then the parameters (400)."""
+    """The opening step of both completion routes: draining (503), model name (404), parameters (400)."""
     arrival = time.monotonic()
-    check_model(request.app.state.settings, body.model)
+    check_open(request)
+    settings: ServerSettings = request.app.state.settings
+    check_model(settings, body.model)
+    if body.n > settings.max_n:
+        raise bad_request(f"n must be at most {settings.max_n} (--max-n), got {clip(body.n)}", "n")
     return _Opened(request, body, body.sampling_params(), arrival)
 
 
@@ -339,13 +451,12 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     opened = _open(request, body)
     conversation = body.conversation()
-    tokenizer = opened.tokenizer()
-    try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-    except ConfigError as exc:
-        raise bad_request(exc, "messages") from None
-    # The template holds whatever special tokens it wants: no BOS added (as LLM.chat).
-    prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    tokenizer, max_model_len = opened.tokenizer()
+    num_chars = sum(len(m["content"]) for m in conversation)
+    prompts.check_text_length(tokenizer, num_chars, max_model_len, "messages")
+    prompt = await opened.off_loop(
+        prompts.render_chat, tokenizer, conversation, opened.params.max_tokens, max_model_len
+    )
     return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs)
 
 
@@ -353,11 +464,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def completions(body: CompletionRequest, request: Request) -> Response:
     opened = _open(request, body)
     given = body.prompts()
-    tokenizer = opened.tokenizer()
-    prompts: list[PromptType] = [
-        {"prompt": p, "prompt_token_ids": tokenizer.encode(p)} if isinstance(p, str) else p for p in given
-    ]
-    return await opened.complete("text", prompts, "prompt", logprobs=body.logprobs is not None)
+    check_fits(request.app.state.engine, len(given), body.n, "prompt")  # before tokenizing them all
+    tokenizer, max_model_len = opened.tokenizer()
+    for p in given:
+        if isinstance(p, str):
+            prompts.check_text_length(tokenizer, len(p), max_model_len, "prompt")
+        else:
+            prompts.check_context(len(p), None, max_model_len, "prompt")
+    encoded = await opened.off_loop(
+        prompts.encode_prompts, tokenizer, given, opened.params.max_tokens, max_model_len
+    )
+    return await opened.complete("text", encoded, "prompt", logprobs=body.logprobs is not None)
 
 
 # ---------------------------------------------------------------------------------- other routes
@@ -390,6 +507,9 @@ root = APIRouter()
 @root.get("/health")
 async def health(request: Request) -> JSONResponse:
     engine: AsyncEngine = request.app.state.engine
+    if request.app.state.draining:
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+        return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
     if engine.ready:
         return JSONResponse({"status": "ok"})
     if engine.load_error is not None:

@@ -19,6 +19,9 @@ are then freed before the next step.
 What the HTTP layer needs of the model itself, fixed when it has loaded, is copied onto the
 ``AsyncEngine`` then (``tokenizer``, ``max_model_len``; None before), so nothing outside the engine
 thread holds the ``LLMEngine``.
+
+Admission counts sequences, not API calls: a request with ``n`` completions weighs ``n`` in the queue
+(``add(..., weight=n)``), so ``queue_depth()`` is the number of sequences waiting to start.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class _Add:
     cache_salt: str | None
     arrival_time: float
     future: asyncio.Future[None]
+    weight: int = 1  # sequences this request will run (its n)
 
 
 @dataclass
@@ -135,6 +139,7 @@ class AsyncEngine:
         observer: EngineObserver | None = None,
         max_queue: int | None = None,
         on_load_error: Callable[[BaseException], None] | None = None,
+        on_ready: Callable[[LLMEngine], None] | None = None,
     ):
         self.max_queue = max_queue
         self.load_error: BaseException | None = None
@@ -144,16 +149,18 @@ class AsyncEngine:
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
+        self._on_ready = on_ready
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loaded = threading.Event()
         self._engine: LLMEngine | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._num_submitted = 0  # adds sent (event loop thread)
-        self._num_processed = 0  # adds taken from the queue (engine thread)
-        # (latest stats, adds processed when it was taken): replaced whole, read without a lock.
-        self._snapshot: tuple[EngineStats | None, int] = (None, 0)
+        self._num_submitted = 0  # weight of the adds sent (event loop thread)
+        self._num_processed = 0  # weight of the adds taken from the queue (engine thread)
+        # (latest stats, weight processed when it was taken, weight waiting in the scheduler):
+        # replaced whole, read without a lock.
+        self._snapshot: tuple[EngineStats | None, int, int] = (None, 0, 0)
         self._stopped = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -190,13 +197,30 @@ class AsyncEngine:
         return self._snapshot[0]
 
     def queue_depth(self) -> int:
-        """Requests waiting: those in the scheduler's waiting queue plus those not handed to it yet."""
-        stats, processed = self._snapshot
-        waiting = stats.num_requests_waiting if stats is not None else 0
+        """Sequences waiting: those in the scheduler's waiting queue (a prompt with ``n`` completions
+        counts ``n``) plus those not handed to it yet."""
+        _, processed, waiting = self._snapshot
         return waiting + self._num_submitted - processed
 
     def overloaded(self, num_new: int = 1) -> bool:
         return self.max_queue is not None and self.queue_depth() + num_new > self.max_queue
+
+    def fits(self, num_new: int) -> bool:
+        """Whether ``num_new`` sequences could ever be admitted (an empty queue would take them)."""
+        return self.max_queue is None or num_new <= self.max_queue
+
+    @property
+    def num_active(self) -> int:
+        """Requests added and not finished (their streams are open)."""
+        return len(self._streams)
+
+    def abort_all(self, exc: BaseException) -> None:
+        """End every open stream with ``exc`` and abort its request (graceful shutdown's last step)."""
+        ids = list(self._streams)
+        self._fail(ids, exc)
+        if not self._stopped:
+            for rid in ids:
+                self._commands.put(_Abort(rid))
 
     # ------------------------------------------------------------------ event loop thread API
     async def add(
@@ -207,8 +231,10 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        weight: int = 1,
     ) -> RequestStream:
-        """Queue a request; raises the engine's ``ConfigError`` for bad input (nothing is queued then)."""
+        """Queue a request (``weight``: the sequences it runs, its ``n``); raises the engine's
+        ``ConfigError`` for bad input (nothing is queued then)."""
         if not self.ready:
             raise EngineNotReady(self.not_ready_reason())
         loop = asyncio.get_running_loop()
@@ -217,8 +243,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         future: asyncio.Future[None] = loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._num_submitted += 1
-        self._commands.put(_Add(request_id, prompt, params, cache_salt, arrival, future))
+        self._num_submitted += weight
+        self._commands.put(_Add(request_id, prompt, params, cache_salt, arrival, future, weight))
         try:
             await future
         except BaseException:
@@ -292,10 +318,13 @@ class AsyncEngine:
             if self._on_load_error is not None:
                 self._on_load_error(exc)
             return
-        self._snapshot = (engine.stats(), 0)
+        self._snapshot = (engine.stats(), 0, 0)
+        _ = engine.tokenizer.max_token_chars  # computed once here, not on the event loop
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self._engine = engine  # ready from here on
         self._loaded.set()
+        if self._on_ready is not None:
+            self._on_ready(engine)
         try:
             self._serve(engine)
         finally:
@@ -329,7 +358,7 @@ class AsyncEngine:
             stats = engine.stats()
             if self._observer is not None:
                 self._observer.on_step(outputs, stats, now)
-            self._snapshot = (stats, self._num_processed)
+            self._snapshot = (stats, self._num_processed, _waiting_weight(engine))
             if outputs:
                 self._post(self._dispatch, outputs)
             elif stats.num_requests_running == 0 and engine.has_unfinished_requests():
@@ -348,7 +377,7 @@ class AsyncEngine:
 
     def _handle(self, engine: LLMEngine, cmd: Any) -> None:
         if isinstance(cmd, _Add):
-            self._num_processed += 1
+            self._num_processed += cmd.weight
             try:
                 engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt)
             except Exception as exc:
@@ -367,3 +396,8 @@ class AsyncEngine:
                 self._post(self._resolve, cmd.future, None, exc)
             else:
                 self._post(self._resolve, cmd.future, result)
+
+
+def _waiting_weight(engine: LLMEngine) -> int:
+    """Sequences waiting in the scheduler, a prompt that will fork into ``n`` counting ``n``."""
+    return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in engine.scheduler.waiting)

@@ -1,22 +1,38 @@
 """The OpenAI wire format: request models, their ``SamplingParams``, and errors in OpenAI's JSON shape.
 
 Request models are strict (a string is not a number, ``true`` is not an integer) and accept unknown
-fields (clients send fields kvtier ignores, such as ``logit_bias`` set to its default). Ranges are checked
-by :meth:`SamplingParams.validate`, so the server and the Python API reject the same values.
+fields (clients send fields kvtier has no use for, such as ``metadata``), except the parameters that
+would change the answer and that kvtier does not implement (``tools``, ``response_format``, ...): those are
+a 400 naming the parameter, never silently ignored. Every string must be valid Unicode (a lone surrogate
+such as ``"\\ud800"`` is a 400). Ranges are checked by :meth:`SamplingParams.validate`, so the server and the
+Python API reject the same values.
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``.
+Every error body is ``{"error": {"message", "type", "param", "code"}}``; a message quotes at most
+``MAX_ECHO`` characters of what the client sent.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams
+
+MAX_STOP = 16  # stop strings are checked against every new token: a bounded list
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request (OpenAI's limit)
+MAX_ECHO = 64  # characters of a client's value quoted back in an error message
+MAX_MESSAGE = 2000  # characters of an error message
+
+
+def clip(value: object, limit: int = MAX_ECHO) -> str:
+    """``repr``-free text of a client's value for an error message: at most ``limit`` characters."""
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -33,6 +49,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
+        message = clip(message, MAX_MESSAGE).encode("utf-8", "replace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,14 +66,29 @@ class APIError(Exception):
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
-_PARAM_NAMES |= {"stop_token_ids", "logprobs"}
+_PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias"}
+# Parameters that change the answer and are not implemented: a 400 naming them, unless at their default.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+}
 
 
 def bad_request(exc: ConfigError | str, param: str | None = None) -> APIError:
     """A 400 for invalid input; ``param`` is guessed from a ``"name must ..."`` message when not given."""
     message = " ".join(str(exc).split())
     if param is None:
-        first = message.split(" ", 1)[0]
+        first = message.split(" ", 1)[0].rstrip(":")
         param = first if first in _PARAM_NAMES else None
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
@@ -65,7 +97,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """FastAPI's 422 (a pydantic error list) as OpenAI's 400."""
     if not errors:
         return APIError(400, "invalid request")
-    err = errors[0]
+    # A union (prompt: str | list[...]) reports each member's error; our own check's is the useful one.
+    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     # Union members show up in the location ("prompt.str"); keep the request's own field path.
     path = ".".join(
@@ -79,6 +112,19 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
 
 
 # ---------------------------------------------------------------------------------------- requests
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"not valid Unicode (a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start})"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -88,14 +134,14 @@ class StreamOptions(_Request):
 
 
 class ContentPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -105,7 +151,7 @@ class ChatMessage(_Request):
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise bad_request(
-                    f"only text content parts are supported, got type {part.type!r}", "messages"
+                    f"only text content parts are supported, got type '{clip(part.type)}'", "messages"
                 )
         return "".join(part.text or "" for part in self.content)
 
@@ -113,35 +159,46 @@ class ChatMessage(_Request):
 class GenerationRequest(_Request):
     """Fields shared by chat and text completions (OpenAI's, then vLLM's extensions)."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     # kvtier / vLLM extensions
-    cache_salt: str | None = None
+    cache_salt: Text | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, int | float] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name, value in (self.model_extra or {}).items():
+            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+                raise bad_request(f"{name} is not supported by this server", name)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for name, values, limit in (
+            ("stop", stop, MAX_STOP),
+            ("stop_token_ids", self.stop_token_ids or [], MAX_STOP_TOKEN_IDS),
+        ):
+            if len(values) > limit:
+                raise bad_request(f"{name} holds at most {limit} entries, got {len(values)}", name)
         kwargs: dict[str, Any] = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -151,15 +208,25 @@ class GenerationRequest(_Request):
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
         )
         try:
             return SamplingParams(**kwargs)
         except ConfigError as exc:
             raise bad_request(exc) from None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as ``{id: bias}``."""
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise bad_request(f"logit_bias keys must be token ids, got '{clip(key)}'", "logit_bias")
+            bias[int(key)] = float(value)
+        return bias
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -183,10 +250,14 @@ class ChatCompletionRequest(GenerationRequest):
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them (OpenAI's ``developer`` role is ``system``)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = Text | list[Text] | list[int] | list[list[int]]
 
 
 class CompletionRequest(GenerationRequest):
@@ -194,7 +265,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -217,4 +288,6 @@ class CompletionRequest(GenerationRequest):
             items = list(p)  # type: ignore[arg-type]
         if not items:
             raise bad_request("prompt must not be empty", "prompt")
+        if len(items) > MAX_PROMPTS:
+            raise bad_request(f"prompt holds at most {MAX_PROMPTS} prompts, got {len(items)}", "prompt")
         return items

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import re
 import socket
@@ -23,10 +24,10 @@ from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv_events import default_replica_id
 
 if TYPE_CHECKING:
-    import uvicorn
     from fastapi import FastAPI
 
     from kvtier.engine import LLMEngine
+    from kvtier.server.shutdown import DrainingServer
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="answer 503 (Retry-After) when more requests than this are waiting (default: no limit)",
     )
+    _add_limit_args(g)
     g.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: from --model)"
     )
@@ -55,6 +57,51 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     add_engine_args(p)
     p.set_defaults(func=main)
+
+
+def _add_limit_args(g: argparse._ArgumentGroup) -> None:
+    """What one request or connection may cost (the README's Security section), and the drain on SIGTERM."""
+    g.add_argument(
+        "--max-n",
+        type=int,
+        default=16,
+        help="most completions per prompt (n); prompts x n count against --max-queue (default 16)",
+    )
+    g.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=4 * 2**20,
+        help="largest request body; a larger one is a 413 before it is read (default 4 MiB)",
+    )
+    g.add_argument(
+        "--prefix-cache-scope",
+        choices=["shared", "user"],
+        default="shared",
+        help="shared: every client's prompts can be prefix-cache hits for every other (fastest); user: "
+        "the cache is salted per API key and 'user' field, so tenants cannot probe each other's prompts "
+        "(default shared; see the README's Security section)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let running requests finish before ending them (default 30)",
+    )
+    g.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="close an idle connection after (default 5 s)"
+    )
+    g.add_argument(
+        "--timeout-header",
+        type=float,
+        default=10.0,
+        help="close a connection whose request headers take longer (default 10 s; 0: never)",
+    )
+    g.add_argument(
+        "--timeout-body",
+        type=float,
+        default=30.0,
+        help="answer 408 to a request whose body takes longer to arrive (default 30 s; 0: never)",
+    )
 
 
 def default_model_name(model: str | None) -> str:
@@ -77,15 +124,20 @@ def engine_factory(args: EngineArgs, progress: bool = False) -> Callable[[], LLM
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening-ready socket (``port`` 0: a free one); binding errors surface as ``OSError`` here."""
+    """A listening-ready socket (``port`` 0: a free one); a ``ConfigError`` naming the address when the
+    port is taken (or the host is not this machine's)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        hint = " (another server is listening there: pick another --port, or --port 0 for a free one)"
+        taken = exc.errno == errno.EADDRINUSE
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint if taken else ''}"
+        ) from exc
     sock.set_inheritable(True)
     return sock
 
@@ -95,7 +147,7 @@ class BackgroundServer:
     """A server running on a thread of this process (tests and ``kvtier bench serve``)."""
 
     app: FastAPI
-    server: uvicorn.Server
+    server: DrainingServer
     thread: threading.Thread
     url: str  # http://host:port
 
@@ -109,16 +161,27 @@ class BackgroundServer:
         self.server.should_exit = True
         self.thread.join(timeout)
 
+    def drain(self) -> None:
+        """What SIGTERM does to ``kvtier serve``: drain, then stop (see :mod:`kvtier.server.shutdown`)."""
+        self.server.request_drain()
+
 
 def serve_in_thread(
-    app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    *,
+    shutdown_timeout: float = 30.0,
+    **timeouts: float,
 ) -> BackgroundServer:
-    """Start uvicorn for ``app`` on a daemon thread; returns once it accepts connections."""
-    import uvicorn
+    """Start uvicorn for ``app`` on a daemon thread; returns once it accepts connections.
+    ``timeouts``: ``timeout_keep_alive``, ``timeout_header`` (as :func:`uvicorn_config` takes them)."""
+    from kvtier.server.shutdown import DrainingServer, uvicorn_config
 
     sock = bind(host, port)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn_config(app, log_level=log_level, **timeouts), shutdown_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvtier-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -129,20 +192,48 @@ def serve_in_thread(
     return BackgroundServer(app, server, thread, f"http://{host}:{port}")
 
 
-def main(ns: argparse.Namespace) -> int:
-    args = engine_args_from(ns)
+def _check_flags(ns: argparse.Namespace) -> None:
     if ns.max_queue is not None and ns.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {ns.max_queue}")
     if not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {ns.port}")
+    for flag in ("max_n", "max_request_bytes"):
+        if getattr(ns, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(ns, flag)}")
+    for flag in ("shutdown_timeout", "timeout_keep_alive", "timeout_header", "timeout_body"):
+        value = getattr(ns, flag)
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+
+
+def describe_tiers(engine: LLMEngine) -> str:
+    """``device 256 blocks (1.0 GiB), host 512 blocks (2.0 GiB), disk 10 GiB at DIR``."""
+    config = engine.config
+    gib = config.cache.block_bytes / 2**30
+    parts = [
+        f"device {config.cache.num_device_blocks} blocks ({config.cache.num_device_blocks * gib:.2g} GiB)"
+    ]
+    if config.tiers.num_host_blocks:
+        parts.append(
+            f"host {config.tiers.num_host_blocks} blocks ({config.tiers.num_host_blocks * gib:.2g} GiB)"
+        )
+    if config.tiers.disk_dir:
+        parts.append(f"disk {config.tiers.disk_bytes / 2**30:g} GiB at {config.tiers.disk_dir}")
+    return ", ".join(parts)
+
+
+def main(ns: argparse.Namespace) -> int:
+    args = engine_args_from(ns)
+    _check_flags(ns)
     name = ns.served_model_name or default_model_name(args.model)  # an unknown model path fails here
     sock = bind(ns.host, ns.port)
     if args.kv_replica_id is None:  # KV events and /v1/kv/info name this replica hostname:port
         args = dataclasses.replace(args, kv_replica_id=default_replica_id(sock.getsockname()[1]))
-
-    import uvicorn
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
 
     from kvtier.server.app import ServerSettings, create_app
+    from kvtier.server.shutdown import DrainingServer, uvicorn_config
 
     failures: list[BaseException] = []
     holder: dict[str, Any] = {}
@@ -152,20 +243,37 @@ def main(ns: argparse.Namespace) -> int:
         if "server" in holder:
             holder["server"].should_exit = True
 
-    settings = ServerSettings(model_name=name, api_key=ns.api_key, max_queue=ns.max_queue)
-    app = create_app(
-        engine_factory(args, progress=sys.stderr.isatty()), settings, on_load_error=on_load_error
+    def on_ready(engine: LLMEngine) -> None:
+        print(f"kvtier: ready: {name} on {url}/v1 (KV {describe_tiers(engine)})", file=sys.stderr, flush=True)
+
+    settings = ServerSettings(
+        model_name=name,
+        api_key=ns.api_key,
+        max_queue=ns.max_queue,
+        max_n=ns.max_n,
+        max_request_bytes=ns.max_request_bytes,
+        timeout_body=ns.timeout_body or None,
+        prefix_cache_scope=ns.prefix_cache_scope,
     )
-    host, port = sock.getsockname()[:2]
+    app = create_app(
+        engine_factory(args, progress=sys.stderr.isatty()),
+        settings,
+        on_load_error=on_load_error,
+        on_ready=on_ready,
+    )
     print(
-        f"kvtier: serving {name} on http://{host}:{port} (OpenAI API under /v1; /health, /metrics); "
-        "the model loads in the background",
+        f"kvtier: serving {name} on {url} (OpenAI API under /v1; /health, /metrics); "
+        "the model is loading (/health answers 503 until 'ready')",
         file=sys.stderr,
         flush=True,
     )
-    server = holder["server"] = uvicorn.Server(
-        uvicorn.Config(app, log_level=ns.log_level, timeout_graceful_shutdown=5)
+    config = uvicorn_config(
+        app,
+        log_level=ns.log_level,
+        timeout_keep_alive=ns.timeout_keep_alive,
+        timeout_header=ns.timeout_header,
     )
+    server = holder["server"] = DrainingServer(config, ns.shutdown_timeout)
     server.run(sockets=[sock])
     if failures:
         exc = failures[0]
@@ -180,6 +288,7 @@ __all__ = [
     "add_args",
     "bind",
     "default_model_name",
+    "describe_tiers",
     "engine_factory",
     "main",
     "serve_in_thread",

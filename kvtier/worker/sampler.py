@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-sequence seeded generators, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, logit bias, per-sequence seeded generators,
+logprobs (of the model's own distribution, before any bias).
 
 Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
 ``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
@@ -61,6 +62,9 @@ class Sampler:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
         rows = logits.index_select(0, torch.tensor([r.row for r in reqs], dtype=torch.long))  # [M, V]
         for i, r in enumerate(reqs):
+            if r.params.logit_bias:
+                bias_ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
+                rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
             if r.banned_token_ids:
                 rows[i, list(r.banned_token_ids)] = float("-inf")
         tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this

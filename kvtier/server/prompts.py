@@ -1,0 +1,101 @@
+"""Turning a request's input into token ids, off the event loop, refusing what can never fit cheaply first.
+
+::
+
+    on the event loop (microseconds)             on the tokenizer pool (a few threads)
+    ────────────────────────────────             ─────────────────────────────────────
+    check_text_length(): characters /            render_chat(): the chat template, contents as text
+      max_token_chars >= max_model_len: 400      encode_prompts(): each text prompt
+    check_context(): token-id prompts, 400       check_context(): prompt + max_tokens <= max_model_len
+
+A token stands for at most ``Tokenizer.max_token_chars`` characters, so a text of ``c`` characters has at
+least ``c / max_token_chars`` tokens: a megabyte prompt for a 4k-token model is refused without
+tokenizing it. Tokenizing and rendering run on a bounded pool, so a big (but allowed) prompt delays only
+its own request, never ``/health`` or the other requests' streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvtier.config import ConfigError
+from kvtier.engine import PromptType
+from kvtier.server.protocol import APIError, bad_request
+from kvtier.tokenizer import Tokenizer
+
+T = TypeVar("T")
+TOKENIZER_THREADS = 2
+
+
+def tokenizer_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="kvtier-tokenize")
+
+
+async def off_loop(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the tokenizer pool."""
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def context_error(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> APIError:
+    """OpenAI's and vLLM's 400 for a prompt (plus its completion) longer than the context."""
+    if max_tokens is None:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your {param} has "
+            f"{num_prompt} tokens, which leaves no room for the completion."
+        )
+        return APIError(400, message, param=param, code="context_length_exceeded")
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{num_prompt + max_tokens} tokens ({num_prompt} in the {param}, {max_tokens} in the "
+        "completion). Please reduce the length of the prompt or max_tokens."
+    )
+    return APIError(400, message, param="max_tokens", code="context_length_exceeded")
+
+
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    if num_prompt >= max_model_len:
+        raise context_error(num_prompt, None, max_model_len, param)
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise context_error(num_prompt, max_tokens, max_model_len, param)
+
+
+def check_text_length(tokenizer: Tokenizer, num_chars: int, max_model_len: int, param: str) -> None:
+    """The cheap early check: 400 if ``num_chars`` characters are surely too many tokens."""
+    at_least = num_chars // tokenizer.max_token_chars
+    if at_least >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your {param} has "
+            f"{num_chars} characters, which is at least {at_least} tokens."
+        )
+        raise APIError(400, message, param=param, code="context_length_exceeded")
+
+
+def render_chat(
+    tokenizer: Tokenizer, conversation: list[dict[str, str]], max_tokens: int | None, max_model_len: int
+) -> dict[str, Any]:
+    """The conversation as a prompt (on the pool): the template rendered, contents tokenized as text."""
+    try:
+        text, token_ids = tokenizer.encode_chat(conversation, add_generation_prompt=True)
+    except ConfigError as exc:
+        raise bad_request(exc, "messages") from None
+    check_context(len(token_ids), max_tokens, max_model_len, "messages")
+    return {"prompt": text, "prompt_token_ids": token_ids}
+
+
+def encode_prompts(
+    tokenizer: Tokenizer, given: list[str | list[int]], max_tokens: int | None, max_model_len: int
+) -> list[PromptType]:
+    """Text prompts tokenized (on the pool); every prompt checked against the context."""
+    prompts: list[PromptType] = []
+    for p in given:
+        if isinstance(p, str):
+            token_ids = tokenizer.encode(p)
+            prompts.append({"prompt": p, "prompt_token_ids": token_ids})
+        else:
+            token_ids = p
+            prompts.append(p)
+        check_context(len(token_ids), max_tokens, max_model_len, "prompt")
+    return prompts
