@@ -213,6 +213,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "serve": "HTTP load: Poisson arrivals, TTFT/ITL percentiles, server overhead",
     "multiturn": "multi-turn chat TTFT: no caching, device, +host, +disk, restart",
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
+    "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
 }
 
 

@@ -109,7 +109,7 @@ def test_write_through_policy_gives_identical_output(reference: Any) -> None:
     llm.generate(hello, GREEDY)  # about 5 of the pool's 20 blocks: no eviction yet
     stats = llm.engine.stats()
     assert stats.tiers["device"].blocks_evicted == 0
-    full_blocks = len(hello["prompt_token_ids"]) // llm.engine.cache_config.block_size
+    full_blocks = len(hello["prompt_token_ids"]) // llm.engine.config.cache.block_size
     assert stats.tiers["host"].blocks_stored >= full_blocks > 0
 
     assert (multiturn(llm), shared_system_prompt(llm)) == reference
