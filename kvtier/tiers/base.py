@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -159,9 +160,27 @@ class ExternalTier(KVTier):
     (``disable``): a disabled tier holds nothing and accepts nothing."""
 
     disabled: bool
+    identity: TierIdentity
 
     @abstractmethod
     def complete_load(self, keys: Sequence[BlockKey], seconds: float = 0.0) -> None: ...
+
+    def _finish_loads(
+        self, keys: Sequence[BlockKey], held: dict[BlockKey, None], pins: Counter[BlockKey], seconds: float
+    ) -> None:
+        """Unpin ``keys``; those still ``held`` (not invalidated meanwhile) were read, in ``seconds``:
+        count them and make them the most recently used (``held`` is in LRU order)."""
+        num_loaded = 0
+        for key in keys:
+            if pins[key] > 1:
+                pins[key] -= 1
+            else:
+                pins.pop(key, None)
+            if key in held:
+                held[key] = held.pop(key)  # to the end: most recently used
+                num_loaded += 1
+        if num_loaded:
+            self.counters.record_loads(num_loaded, num_loaded * self.identity.block_bytes, seconds)
 
     @abstractmethod
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, seconds: float = 0.0) -> None: ...

@@ -229,17 +229,7 @@ class DiskTier(ExternalTier):
     def complete_load(self, keys: Sequence[BlockKey], seconds: float = 0.0) -> None:
         """Unpin; keys still held (not invalidated meanwhile) were read (in ``seconds``) and become the
         most recently used."""
-        num_loaded = 0
-        for key in keys:
-            if self._pins[key] > 1:
-                self._pins[key] -= 1
-            else:
-                self._pins.pop(key, None)
-            if key in self._held:
-                self._held.move_to_end(key)
-                num_loaded += 1
-        if num_loaded:
-            self.counters.record_loads(num_loaded, num_loaded * self.identity.block_bytes, seconds)
+        self._finish_loads(keys, self._held, self._pins, seconds)
 
     # ------------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:

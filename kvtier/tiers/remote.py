@@ -431,17 +431,7 @@ class RemoteTier(ExternalTier):
         return LoadSpec(tuple(keys), tuple(redis_key(key) for key in keys))
 
     def complete_load(self, keys: Sequence[BlockKey], seconds: float = 0.0) -> None:
-        num_loaded = 0
-        for key in keys:
-            if self._pins[key] > 1:
-                self._pins[key] -= 1
-            else:
-                self._pins.pop(key, None)
-            if key in self._known:
-                self._known.move_to_end(key)
-                num_loaded += 1
-        if num_loaded:
-            self.counters.record_loads(num_loaded, num_loaded * self.identity.block_bytes, seconds)
+        self._finish_loads(keys, self._known, self._pins, seconds)
 
     # ------------------------------------------------------------------------ stores
     def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
