@@ -338,7 +338,29 @@ def run_scenario(key: str, plan: Plan, ns: argparse.Namespace, log_root: Path) -
     return res
 
 
+def _describe_routing(res: ScenarioResult) -> None:
+    """Where the requests went (the router's ``x-kvtier-replica`` header) and why (its metrics)."""
+    served: dict[str, int] = {}
+    for r in res.records:
+        name = (r.replica or "?").rsplit(":", 1)[-1]
+        served[name] = served.get(name, 0) + 1
+    reasons: dict[str, float] = {}
+    for key, value in res.router_metrics.items():
+        if key.startswith("kvtier_router:requests_routed_total{") and 'reason="' in key:
+            reason = key.split('reason="', 1)[1].split('"', 1)[0]
+            reasons[reason] = reasons.get(reason, 0) + value
+    n = res.router_metrics.get("kvtier_router:routing_latency_seconds_count", 0.0)
+    mean_ms = res.router_metrics.get("kvtier_router:routing_latency_seconds_sum", 0.0) / n * 1e3 if n else 0
+    ports = ", ".join(f":{k} {v}" for k, v in sorted(served.items()))
+    why = ", ".join(f"{k} {v:.0f}" for k, v in sorted(reasons.items()))
+    res.notes.append(
+        f"requests per replica port: {ports}; router reasons: {why or '-'}; "
+        f"routing decision {mean_ms:.2f} ms mean"
+    )
+
+
 def _describe_events(res: ScenarioResult) -> None:
+    _describe_routing(res)
     ev = res.events
     if "kill" in ev:
         back = f"back at {ev['back']:.1f} s" if "back" in ev else "never back"
