@@ -69,11 +69,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--scenarios", default="abcdef", help="which of a-f to run (default abcdef)")
     g.add_argument("--replicas", type=int, default=2, help="replicas at the start (default 2)")
-    g.add_argument("--users", type=int, default=10, help="users, one conversation each (default 10)")
-    g.add_argument("--rounds", type=int, default=5, help="rounds per user (default 5)")
+    g.add_argument("--users", type=int, default=8, help="users, one conversation each (default 8)")
+    g.add_argument("--rounds", type=int, default=4, help="rounds per user (default 4)")
     g.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     g.add_argument("--system-tokens", type=int, default=300, help="shared system prompt (~tokens)")
-    g.add_argument("--doc-tokens", type=int, default=300, help="each user's document (~tokens)")
+    g.add_argument("--doc-tokens", type=int, default=700, help="each user's document (~tokens)")
     g.add_argument("--question-tokens", type=int, default=30, help="each question (~tokens)")
     g.add_argument("--answer-tokens", type=int, default=16, help="generated tokens per answer")
     g.add_argument("--stagger-s", type=float, default=1.0, help="users start this far apart (s)")
@@ -229,6 +229,7 @@ class Events:
         res.events["kill"] = t
         res.extra["in_flight_at_kill"] = [(r.user, r.round) for r in in_flight]
         res.extra["killed"] = victim.name
+        res.extra["killed_url"] = victim.url
         await asyncio.sleep(self.ns.outage_s)
         await asyncio.to_thread(c.restart, victim)
         if victim is not c.redis:
@@ -276,7 +277,7 @@ def _allowed_failures(res: ScenarioResult) -> None:
     """Failed requests that were in flight at the kill (for (f): on the killed replica, when the router
     names the replica; else any in flight, an upper bound)."""
     in_flight = {tuple(x) for x in res.extra.get("in_flight_at_kill", [])}
-    killed = res.extra.get("killed")
+    killed = res.extra.get("killed_url", "")
     allowed = 0
     for r in res.failed:
         on_victim = r.replica is None or res.key == "e" or killed in r.replica

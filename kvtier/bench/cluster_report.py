@@ -146,9 +146,17 @@ def evaluate_targets(by_key: dict[str, ScenarioResult], recovery_wait_s: float) 
                 m[0] <= 1.2,
                 f"{m[0]:.2f}x (c)'s on the same {m[1]} (user, round) pairs",
             )
-    oh = c.extra.get("router_overhead_ms") if c else None
+    oh = c.extra.get("overhead") if c else None
     if oh is not None:
-        add("router overhead <= 5 ms p50", oh <= 5, f"{oh:.1f} ms")
+        n = c.router_metrics.get("kvtier_router:routing_latency_seconds_count", 0.0) if c else 0.0
+        decide = c.router_metrics.get("kvtier_router:routing_latency_seconds_sum", 0.0) / n * 1e3 if n else 0
+        add(
+            "router overhead <= 5 ms p50",
+            oh["overhead_ms"] <= 5,
+            f"{oh['overhead_ms']:+.1f} ms (p50 {oh['router_p50_ms']:.1f} ms through the router vs "
+            f"{oh['direct_p50_ms']:.1f} ms straight to a replica; the router's own decision, tokenizing "
+            f"and hashing included: {decide:.2f} ms mean)",
+        )
     return targets
 
 
