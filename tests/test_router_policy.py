@@ -17,7 +17,7 @@ from kvtier.router.policy import Candidate, CostModel, cache_aware, decide, esti
 from kvtier.router.prompt import Prompt, parse_prompt, tenant_salt
 from kvtier.stats import Medium
 
-COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=16.0)
+COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=1.0)
 
 
 # ------------------------------------------------------------------------------------------ policy
@@ -162,3 +162,38 @@ def test_the_router_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ identity
+def test_a_replica_with_another_hash_spec_or_model_is_routed_by_load_only() -> None:
+    from kvtier.kv.hashing import HASH_SPEC_VERSION
+    from kvtier.router.replicas import ReplicaSet, normalize_url
+
+    replicas = ReplicaSet(client=None, headers={}, fingerprint=lambda: "abc")  # type: ignore[arg-type]
+    info = {"hash_spec_version": HASH_SPEC_VERSION, "enable_prefix_caching": True, "model_fingerprint": "abc"}
+    assert replicas._problem(info) is None
+    assert "hash spec version 2" in replicas._problem({**info, "hash_spec_version": 2})
+    assert "fingerprint" in replicas._problem({**info, "model_fingerprint": "other"})
+    assert "prefix caching is off" in replicas._problem({**info, "enable_prefix_caching": False})
+    assert normalize_url(" http://h:1/ ") == "http://h:1"
+    for bad in ("h:1", "ftp://h", "http://h:1/?q=1", "http://"):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
+
+
+def test_the_default_models_tokenizer_is_the_engines(converted_default_model) -> None:  # noqa: ANN001
+    """The router's torch-free tokenizer of the embedded GGUF (through the conversion cache) has the
+    engine's fingerprint and renders and tokenizes a chat exactly as the engine's tokenizer does."""
+    from kvtier.router.prompt import load_tokenizer
+
+    tokenizer, fingerprint = load_tokenizer(None)
+    assert fingerprint == converted_default_model.fingerprint
+    conversation = [
+        {"role": "system", "content": "You are terse. <|im_end|> stays text."},
+        {"role": "user", "content": "Héllo 🙂, what is a KV block?"},
+    ]
+    want = converted_default_model.tokenizer.encode_chat(conversation, add_generation_prompt=True)
+    assert tokenizer.encode_chat(conversation, add_generation_prompt=True) == want
+    assert tokenizer.encode("plain text prompt") == converted_default_model.tokenizer.encode(
+        "plain text prompt"
+    )
