@@ -373,3 +373,83 @@ def test_story_a_killed_replica_and_its_return(cluster: dict[str, Any]) -> None:
     assert r.status_code == 200
     assert r.json() == {"object": "router.replica", "url": replicas[1].url, "healthy": True}
     assert [rep["healthy"] for rep in state(router)["replicas"]] == [True, True]
+
+
+def broken_replica(info: dict[str, Any], status: int) -> Any:
+    """An HTTP server that passes the router's health and identity checks (the real replica's
+    /v1/kv/info, no blocks) but answers every chat completion ``status``, as a draining replica does."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+
+    from kvtier.server.serve import serve_in_thread
+
+    app = FastAPI()
+    error = {"error": {"message": "going away", "type": "server_error", "param": None, "code": None}}
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(b"")
+
+    @app.get("/v1/kv/info")
+    def kv_info() -> dict[str, Any]:
+        return {**info, "replica_id": "broken", "events": {"enabled": False}}
+
+    @app.get("/v1/kv/blocks")
+    def kv_blocks() -> dict[str, Any]:
+        return {"object": "kv.blocks", "instance": None, "seq": None, "blocks": {"device": []}}
+
+    @app.post("/v1/chat/completions")
+    def completions() -> JSONResponse:
+        return JSONResponse(error, status_code=status)
+
+    return serve_in_thread(app)
+
+
+def test_a_failure_before_the_first_byte_is_retried_once_elsewhere(cluster: dict[str, Any]) -> None:
+    """A replica that looks healthy but answers every completion 503 (as a draining one does) or 500:
+    each request sent to it first is retried on a real replica; no client sees the failure."""
+    router, real = cluster["router"], cluster["replicas"]
+    info = httpx.get(real[0].url + "/v1/kv/info", headers=AUTH).json()
+    for status in (503, 500):
+        broken = broken_replica(info, status)
+        try:
+            r = httpx.post(router.url + "/admin/replicas", json={"url": broken.url}, headers=AUTH)
+            assert r.json()["healthy"] is True
+            retried_before = sum(rep["routed"].get("retry", 0) for rep in state(router)["replicas"])
+            served = []
+            for i in range(6):
+                r = post(router.url, chat(long_system(f"retry{status}-{i}"), "hello"))
+                assert r.status_code == 200, r.text
+                served.append(r.headers["x-kvtier-replica"])
+            assert broken.url not in served
+            mine = next(rep for rep in state(router)["replicas"] if rep["url"] == broken.url)
+            assert mine["routed"]["load"] >= 1 and mine["in_flight"] == 0
+            retried = sum(rep["routed"].get("retry", 0) for rep in state(router)["replicas"])
+            assert retried - retried_before == mine["routed"]["load"]
+        finally:
+            httpx.request("DELETE", router.url + "/admin/replicas", json={"url": broken.url}, headers=AUTH)
+            broken.stop()
+
+
+def generated(replica: Proc) -> int:
+    text = httpx.get(replica.url + "/metrics", timeout=5).text
+    return int(float(re.search(r"^kvtier:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M).group(1)))
+
+
+def test_a_client_leaving_a_plain_request_frees_the_replica(cluster: dict[str, Any]) -> None:
+    """Not streamed: the client gives up after 0.5 s; the router closes its connection to the replica,
+    which aborts the request (running back to 0, far fewer than 200 tokens generated) instead of
+    generating for nobody."""
+    router, replicas = cluster["router"], cluster["replicas"]
+    before = sum(generated(p) for p in replicas)
+    body = chat(long_system("leave", 40), "Take your time", max_tokens=200, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=0.5)
+    wait_for(lambda: all(running(p) == 0 for p in replicas), 5)
+    wait_for(lambda: all(rep["in_flight"] == 0 for rep in state(router)["replicas"]), 5)
+    time.sleep(0.5)
+    assert sum(generated(p) for p in replicas) - before < 200
