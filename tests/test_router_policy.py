@@ -156,12 +156,27 @@ def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # no
 
 
 def test_the_router_never_imports_torch() -> None:
+    """Not at start-up (FastAPI neither: the router answers within well under a second), and not when
+    it loads the tokenizer and the request models."""
     code = (
-        "import sys, kvtier.router.app, kvtier.router.cli, kvtier.router.prompt;"
+        "import sys, kvtier.router.app, kvtier.router.cli, uvicorn;"
+        "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules, 'heavy import at start';"
         "from kvtier.router.prompt import load_tokenizer;"
+        "import kvtier.server.protocol, kvtier.models.loader;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_router_errors_have_the_servers_shape() -> None:
+    from kvtier.router.errors import RouterError
+    from kvtier.server.protocol import APIError
+
+    args = (503, "no replica")
+    kwargs = dict(type="server_error", param="x", code="no_healthy_replica", headers={"Retry-After": "1"})
+    mine, theirs = RouterError(*args, **kwargs).response(), APIError(*args, **kwargs).response()
+    assert mine.body == theirs.body and mine.status_code == theirs.status_code
+    assert mine.headers["retry-after"] == "1"
 
 
 # ------------------------------------------------------------------------------------------ identity
@@ -197,3 +212,24 @@ def test_the_default_models_tokenizer_is_the_engines(converted_default_model) ->
     assert tokenizer.encode("plain text prompt") == converted_default_model.tokenizer.encode(
         "plain text prompt"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replica", "ftp://x"], "--replica: a replica is an http(s)://host:port URL"),
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--kv-remote-url", "http://x"], "--kv-remote-url must be a redis:// URL"),
+        (["--load-tokens", "-1"], "--load-tokens must be a finite number >= 0"),
+        (["--policy", "random"], "invalid choice: 'random'"),
+    ],
+)
+def test_bad_router_flags_are_one_line(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    from kvtier.cli import main
+
+    try:
+        status = main(["router", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("kvtier: error: ") and message in err, err
