@@ -397,7 +397,8 @@ def main(ns: argparse.Namespace) -> int:
         f"{ns.rounds} rounds of ~{ns.question_tokens}-token questions and {ns.answer_tokens}-token answers "
         f"(a user's last prompt ~{plan.final_tokens} tokens)\n"
         f"each replica: device pool {st.device_blocks} blocks + host tier {st.host_gb:.3f} GiB (as many "
-        f"blocks): ~{ns.local_fraction:.0%} each of the {plan.live_blocks} blocks all users hold at the end",
+        f"blocks): {st.device_blocks / plan.live_blocks:.0%} each of the {plan.live_blocks} blocks all "
+        f"users hold at the end (--local-fraction {ns.local_fraction:g}, at least the prompts in flight)",
         flush=True,
     )
     t_all = time.perf_counter()
