@@ -195,10 +195,19 @@ def write_chart(results: list[ScenarioResult], path: str) -> str:
     for s in runs:
         if s.key in ("c", "d", "e", "f"):
             pts = sorted((r.start, r.ttft * 1e3) for r in s.ok(False) if r.ttft is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", ms=3, lw=0.6, label=f"({s.key})")
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", ms=3, label=f"({s.key})")[0]
             for name, t in s.events.items():
-                ax.axvline(t, ls=":", lw=0.8, color=ax.lines[-1].get_color())
-                ax.annotate(f"{s.key}:{name}", (t, 0), fontsize=6, rotation=90, va="bottom")
+                ax.axvline(t, ls=":", lw=0.9, color=line.get_color())
+                ax.text(
+                    t,
+                    0.98,
+                    f" {s.key}: {name}",
+                    transform=ax.get_xaxis_transform(),
+                    fontsize=6,
+                    rotation=90,
+                    va="top",
+                    color=line.get_color(),
+                )
     ax.set_xlabel("request start (s into the run)")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("TTFT over time (dotted: kill / back / added)")
