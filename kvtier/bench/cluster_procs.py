@@ -164,7 +164,9 @@ class Cluster:
         self.close()
 
     def close(self) -> None:
-        for child in reversed(self.children):
+        """The router first (so it logs no replica going down), then the rest, newest first."""
+        order = [c for c in self.children if c is self.router]
+        for child in order + [c for c in reversed(self.children) if c is not self.router]:
             try:
                 child.stop(grace_s=3.0)
             except Exception as err:  # keep tearing the others down
