@@ -274,13 +274,14 @@ async def _run(key: str, c: Cluster, plan: Plan, ns: argparse.Namespace, res: Sc
 
 
 def _allowed_failures(res: ScenarioResult) -> None:
-    """Failed requests that were in flight at the kill (for (f): on the killed replica, when the router
-    names the replica; else any in flight, an upper bound)."""
+    """The failures the targets allow: in (f), requests in flight on the killed replica at the kill (by
+    the router's header; any in flight when it sent none, an upper bound); in (e) none (Redis is not a
+    replica: a replica must serve through its outage)."""
     in_flight = {tuple(x) for x in res.extra.get("in_flight_at_kill", [])}
     killed = res.extra.get("killed_url", "")
     allowed = 0
     for r in res.failed:
-        on_victim = r.replica is None or res.key == "e" or killed in r.replica
+        on_victim = res.key == "f" and (r.replica is None or killed in r.replica)
         if (r.user, r.round) in in_flight and on_victim:
             allowed += 1
     res.extra["allowed_failures"] = allowed
