@@ -6,6 +6,7 @@ a replica killed and brought back. Slow (processes start with torch): the module
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -326,11 +327,29 @@ def test_a_restarted_router_routes_by_cache_within_5_s(cluster: dict[str, Any]) 
         f"router restart: up {up - start:.2f} s after start, cache-aware {time.monotonic() - up:.2f} s later"
     )
     assert time.monotonic() - up < 5
+    # The shared tier's blocks come back too: replayed from the streams (a snapshot cannot list them).
+    wait_for(lambda: all(r["indexed_blocks"]["remote"] > 0 for r in state(router)["replicas"]), 5)
+
+
+@contextlib.contextmanager
+def stream_on(router: Proc, replica: Proc) -> Iterator[tuple[bytes, Iterator[bytes]]]:
+    """A long stream through the router that landed on ``replica`` (others are opened and dropped until
+    one does): its first chunk and the iterator over the rest."""
+    body = chat("long", "Go on", max_tokens=300, ignore_eos=True, stream=True)
+    for _ in range(20):
+        with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, headers=AUTH) as r:
+            if r.headers["x-kvtier-replica"] != replica.url:
+                continue
+            chunks = r.iter_raw()
+            yield next(chunks), chunks
+            return
+    raise AssertionError(f"no stream landed on {replica.url}")
 
 
 def test_story_a_killed_replica_and_its_return(cluster: dict[str, Any]) -> None:
-    """Act 1: requests keep coming while replica 1 is killed: none fails (one in progress on it may be
-    retried), and within 2 s the router reports it down and sends it nothing more. Act 2: it comes back
+    """Act 1: requests keep coming while replica 1 is killed in the middle of a stream: no request
+    fails (one in progress on it may be retried), the stream it broke ends with an error event and
+    [DONE], and within 2 s the router reports it down and sends it nothing more. Act 2: it comes back
     on its port: the router takes it in again. Act 3: it is removed and re-added via /admin/replicas."""
     router, replicas = cluster["router"], cluster["replicas"]
     failures: list[str] = []
@@ -352,8 +371,11 @@ def test_story_a_killed_replica_and_its_return(cluster: dict[str, Any]) -> None:
         t.start()
     try:
         time.sleep(1.0)
-        replicas[1].kill()
-        killed = time.monotonic()
+        with stream_on(router, replicas[1]) as (first, rest):
+            replicas[1].kill()
+            killed = time.monotonic()
+            broken = (first + b"".join(rest)).decode()
+        assert "the replica broke off the stream" in broken and broken.endswith("data: [DONE]\n\n")
         wait_for(lambda: not replica_state(router, replicas[1])["healthy"], 2)
         assert time.monotonic() - killed < 2
         time.sleep(1.5)
