@@ -305,14 +305,15 @@ async def _recompute_probe(res: ScenarioResult, convs: list[Any], ns: argparse.N
             recompute.append(time.perf_counter() - t)
     rec_mean = statistics.fmean(recompute)
     res.extra.update(
-        new_replica_requests=int(n),
+        new_replica_requests=len(mine) if mine else int(n) - 1,  # the server's count has the warm-up
         new_replica_ttft_ms=in_run * 1e3,
         new_replica_ttft_source="client (router header)" if mine else "server /metrics histogram",
         recompute_ttft_ms=rec_mean * 1e3,
         recompute_ratio=rec_mean / in_run if in_run and math.isfinite(in_run) else None,
     )
     res.notes.append(
-        f"new replica served {int(n)} requests; their mean TTFT {in_run * 1e3:.0f} ms "
+        f"new replica served {res.extra['new_replica_requests']} requests; their mean TTFT "
+        f"{in_run * 1e3:.0f} ms "
         f"({res.extra['new_replica_ttft_source']}) vs {rec_mean * 1e3:.0f} ms recomputing the same "
         f"users' prompts on it (cache_salt, one at a time, idle)"
     )
