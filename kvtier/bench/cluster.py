@@ -185,7 +185,7 @@ class Events:
     def __init__(self, key: str, cluster: Cluster, plan: Plan, ns: argparse.Namespace, res: ScenarioResult):
         self.key, self.cluster, self.plan, self.ns, self.res = key, cluster, plan, ns, res
         self.task: asyncio.Task[None] | None = None
-        self.settings = plan.settings  # the scenario's, remote URL included (set by _run)
+        self.settings = cluster.replica_settings  # a new replica is started as the others were
         self.t0 = time.perf_counter()  # reset when the workload starts
         self.total = plan.spec.users * plan.spec.rounds
 
@@ -208,6 +208,7 @@ class Events:
 
     async def _add_replica(self, t: float) -> None:
         c, res = self.cluster, self.res
+        assert self.settings is not None
         new = c.add_replica(self.settings)
         res.events["start"] = t
         await asyncio.to_thread(c.restart, new)
@@ -239,18 +240,17 @@ class Events:
 
 # ------------------------------------------------------------------------------ one scenario
 async def _run(key: str, c: Cluster, plan: Plan, ns: argparse.Namespace, res: ScenarioResult) -> None:
-    title, policy, remote = SCENARIOS[key]
+    _, policy, remote = SCENARIOS[key]
     if remote:
         c.start_redis()
-    settings = ReplicaSettings(**{**asdict(plan.settings), "remote_url": c.redis_url})
-    reps = [c.add_replica(settings) for _ in range(ns.replicas)]
+    c.replica_settings = ReplicaSettings(**{**asdict(plan.settings), "remote_url": c.redis_url})
+    reps = [c.add_replica(c.replica_settings) for _ in range(ns.replicas)]
     await asyncio.to_thread(c.start_all, reps)
     for r in reps:
         await asyncio.to_thread(warm, r.url)
     router = c.add_router(policy, c.redis_url)
     await asyncio.to_thread(c.restart, router, 60.0)
     events = Events(key, c, plan, ns, res)
-    events.settings = settings
     convs = build_conversations(plan.spec)
     events.t0 = time.perf_counter()
     res.records, res.wall_s = await run_workload(router.url, plan.spec, convs, events.hook)

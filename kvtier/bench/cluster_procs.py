@@ -156,6 +156,7 @@ class Cluster:
         self.redis: Child | None = None
         self.replicas: list[Child] = []
         self.router: Child | None = None
+        self.replica_settings: ReplicaSettings | None = None  # the scenario's (set by its runner)
 
     def __enter__(self) -> Cluster:
         return self
