@@ -382,7 +382,7 @@ def test_story_a_killed_replica_and_its_return(cluster: dict[str, Any]) -> None:
         assert "the replica broke off the stream" in broken and broken.endswith("data: [DONE]\n\n")
         wait_for(lambda: not replica_state(router, replicas[1])["healthy"], 2)
         assert time.monotonic() - killed < 2
-        time.sleep(1.5)
+        time.sleep(killed + 4 - time.monotonic())  # two more seconds of traffic after the first 2 s
     finally:
         stop.set()
         for t in threads:
