@@ -57,6 +57,25 @@ def test_a_burst_of_one_new_prefix_spreads() -> None:
     assert picks[:3] in ([0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 2, 1], [1, 0, 2], [2, 1, 0])
 
 
+def test_long_new_prompts_in_flight_count_as_queued_prefill_work() -> None:
+    """Two new users' 1,000-token prompts and one returning user arrive together (bench cluster (c)).
+    The prefill work the router already sent (no first token yet) spreads the new prompts, and the
+    returning user still goes where its history is."""
+    a, b = Candidate("a", load=0), Candidate("b", load=0)
+    first = cache_aware([a, b], 1000, COST, turn=0)  # new user 1: nobody holds it
+    assert first.work == (1000, 1000)
+    # new user 2: one request on each replica, but only the one user 1 went to is still prefilling
+    # (the other is decoding): request counts tie, the queued prefill work does not, in any turn
+    queue = [1000 if i == first.choice else 0 for i in range(2)]
+    busy = [Candidate(c.name, 1, queued_tokens=q) for c, q in zip([a, b], queue, strict=True)]
+    assert all(cache_aware(busy, 1000, COST, turn).choice != first.choice for turn in range(4))
+    # both replicas now prefill 1,000 new tokens; b holds 896 tokens of the returning user's history
+    a, b = Candidate("a", 1, queued_tokens=1000), Candidate("b", 1, cached_tokens=896, queued_tokens=1000)
+    back = cache_aware([a, b], 1000, COST, turn=0)
+    assert back.choice == 1 and back.reason == "cache_hit" and back.work == (1000, 104)
+    assert estimate(b, 1000, COST) == 104 + 1000 + 256
+
+
 def test_near_ties_go_to_the_least_loaded_then_in_turn() -> None:
     """Costs 1000 and 1030 (within 5%): a tie; the less loaded wins even though it costs a bit more."""
     a = Candidate("a", load=1, cached_tokens=256)  # 744 + 256 = 1000

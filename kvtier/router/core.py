@@ -59,6 +59,7 @@ class NoReplica(Exception):
 class Route:
     replicas: list[Replica]  # best first; a retry takes the next
     decision: policies.Decision
+    work: tuple[int, ...] = ()  # per replica in ``replicas``: estimated prefill tokens (0: unknown)
 
 
 class Router:
@@ -133,7 +134,8 @@ class Router:
         self.metrics.latency.observe(time.perf_counter() - start)
         if decision.reason in ("cache_hit", "load") and self.settings.policy == "cache_aware":
             self.metrics.cached_tokens.observe(decision.cached_tokens)
-        return Route([healthy[i] for i in decision.ranking], decision)
+        work = tuple(decision.work[i] for i in decision.ranking) if decision.work else ()
+        return Route([healthy[i] for i in decision.ranking], decision, work)
 
     async def prompt(self, path: str, body: Any, authorization: str) -> Prompt | None:
         """The request's token ids and salt (on the tokenizer pool); None without a tokenizer or for a
@@ -186,7 +188,7 @@ class Router:
             hashes = chains[key]
             local = r.index.local_prefix(hashes)
             remote = remote_run(indexes, hashes, local)
-            out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1]))
+            out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1], r.pending_prefill))
         return out, bool(scorable)
 
     def explain(self, route: Route) -> dict[str, Any]:
@@ -225,6 +227,7 @@ def _replica_state(r: Replica) -> dict[str, Any]:
         "running": r.running,
         "waiting": r.waiting,
         "in_flight": r.in_flight,
+        "pending_prefill_tokens": r.pending_prefill,
         "routed": dict(r.routed),
         "indexed_blocks": r.index.counts(),
         "index_source": r.index_source(),

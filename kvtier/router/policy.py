@@ -3,11 +3,13 @@
 ``cache_aware`` estimates, for every healthy replica, the time to first token in *token units* (the
 cost of computing one prompt token)::
 
-    cost(r) = compute_tokens(r) + remote_cost * remote_tokens(r) + load_tokens * load(r)
+    cost(r) = compute_tokens(r) + remote_cost * remote_tokens(r) + queued_tokens(r) + load_tokens * load(r)
 
     cached_tokens(r)   tokens of the prompt's leading blocks held by r itself (device, host, disk): free
     remote_tokens(r)   tokens of the blocks right after those, in the shared remote tier: cheap anywhere
     compute_tokens(r)  the rest of the prompt, computed by r's prefill
+    queued_tokens(r)   prefill work this router sent to r that has not produced a first byte yet
+                       (the same estimate, per request): a burst of long new prompts spreads out
     load(r)            requests queued on r (running + waiting): each delays a new one's first token
 
 The lowest cost wins. Costs within ``near_tie`` of the best (or ``min_slack`` tokens) count as equal:
@@ -38,6 +40,7 @@ class Candidate:
     load: int  # requests queued on it: running + waiting
     cached_tokens: int = 0  # tokens of the prompt's leading blocks on its own tiers
     remote_tokens: int = 0  # tokens of the next leading blocks, in the shared remote tier
+    queued_tokens: int = 0  # prefill work (token units) sent to it by this router, no first byte yet
 
 
 @dataclass(frozen=True)
@@ -54,18 +57,23 @@ class Decision:
     reason: str
     cached_tokens: int  # the winner's estimated cached tokens (its own tiers + remote)
     costs: tuple[float, ...] = ()  # per candidate, in token units (cache_aware only)
+    work: tuple[int, ...] = ()  # per candidate: its prefill_work for this request (cache_aware only)
 
     @property
     def choice(self) -> int:
         return self.ranking[0]
 
 
-def estimate(c: Candidate, num_tokens: int, model: CostModel) -> float:
-    """``cost(r)`` above, in token units."""
+def prefill_work(c: Candidate, num_tokens: int, model: CostModel) -> float:
+    """The prefill this request would cost ``c``, in token units (computed + loaded from remote)."""
     cached = min(c.cached_tokens, num_tokens)
     remote = min(c.remote_tokens, num_tokens - cached)
-    compute = num_tokens - cached - remote
-    return compute + model.remote_cost * remote + model.load_tokens * c.load
+    return num_tokens - cached - remote + model.remote_cost * remote
+
+
+def estimate(c: Candidate, num_tokens: int, model: CostModel) -> float:
+    """``cost(r)`` above, in token units."""
+    return prefill_work(c, num_tokens, model) + c.queued_tokens + model.load_tokens * c.load
 
 
 def _rotated(positions: Sequence[int], turn: int) -> list[int]:
@@ -89,7 +97,8 @@ def cache_aware(candidates: Sequence[Candidate], num_tokens: int, model: CostMod
     winner = candidates[ranking[0]]
     reason = "cache_hit" if winner.cached_tokens > 0 else "load"
     cached = min(winner.cached_tokens + winner.remote_tokens, num_tokens)
-    return Decision(ranking, reason, cached, costs)
+    work = tuple(round(prefill_work(c, num_tokens, model)) for c in candidates)
+    return Decision(ranking, reason, cached, costs, work)
 
 
 def least_loaded(candidates: Sequence[Candidate], turn: int, reason: str = "load") -> Decision:

@@ -43,9 +43,13 @@ class RelayResponse(StreamingResponse):
     """A streamed answer from a replica; whatever happens, the upstream is closed and released."""
 
     def __init__(
-        self, upstream: httpx.Response, release: Callable[[], None], headers: dict[str, str]
+        self,
+        upstream: httpx.Response,
+        release: Callable[[], None],
+        headers: dict[str, str],
+        first_token: Callable[[], None] = lambda: None,
     ) -> None:
-        super().__init__(_relay(upstream), status_code=upstream.status_code, headers=headers)
+        super().__init__(_relay(upstream, first_token), status_code=upstream.status_code, headers=headers)
         self.upstream = upstream
         self.release = release
 
@@ -58,9 +62,16 @@ class RelayResponse(StreamingResponse):
             self.release()
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+_ROLE_CHUNK = b'"role": "assistant"'  # a chat stream's first event, sent before the prefill ends
+
+
+async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> AsyncIterator[bytes]:
+    """The replica's bytes as they come; ``first_token`` called at the first chunk that is not the
+    chat role event (the replica's prefill is then done)."""
     try:
         async for chunk in upstream.aiter_raw():
+            if _ROLE_CHUNK not in chunk:
+                first_token()
             yield chunk
     except httpx.TransportError as exc:
         if "text/event-stream" in upstream.headers.get("content-type", ""):
@@ -109,13 +120,23 @@ async def attempt(
     *,
     last: bool,
     method: str = "POST",
+    work: int = 0,
 ) -> Response | None:
-    """One try on ``replica``: its answer, or None to try the next replica (when not ``last``)."""
+    """One try on ``replica``: its answer, or None to try the next replica (when not ``last``).
+    ``work``: the request's estimated prefill tokens there, queued on it until its first token."""
     replica.in_flight += 1
-    released = False
+    replica.pending_prefill += work
+    released = prefilled = False
+
+    def first_token() -> None:
+        nonlocal prefilled
+        if not prefilled:
+            prefilled = True
+            replica.pending_prefill -= work
 
     def release() -> None:
         nonlocal released
+        first_token()
         if not released:
             released = True
             replica.in_flight -= 1
@@ -141,7 +162,7 @@ async def attempt(
     headers = {k: v for k in _RESPONSE_HEADERS if (v := upstream.headers.get(k)) is not None}
     headers[REPLICA_HEADER] = replica.url
     if "text/event-stream" in upstream.headers.get("content-type", ""):
-        return RelayResponse(upstream, release, headers)
+        return RelayResponse(upstream, release, headers, first_token)
     try:
         content = await upstream.aread()
     except httpx.TransportError:
@@ -177,7 +198,9 @@ async def forward(
         if count:
             replica.routed[reason] += 1
             router.metrics.routed.labels(replica.url, reason).inc()
-        answer = await attempt(router, request, replica, path, body, last=i == len(tries) - 1, method=method)
+        work = route.work[i] if i < len(route.work) else 0
+        last = i == len(tries) - 1
+        answer = await attempt(router, request, replica, path, body, last=last, method=method, work=work)
         if answer is not None:
             return answer
     router.metrics.failures.labels("upstream").inc()

@@ -61,6 +61,7 @@ class Replica:
     running: int = 0
     waiting: int = 0
     in_flight: int = 0  # requests this router has open on it
+    pending_prefill: int = 0  # estimated prefill tokens of those still waiting for their first byte
     routed: Counter[str] = field(default_factory=Counter)  # by reason
     following: bool = False  # its index follows its event stream
     synced: bool = False  # its index reflects it (events or a recent snapshot)
