@@ -102,9 +102,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.cost_model)
         self.sampler = Sampler(args.seed)
         # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
-        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed)
+        lower = [t.medium for t in self.tiers.tiers] if self.tiers is not None else []
+        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed, lower=lower)
         self.insight.canary.on_mismatch = self._quarantine
         self.kv.observer = self.insight
+        if self.tiers is not None:
+            self.tiers.on_stored = self.insight.on_stored
         self._mrc: dict[tuple[str, float], float] = {}
         self._mrc_time = float("-inf")
         self.outputs = OutputProcessor(self.tokenizer)

@@ -112,12 +112,14 @@ class ReuseTracker:
         return self.threshold / MODULUS
 
     # ------------------------------------------------------------------------------ the stream
-    def lookup(self, keys: Sequence[bytes]) -> None:
-        """One prompt's full blocks, in order: each is a lookup (counted) and a reference."""
+    def lookup(self, keys: Sequence[bytes], touched: Sequence[bool] | None = None) -> None:
+        """One prompt's full blocks, in order: each is a lookup (counted) and a reference. A tier that
+        only refreshes a block when it serves it (the host and disk tiers: a miss is not stored there
+        by the lookup) passes ``touched``: which keys it served; the others are measured, not moved."""
         self.num_lookups += len(keys)
         chain = 0.0  # the largest distance so far in this prompt: a block hits only if its parents do
-        for key in keys:
-            distance = self._reference(key)
+        for i, key in enumerate(keys):
+            distance = self._reference(key, touch=touched is None or (i < len(touched) and touched[i]))
             if distance is None:
                 continue
             chain = math.inf if distance < 0 else max(chain, distance)
@@ -139,13 +141,20 @@ class ReuseTracker:
         bucket = COLD if math.isinf(distance) else bucket_of(distance)
         self.histogram[bucket] = self.histogram.get(bucket, 0.0) + 1.0 / self.rate
 
-    def _reference(self, key: bytes) -> float | None:
+    def _reference(self, key: bytes, touch: bool = True) -> float | None:
         """Reference ``key``: None if not sampled; -1.0 for a first reference; else its distance in
-        real blocks (distinct sampled blocks since its last reference, over the rate)."""
+        real blocks (distinct sampled blocks since its last reference, over the rate). ``touch``:
+        it becomes the most recent (else it is only measured)."""
         h = key_hash(key)
         if h >= self.threshold:
             return None
         last = self._last.get(key)
+        if not touch:
+            return (
+                -1.0
+                if last is None
+                else (self._times.prefix(self._now) - self._times.prefix(last)) / self.rate
+            )
         if self._now >= self._clock_size:
             self._compact()
             last = self._last.get(key)
