@@ -137,16 +137,18 @@ def test_story_a_disk_file_rewritten_with_a_valid_checksum_is_caught(tiny: str, 
 
 
 @pytest.mark.slow
-def test_honest_tiers_never_trip_the_canary_over_a_long_run(tmp_path: Path) -> None:
+def test_honest_tiers_never_trip_the_canary_over_a_long_run() -> None:
     """The exactness suite's workloads (multi-turn chat, a shared system prompt) on the real model over
-    host + disk tiers, every request served from cache checked: only matches, nothing quarantined."""
+    a host tier, every request served from cache checked: only matches, nothing quarantined."""
     from tests.test_tier_exactness import multiturn, shared_system_prompt
 
-    llm = LLM(kv_device_blocks=20, kv_host_gb=0.01, kv_disk_dir=str(tmp_path / "kv"), canary_rate=1.0)
+    llm = LLM(kv_device_blocks=20, kv_host_gb=0.01, canary_rate=1.0)
+    llm.engine.insight.canary.max_pending = 64  # every request checked, none skipped
     for workload in (multiturn, shared_system_prompt):
         workload(llm)
         drain(llm)
     report = llm.engine.kv_canary()
     assert report["checks"]["mismatch"] == 0 and report["quarantined"] == []
-    assert report["checks"]["match"] >= 20 and {"device", "host"} <= set(report["by_tier"])
+    assert report["checks"]["skipped"] == 0 and report["checks"]["match"] >= 20
+    assert report["by_tier"]["host"]["match"] > 0 and report["by_tier"]["device"]["match"] > 0
     llm.close()
