@@ -165,7 +165,7 @@ class Advisor:
             out += [s] if s else []
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, sentences: bool = True) -> dict[str, Any]:
         snaps = [t.snap for t in self.sizes if t.snap is not None]
         return {
             "object": "kv.advice",
@@ -174,5 +174,5 @@ class Advisor:
             "lookups": self.num_lookups,
             "sampling_rate": min((s.sampling_rate for s in snaps), default=1.0),
             "tracked_blocks": sum(s.num_tracked for s in snaps),
-            "advice": self.sentences(),
+            "advice": self.sentences() if sentences else [],
         }

@@ -77,7 +77,7 @@ class CacheInsight:
         if tracker is not None:
             tracker.insert(keys)
 
-    def advice(self, sizes: list[TierSize], costs: Costs) -> dict[str, Any]:
+    def advice(self, sizes: list[TierSize], costs: Costs, sentences: bool = True) -> dict[str, Any]:
         """``GET /v1/kv/advice``'s body: per-tier curves, measured ratios and sentences."""
         sizes = [
             replace(
@@ -90,7 +90,7 @@ class CacheInsight:
             if Medium(t.medium) in self.trackers
         ]
         lookups = self.asked[Medium.DEVICE]
-        answer = Advisor(sizes, costs, lookups, self.num_requests).to_json()
+        answer = Advisor(sizes, costs, lookups, self.num_requests).to_json(sentences)
         served = 0
         for size in sizes:  # cumulative through each tier, measured
             served += size.num_served

@@ -24,10 +24,12 @@ sampling depends only on the keys). Torch-free.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 MODULUS = 1 << 24
 BUCKET_GROWTH = 1.02
@@ -81,13 +83,21 @@ class TrackerSnapshot:
     sampling_rate: float
     num_tracked: int  # blocks tracked now (<= max_keys)
 
+    @cached_property
+    def _cumulative(self) -> tuple[list[float], list[float], float]:
+        """(bucket floors ascending, weight of the buckets up to each, total weight incl. COLD)."""
+        floors, cumulative, running = [], [], 0.0
+        for b in sorted(b for b in self.histogram if b != COLD):
+            running += self.histogram[b]
+            floors.append(bucket_floor(b))
+            cumulative.append(running)
+        return floors, cumulative, sum(self.histogram.values())
+
     def hit_ratio(self, capacity_blocks: float) -> float:
         """Estimated fraction of looked-up blocks an LRU cache of ``capacity_blocks`` would have held."""
-        total = sum(self.histogram.values())
-        if total <= 0:
-            return 0.0
-        hits = sum(w for b, w in self.histogram.items() if b != COLD and bucket_floor(b) < capacity_blocks)
-        return hits / total
+        floors, cumulative, total = self._cumulative
+        n = bisect.bisect_left(floors, capacity_blocks)  # buckets whose smallest distance fits
+        return cumulative[n - 1] / total if n and total > 0 else 0.0
 
 
 class ReuseTracker:
