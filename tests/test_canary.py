@@ -142,7 +142,7 @@ def test_honest_tiers_never_trip_the_canary_over_a_long_run() -> None:
     a host tier, every request served from cache checked: only matches, nothing quarantined."""
     from tests.test_tier_exactness import multiturn, shared_system_prompt
 
-    llm = LLM(kv_device_blocks=20, kv_host_gb=0.01, canary_rate=1.0)
+    llm = LLM(kv_device_blocks=20, kv_host_gb=0.25, canary_rate=1.0)  # as test_tier_exactness
     llm.engine.insight.canary.max_pending = 64  # every request checked, none skipped
     for workload in (multiturn, shared_system_prompt):
         workload(llm)
