@@ -215,6 +215,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
+    "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
 }
 
 

@@ -35,6 +35,12 @@ class LowerHit:
     host_keys: tuple[BlockHash, ...] = ()
     promoted: tuple[tuple[Medium, int], ...] = ()
     num_pending_blocks: int = 0
+    # The tier each of ``host_keys`` came from (HOST, or the one it was promoted from); () = all HOST.
+    sources: tuple[Medium, ...] = ()
+
+    def source_of(self, i: int) -> Medium:
+        """The tier whose bytes ``host_keys[i]`` are (what the canary blames on a mismatch)."""
+        return self.sources[i] if self.sources else Medium.HOST
 
     def blocks_by_tier(self) -> dict[Medium, int]:
         """``host_keys`` by the tier that served them."""
