@@ -111,6 +111,28 @@ async def _send(router: Router, request: Request, replica: Replica, method: str,
     return send.result()
 
 
+class _Hold:
+    """One request's share of a replica's load: in flight until released, its prefill work queued
+    until its first token (or the release, whichever comes first). Each is given back once."""
+
+    def __init__(self, replica: Replica, work: int) -> None:
+        self.replica, self.work = replica, work
+        self.prefilling = self.open = True
+        replica.in_flight += 1
+        replica.pending_prefill += work
+
+    def first_token(self) -> None:
+        if self.prefilling:
+            self.prefilling = False
+            self.replica.pending_prefill -= self.work
+
+    def release(self) -> None:
+        self.first_token()
+        if self.open:
+            self.open = False
+            self.replica.in_flight -= 1
+
+
 async def attempt(
     router: Router,
     request: Request,
@@ -124,23 +146,8 @@ async def attempt(
 ) -> Response | None:
     """One try on ``replica``: its answer, or None to try the next replica (when not ``last``).
     ``work``: the request's estimated prefill tokens there, queued on it until its first token."""
-    replica.in_flight += 1
-    replica.pending_prefill += work
-    released = prefilled = False
-
-    def first_token() -> None:
-        nonlocal prefilled
-        if not prefilled:
-            prefilled = True
-            replica.pending_prefill -= work
-
-    def release() -> None:
-        nonlocal released
-        first_token()
-        if not released:
-            released = True
-            replica.in_flight -= 1
-
+    hold = _Hold(replica, work)
+    release, first_token = hold.release, hold.first_token
     try:
         upstream = await _send(router, request, replica, method, path, body)
     except httpx.TransportError as exc:
