@@ -112,3 +112,10 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of admitted requests
     generation_tokens: int  # tokens sampled
     tiers: dict[Medium, TierSnapshot] = field(default_factory=dict)  # the tiers the engine has
+    kv_dtype: str = "float32"  # what a KV block stores (float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8)
+    kv_block_bytes: int = 0  # bytes of one block in every tier, scales included
+
+    @property
+    def kv_capacity_tokens(self) -> dict[Medium, int]:
+        """Tokens each tier holds at this KV dtype: its capacity in blocks x tokens per block."""
+        return {m: t.capacity_blocks * t.block_size for m, t in self.tiers.items()}
