@@ -83,6 +83,7 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_new.shape[2]
     group = num_heads // num_kv_heads
+    q = kv_cache.rotate_queries(q)  # compact KV is stored rotated (kv_quant.py); q itself with auto
     outs: list[torch.Tensor] = []
 
     if meta.decode is not None:
@@ -114,4 +115,5 @@ def paged_attention(
         )  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
 
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return kv_cache.unrotate_output(out, head_dim)
