@@ -52,6 +52,7 @@ def serve(llm: LLM, seen: dict[bytes, torch.Tensor]) -> list[list[int]]:
     return answers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kd", ["int8", "fp8_e4m3"])
 def test_compact_blocks_round_trip_byte_identical_through_host_and_disk(
     tiny_dir: str, tmp_path: Path, kd: str
@@ -71,6 +72,7 @@ def test_compact_blocks_round_trip_byte_identical_through_host_and_disk(
         assert disk.blocks_loaded > 0 and disk.bytes_loaded == disk.blocks_loaded * block_bytes
 
 
+@pytest.mark.slow
 def test_compact_blocks_round_trip_byte_identical_through_redis(tiny_dir: str, redis_server: Any) -> None:
     seen: dict[bytes, torch.Tensor] = {}
     kwargs = dict(
@@ -131,6 +133,7 @@ def test_a_remote_value_of_another_kv_dtype_is_never_loaded() -> None:
         )
 
 
+@pytest.mark.slow
 def test_an_engine_of_another_kv_dtype_on_the_same_disk_finds_nothing(tiny_dir: str, tmp_path: Path) -> None:
     common = dict(kv_device_blocks=POOL, kv_host_gb=0.0005, kv_disk_dir=str(tmp_path))
     with LLM(tiny_dir, kv_cache_dtype="fp8_e4m3", **common) as llm:
