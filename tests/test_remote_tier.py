@@ -335,6 +335,25 @@ def test_dead_store_costs_under_2ms_logs_once_per_outage_and_recovers(
     assert len(outage) == 2
 
 
+def test_an_outage_during_a_lookup_is_a_miss_not_a_load_of_forgotten_keys(
+    server: RedisServer, replica: Replica
+) -> None:
+    """The store dies while a lookup asks it about the blocks after those known to be there: the
+    outage forgets the known ones, so the lookup must not report them (a load would find no key)."""
+    replica.put("AB")
+    assert replica.tier.lookup([K("A"), K("B")]) == 2  # known: the next lookup asks only about C...
+    server.kill()
+    assert replica.tier.lookup([K("A"), K("B"), K("C")]) == 0  # ...and that round trip fails
+    assert not replica.tier.contains(K("A"))
+    assert replica.tier.prepare_store([K("A")]).keys == ()  # nothing is promised while it is down
+    server.start()
+    _wait_for(lambda: replica.store.breaker.allow())
+    assert replica.tier.lookup([K("A"), K("B")]) == 0  # it restarted empty: still a miss, never a KeyError
+    assert all(r.ok for r in replica.put("AB"))
+    results, _ = replica.get("AB")
+    assert all(r.ok for r in results)
+
+
 def test_store_unreachable_at_start_up_is_one_line_and_no_cost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -403,6 +403,9 @@ class RemoteTier(ExternalTier):
             n += 1
         rest = keys[n : n + self.lookup_limit]
         found = self.store.count_leading([redis_key(k) for k in rest])
+        if self._generation != self.store.generation:
+            self._forget_after_outage()  # the store failed during this lookup: the n known keys may be gone
+            return 0
         self._announce_stored([k for k in rest[:found] if k not in self._known])
         for key in rest[:found]:
             self._remember(key)
