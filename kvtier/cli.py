@@ -216,6 +216,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
+    "kvdtype": "KV cache dtypes side by side: perplexity, top-1 agreement, capacity, decode, host loads",
 }
 
 

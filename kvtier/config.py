@@ -30,7 +30,13 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 StorePolicy = Literal["write_back", "write_through"]
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV cache precision: "auto" is the compute dtype; "fp8" is an alias of "fp8_e4m3" (kvtier/models/kv_quant.py)
+KVCacheDType = Literal["auto", "bfloat16", "fp8_e4m3", "fp8", "fp8_e5m2", "int8"]
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+# A quantized KV dtype stores one float32 scale per (token, layer, K or V, KV head) next to the data.
+KV_SCALE_BYTES = 4
 DEFAULT_KV_DEVICE_GB = 1.0
 
 
@@ -86,9 +92,30 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def kv_token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """Bytes of K and V of one token over ``num_layers`` layers in ``kv_dtype`` (a resolved KV dtype:
+    float32, bfloat16, float16, fp8_e4m3, fp8_e5m2 or int8), scales included: what the engine allocates
+    and what ``kvtier plan`` counts for the same name."""
+    scale = KV_SCALE_BYTES if kv_dtype in QUANTIZED_KV_DTYPES else 0
+    return 2 * num_layers * num_kv_heads * (head_dim * DTYPE_BYTES[kv_dtype] + scale)
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The KV dtype a ``kv_cache_dtype`` argument stores under compute ``dtype`` ("auto": ``dtype``)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return KV_DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+
+
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
-    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer, in ``dtype``."""
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * DTYPE_BYTES[dtype]
+    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer, in KV dtype ``dtype``
+    (scales included for a quantized one)."""
+    return block_size * kv_token_bytes(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+
+
+def device_pool_blocks(kv_device_gb: float, block_bytes: int) -> int:
+    """Blocks of ``block_bytes`` in a ``kv_device_gb`` GiB device pool (the engine's and the planner's)."""
+    return int(kv_device_gb * 2**30 // block_bytes)
 
 
 @dataclass(frozen=True)
@@ -97,6 +124,7 @@ class CacheConfig:
     num_device_blocks: int = 0
     enable_prefix_caching: bool = True
     block_bytes: int = 0  # bytes of one block in the device pool (and in every tier)
+    kv_dtype: str = "float32"  # what the blocks store: the compute dtype, or fp8_e4m3/fp8_e5m2/int8
 
 
 @dataclass(frozen=True)
@@ -128,7 +156,7 @@ class EngineConfig:
     """``EngineArgs`` resolved against a model: what the engine builds, and nothing else."""
 
     model: ModelConfig
-    dtype: str  # the compute and KV dtype: "float32", "bfloat16" or "float16"
+    dtype: str  # the compute dtype: "float32", "bfloat16" or "float16" (the KV dtype: cache.kv_dtype)
     cache: CacheConfig
     scheduler: SchedulerConfig
     tiers: TierConfig
@@ -151,12 +179,13 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
     to hold a block, or a ``max_model_len`` the pool cannot hold."""
     args.validate()
     dtype = model.native_dtype if args.dtype == "auto" else args.dtype
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     bs = args.block_size
-    block_bytes = kv_block_bytes(model, bs, dtype)
+    block_bytes = kv_block_bytes(model, bs, kv_dtype)
     if args.kv_device_blocks is not None:
         num_blocks = args.kv_device_blocks
     else:
-        num_blocks = int((args.kv_device_gb or DEFAULT_KV_DEVICE_GB) * 2**30 // block_bytes)
+        num_blocks = device_pool_blocks(args.kv_device_gb or DEFAULT_KV_DEVICE_GB, block_bytes)
         if num_blocks < 2:
             raise ConfigError(
                 f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B"
@@ -174,7 +203,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
     return EngineConfig(
         model=model,
         dtype=dtype,
-        cache=CacheConfig(bs, num_blocks, args.enable_prefix_caching, block_bytes),
+        cache=CacheConfig(bs, num_blocks, args.enable_prefix_caching, block_bytes, kv_dtype),
         scheduler=SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.preemption_mode
         ),
@@ -208,6 +237,13 @@ class EngineArgs:
     dtype: DType = field(
         default="auto",
         metadata={"help": "auto (the model's own precision), float32 (exact), bfloat16 (fast)"},
+    )
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata={
+            "help": "KV cache precision: auto (the compute dtype, exact), bfloat16, fp8_e4m3 (alias fp8), "
+            "fp8_e5m2 or int8 (per-token scales; 2-4x the blocks in every tier, docs/kv-dtype.md)"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     kv_device_blocks: int | None = field(default=None, metadata={"help": "device KV pool size in blocks"})

@@ -84,10 +84,12 @@ class LLMEngine:
         self.device = _device()
         self.model = LlamaModel(config.model, self.loaded.weights, self.dtype, config.max_model_len)
         cache = config.cache
-        self.runner = ModelRunner(self.model, cache.num_device_blocks, cache.block_size, self.device)
-        identity = TierIdentity(
+        self.runner = ModelRunner(
+            self.model, cache.num_device_blocks, cache.block_size, self.device, cache.kv_dtype
+        )
+        identity = TierIdentity(  # disk and remote headers record the KV dtype: another's is a miss
             self.loaded.fingerprint,
-            config.dtype,
+            cache.kv_dtype,
             tuple(self.runner.kv_cache.shape[1:]),
             self.runner.kv_cache.element_size(),
         )
@@ -114,6 +116,8 @@ class LLMEngine:
         # Block hashes chain from the model's identity and the KV dtype: blocks are only ever
         # reused by the same weights computing in the same precision.
         self.cache_identity = f"{self.loaded.fingerprint}:{config.dtype}"
+        if cache.kv_dtype != config.dtype:  # compact KV (docs/kv-dtype.md); auto keeps today's root
+            self.cache_identity += f":kv={cache.kv_dtype}"
         self.replica_id = args.kv_replica_id or default_replica_id()
         self.kv_events = self._start_kv_events()
         self.requests: dict[str, Request] = {}
@@ -429,6 +433,8 @@ class LLMEngine:
             tiers=tiers,
             canary_checks=self.insight.canary.checks_by_label(),
             mrc_hit_ratio=self._mrc_gauges(),
+            kv_dtype=self.config.cache.kv_dtype,
+            kv_block_bytes=self.config.cache.block_bytes,
         )
 
     def _mrc_gauges(self) -> dict[tuple[str, float], float]:
@@ -461,7 +467,9 @@ class LLMEngine:
             "hash_spec_version": HASH_SPEC_VERSION,
             "block_size": self.kv.block_size,
             "model_fingerprint": self.loaded.fingerprint,
-            "kv_dtype": self.config.dtype,
+            "kv_dtype": self.config.cache.kv_dtype,
+            "kv_block_bytes": self.config.cache.block_bytes,
+            "num_device_blocks": self.config.cache.num_device_blocks,
             # A request's chain starts at root_hash((cache_identity, cache_salt or "")): docs/block-hashes.md
             "cache_identity": self.cache_identity,
             "enable_prefix_caching": self.kv.enable_caching,

@@ -29,13 +29,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ConfigError
+from kvtier.config import ConfigError, kv_token_bytes
 from kvtier.planner_presets import PRESETS, gguf_spec, hf_spec
 
 GB = 1e9
 # bytes per element; int4 is half a byte (group scales ignored)
 DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
-KV_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+# KV dtypes: the capacity model's (one scale per tensor, ignored: fp8 is exactly half of fp16), then
+# kvtier's own ``--kv-cache-dtype`` values, counted as the engine allocates them (per-token scales
+# included, ``kvtier.config.kv_token_bytes``; a test pins planner == engine).
+PAPER_KV_DTYPES = ("fp32", "fp16", "bf16", "fp8")
+ENGINE_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_DTYPES = PAPER_KV_DTYPES + ENGINE_KV_DTYPES
+
+
+def kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """K and V bytes of one token over ``num_layers`` layers and ``num_kv_heads`` heads in ``kv_dtype``."""
+    if kv_dtype in ENGINE_KV_DTYPES:
+        return kv_token_bytes(num_layers, num_kv_heads, head_dim, kv_dtype)
+    return int(2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[kv_dtype])
+
+
 DECODE_BATCHES = (1, 8, 32, 64)
 
 
@@ -70,7 +84,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """K and V bytes of one token over all layers (whole model, all TP ranks together)."""
-        return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype])
+        return kv_bytes(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype)
 
 
 def count_params(m: ModelSpec) -> int:
@@ -182,9 +196,7 @@ def plan(model: ModelSpec, dep: Deployment, batches: tuple[int, ...] = DECODE_BA
     dep.validate()
     tp, ctx = dep.tp, dep.context
     kv_tok = model.kv_bytes_per_token(dep.kv_dtype)
-    kv_dev = int(
-        2 * model.num_layers * _kv_heads_per_device(model, tp) * model.head_dim * DTYPE_BYTES[dep.kv_dtype]
-    )
+    kv_dev = kv_bytes(model.num_layers, _kv_heads_per_device(model, tp), model.head_dim, dep.kv_dtype)
     weights_dev = model.num_params * DTYPE_BYTES[dep.weight_dtype] / tp
     usable = dep.gpu_mem_gb * GB * dep.gpu_util - dep.reserve_gb * GB
     budget = f"{_gb(dep.gpu_mem_gb * GB)} x {dep.gpu_util:g} - {_gb(dep.reserve_gb * GB)} reserve"
@@ -371,6 +383,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "(GET /v1/kv/advice)",
     )
     parser.add_argument("--api-key", default=None, help="the server's API key (with --from-server)")
+    live = parser.add_argument_group("the live kvtier pool (what `kvtier serve` with these flags allocates)")
+    live.add_argument("--kv-device-gb", type=float, help="device KV pool in GiB, as the engine flag")
+    live.add_argument("--kv-cache-dtype", default="auto", help="as the engine flag (auto: float32)")
+    live.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    live.add_argument("--server", metavar="URL", help="read the pool of a running `kvtier serve` instead")
     parser.set_defaults(func=run)
 
 
@@ -385,6 +402,91 @@ def run(ns: argparse.Namespace) -> int:
     names = [f.name for f in dataclasses.fields(Deployment)]
     dep = Deployment(**{n: getattr(ns, n) for n in names})
     dep.validate()  # flags first: a bad number fails before the model is read
+    pool = None
+    if getattr(ns, "server", None):
+        pool = pool_of_server(ns.server, dep.context)
+    elif getattr(ns, "kv_device_gb", None) is not None:
+        pool = pool_of_flags(
+            load_model_spec(ns.model), ns.kv_device_gb, ns.kv_cache_dtype, ns.block_size, dep.context
+        )
     result = plan(load_model_spec(ns.model), dep)
-    print(json.dumps(result.to_dict(), indent=2) if ns.json else render(result), file=sys.stdout)
+    if ns.json:
+        out = result.to_dict() | ({"live_pool": dataclasses.asdict(pool)} if pool else {})
+        print(json.dumps(out, indent=2), file=sys.stdout)
+    else:
+        print(render(result) + (f"\n\n{render_pool(pool)}" if pool else ""), file=sys.stdout)
     return 0
+
+
+# ------------------------------------------------------------------------------------ the live pool
+
+
+@dataclass(frozen=True)
+class PoolCapacity:
+    """A kvtier device pool: what the engine allocates for these flags, or what a server reports."""
+
+    source: str  # "flags" or the server URL
+    kv_dtype: str  # resolved: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
+    block_size: int
+    block_bytes: int  # one block, every layer, scales included
+    num_blocks: int
+    context: int
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_seqs(self) -> int:
+        """Full ``context``-token sequences the pool holds at once (whole blocks each)."""
+        return self.num_blocks // -(-self.context // self.block_size)
+
+
+def pool_of_flags(
+    model: ModelSpec, kv_device_gb: float, kv_cache_dtype: str, block_size: int, context: int
+) -> PoolCapacity:
+    """The pool ``kvtier serve --kv-device-gb G --kv-cache-dtype X`` allocates for ``model`` (the engine's
+    own arithmetic: ``kvtier.config``); ``auto`` is taken as float32 (the embedded GGUF's)."""
+    from kvtier.config import KVCacheDType, check_choice, device_pool_blocks, resolve_kv_dtype
+
+    check_choice("kv_cache_dtype", kv_cache_dtype, KVCacheDType)
+    if kv_device_gb <= 0 or not math.isfinite(kv_device_gb):
+        raise ConfigError(f"--kv-device-gb must be positive, got {kv_device_gb}")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ConfigError(f"--block-size must be a positive power of two, got {block_size}")
+    kv_dtype = resolve_kv_dtype(kv_cache_dtype, "float32")
+    block_bytes = block_size * kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    num_blocks = device_pool_blocks(kv_device_gb, block_bytes)
+    return PoolCapacity("flags", kv_dtype, block_size, block_bytes, num_blocks, context)
+
+
+def pool_of_server(url: str, context: int) -> PoolCapacity:
+    """The pool of a running server, from its ``GET /v1/kv/info``."""
+    import httpx
+
+    info_url = url.rstrip("/").removesuffix("/v1") + "/v1/kv/info"
+    try:
+        info = httpx.get(info_url, timeout=10).raise_for_status().json()
+        fields = (
+            info["kv_dtype"],
+            int(info["block_size"]),
+            int(info["kv_block_bytes"]),
+            int(info["num_device_blocks"]),
+        )
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--server {url}: cannot read the pool from {info_url} ({exc})") from None
+    return PoolCapacity(url, *fields, context)
+
+
+def render_pool(pool: PoolCapacity) -> str:
+    """The live pool section of ``kvtier plan``."""
+    per_token = pool.block_bytes / pool.block_size
+    return "\n".join(
+        [
+            f"kvtier device pool ({pool.source}): KV dtype {pool.kv_dtype}",
+            f"  {'block':<25} {pool.block_bytes:,} B = {pool.block_size} tokens x {per_token:,.0f} B "
+            "(scales included)",
+            f"  {'pool':<25} {pool.num_blocks:,} blocks = {pool.tokens:,} tokens",
+            f"  {'max sequences':<25} {pool.max_seqs:,} concurrent at {pool.context:,} tokens",
+        ]
+    )

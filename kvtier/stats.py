@@ -116,3 +116,10 @@ class EngineStats:
     # by (tier, size factor) (refreshed at most once a second).
     canary_checks: dict[tuple[str, str], int] = field(default_factory=dict)
     mrc_hit_ratio: dict[tuple[str, float], float] = field(default_factory=dict)
+    kv_dtype: str = "float32"  # what a KV block stores (float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8)
+    kv_block_bytes: int = 0  # bytes of one block in every tier, scales included
+
+    @property
+    def kv_capacity_tokens(self) -> dict[Medium, int]:
+        """Tokens each tier holds at this KV dtype: its capacity in blocks x tokens per block."""
+        return {m: t.capacity_blocks * t.block_size for m, t in self.tiers.items()}

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import load_model
 
@@ -22,7 +23,8 @@ def paged_logits(model: LlamaModel, ids: torch.Tensor, split: int) -> torch.Tens
     c = model.config
     n = ids.shape[0]
     num_blocks = -(-n // BLOCK) + 3
-    kv = torch.zeros(num_blocks, c.num_layers, BLOCK, 2, c.num_kv_heads, c.head_dim)
+    shape = (c.num_layers, BLOCK, c.num_kv_heads, c.head_dim)
+    kv = PagedKVCache(KVFormat("float32", torch.float32), num_blocks, shape, torch.device("cpu"))
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))  # scattered blocks
     pos = torch.arange(n)
 

@@ -1,17 +1,20 @@
 """Paged attention over the block-major KV pool.
 
-The device KV pool is one tensor::
+The device KV pool is one tensor (``PagedKVCache.raw``, ``kvtier/models/kv_quant.py``)::
 
     kv_cache: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
                └─ one block = every layer's K and V for block_size tokens, contiguous,
                   so a tier transfer moves a block with a single indexed copy.
+    (fp8/int8 KV: uint8 [num_blocks, num_layers, layer_bytes], each layer row = data | scales)
 
 A step's tokens are flattened to ``T`` rows (decodes first, then prefill chunks). Attention reads
 K/V only through block tables and writes new K/V only through slot mappings (block id, offset):
 
     write:  kv_cache[slot_block_ids[t], layer, slot_offsets[t]] = kv_new[t]          # [2, KVH, D]
+            (quantized per token and KV head on the way in with a compact KV dtype)
     read:   rows = kv_layer.index_select(0, block_table)  ->  [n_blocks, BS, 2, KVH, D]
-                                                          ->  [ctx, 2, KVH, D] (a view)
+                                                          ->  [ctx, 2, KVH, D]
+            (a view with ``auto``; dequantized, only the gathered blocks, with a compact KV dtype)
 
 Decode rows (one query token each) run as one batched group padded to the longest context with a
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvtier.models.kv_quant import PagedKVCache
 
 
 @dataclass
@@ -59,22 +64,18 @@ class AttentionMetadata:
     prefills: list[PrefillGroup]
 
 
-def write_kv(kv_cache: torch.Tensor, layer: int, kv_new: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store the step's new K/V (``kv_new``: [T, 2, KVH, D]) into their slots."""
-    kv_cache[meta.slot_block_ids, layer, meta.slot_offsets] = kv_new
-
-
-def _gather(kv_layer: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """[n_blocks] block ids -> [n_blocks * BS, 2, KVH, D] (one copy of just those blocks)."""
-    num_blocks, block_size = kv_layer.shape[0], kv_layer.shape[1]
-    flat = kv_layer.view(num_blocks, -1).index_select(0, block_table)
-    return flat.view(block_table.shape[0] * block_size, *kv_layer.shape[2:])
+def write_kv(
+    kv_cache: PagedKVCache, layer: int, kv_new: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Store the step's new K/V (``kv_new``: [T, 2, KVH, D]) into their slots; returns them as a read
+    of the cache would ([T, 2, KVH, D]: ``kv_new`` itself with ``auto``, else dequantized)."""
+    return kv_cache.write(layer, kv_new, meta.slot_block_ids, meta.slot_offsets)
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D] (RoPE applied)
-    kv_new: torch.Tensor,  # [T, 2, KVH, D] this step's K/V (RoPE applied to K)
-    kv_cache: torch.Tensor,  # [NB, L, BS, 2, KVH, D]
+    kv_new: torch.Tensor,  # [T, 2, KVH, D] this step's K/V as stored (write_kv's result)
+    kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
     layer: int,
     meta: AttentionMetadata,
     scale: float,
@@ -82,14 +83,14 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_new.shape[2]
     group = num_heads // num_kv_heads
-    kv_layer = kv_cache.select(1, layer)  # [NB, BS, 2, KVH, D]
+    q = kv_cache.rotate_queries(q)  # compact KV is stored rotated (kv_quant.py); q itself with auto
     outs: list[torch.Tensor] = []
 
     if meta.decode is not None:
         d = meta.decode
         b = d.num_seqs
-        ctx = _gather(kv_layer, d.block_tables).view(
-            b, d.max_blocks * kv_layer.shape[1], 2, num_kv_heads, head_dim
+        ctx = kv_cache.gather(layer, d.block_tables).view(
+            b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim
         )
         ctx = ctx[:, : d.max_context]
         k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
@@ -105,7 +106,7 @@ def paged_attention(
             kv = kv_new[p.start : p.start + p.num_tokens]  # fresh prompt: nothing to gather
             causal, mask = True, None
         else:
-            kv = _gather(kv_layer, p.block_table)[: p.num_cached + p.num_tokens]
+            kv = kv_cache.gather(layer, p.block_table)[: p.num_cached + p.num_tokens]
             causal, mask = False, p.mask
         k = kv[:, 0].transpose(0, 1)[None]  # [1, KVH, ctx, D]
         v = kv[:, 1].transpose(0, 1)[None]
@@ -114,4 +115,5 @@ def paged_attention(
         )  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
 
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return kv_cache.unrotate_output(out, head_dim)

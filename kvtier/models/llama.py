@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
+from kvtier.models.kv_quant import PagedKVCache
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -140,7 +141,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_cache: torch.Tensor,  # [NB, L, BS, 2, KVH, D]
+        kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         c = self.config
@@ -155,7 +156,7 @@ class LlamaModel:
             _apply_rope(qkv[:, : self.q_size + self.k_size], freqs, H + KVH, D)
             q = qkv[:, : self.q_size].view(T, H, D)
             kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
-            write_kv(kv_cache, i, kv_new, meta)
+            kv_new = write_kv(kv_cache, i, kv_new, meta)  # as stored (dequantized when compact)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
             x = _residual(x, attn, layer.w_o, layer.b_o)
             h = _rms_norm(x, layer.post_norm, eps)

@@ -5,25 +5,37 @@ from __future__ import annotations
 import torch
 
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillGroup
+from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
 
 def allocate_kv_pool(
-    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device
-) -> torch.Tensor:
-    """[num_blocks, L, BS, 2, KVH, D] zeros in the model's dtype."""
+    model: LlamaModel, num_blocks: int, block_size: int, device: torch.device, kv_dtype: str | None = None
+) -> PagedKVCache:
+    """The zeroed device pool: raw [num_blocks, L, BS, 2, KVH, D] in ``kv_dtype`` (default: the model's
+    dtype), or its compact form for fp8_e4m3/fp8_e5m2/int8 (``kvtier/models/kv_quant.py``)."""
     c = model.config
-    shape = (num_blocks, c.num_layers, block_size, 2, c.num_kv_heads, c.head_dim)
-    return torch.zeros(shape, dtype=model.dtype, device=device)
+    fmt = KVFormat(kv_dtype or _DTYPE_NAMES[model.dtype], model.dtype)
+    return PagedKVCache(fmt, num_blocks, (c.num_layers, block_size, c.num_kv_heads, c.head_dim), device)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        kv_dtype: str | None = None,
+    ):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_cache = allocate_kv_pool(model, num_blocks, block_size, device)
+        self.cache = allocate_kv_pool(model, num_blocks, block_size, device, kv_dtype)
+        self.kv_cache = self.cache.raw  # [NB, *block_shape]: the bytes the tiers move, block by block
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -40,7 +52,7 @@ class ModelRunner:
         True, in row order (decodes, then prefills)."""
         self.copy_blocks(out.block_copies)
         input_ids, positions, meta, logits_rows = self._prepare(out)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model.forward(input_ids, positions, self.cache, meta)
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
         return self.model.compute_logits(hidden)

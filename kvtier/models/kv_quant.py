@@ -1,0 +1,204 @@
+"""Compact KV blocks: the device pool in fp8 or int8 with per-(token, KV head) scales, or in bfloat16.
+
+``--kv-cache-dtype`` picks what a block stores (``auto``: the compute dtype, exactly as before)::
+
+    kv dtype   element            scale (float32)            bytes/token (SmolLM2-135M: L=30, KVH=3, D=64)
+    ────────   ────────────────   ────────────────────────   ─────────────────────────────────────────────
+    float32    fp32               none                       2 x L x KVH x D x 4      = 46,080
+    bfloat16   bf16               none                       2 x L x KVH x D x 2      = 23,040  (2.00x)
+    fp8_e4m3   float8_e4m3fn      one per (token, layer,     2 x L x KVH x (D + 4)    = 12,240  (3.76x)
+    fp8_e5m2   float8_e5m2          K or V, KV head):
+    int8       int8, symmetric      amax / qmax
+
+A quantized block is one byte string, so every tier (host, disk, remote) moves and stores it as it is,
+and the scales travel with their data. Inside the block each layer is a contiguous row::
+
+    raw pool: uint8 [NB, L, layer_bytes]        layer_bytes = BS*2*KVH*D + BS*2*KVH*4
+    one layer row:  [ data  BS x 2 x KVH x D  (1 byte each) | scales  BS x 2 x KVH  (float32) ]
+
+so attention gathers one layer of the blocks it reads with a single ``index_select`` of bytes and
+dequantizes only those (``x = q.float() * scale``, vectorized over the whole gather).
+
+Writes quantize through the slot mapping: a new token's K (and V) of one KV head gets its own scale
+(``amax / qmax``: 448 for e4m3, 57344 for e5m2, 127 for int8, rounding to nearest), so a token's bytes
+are final when written and never rewritten when its block fills up. Per-(block, KV head) scales would
+cost 1/BS of the scale bytes, but a block is filled one token at a time in decode, so its scale would
+have to grow and its earlier tokens be requantized; and measured on SmolLM2's real K/V (``kvtier bench
+kvdtype``, "granularity" table) they reconstruct K and V worse: the first tokens of a text and a few
+outlier channels carry much larger magnitudes than the rest of their block.
+
+Every query attends to the quantized K/V, its own chunk included: ``write`` returns the dequantized
+values of the tokens it stored, and a first prefill chunk attends to those (bit for bit what a later
+read of the cache returns). vLLM's v1 attention reads the current chunk from the (quantized) cache
+too. So a prompt's output does not depend on how it was chunked, cached or preempted, as with ``auto``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import QUANTIZED_KV_DTYPES
+
+_STORAGE = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+}
+_QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
+# Rotated before quantizing (a Walsh-Hadamard transform per KV head, undone on the query and output):
+# measured by `kvtier bench kvdtype` (its rotation table).
+ROTATED = {"fp8_e4m3": False, "fp8_e5m2": False, "int8": True}
+_TINY = 1e-12  # smallest scale: an all-zero head quantizes to zeros, not NaN
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a KV dtype stores values: ``storage`` elements, plus a float32 scale each when quantized."""
+
+    name: str  # a resolved KV dtype: float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8
+    compute: torch.dtype  # what attention computes in (the model's dtype)
+
+    @property
+    def storage(self) -> torch.dtype:
+        return _STORAGE[self.name]
+
+    @property
+    def quantized(self) -> bool:
+        return self.name in QUANTIZED_KV_DTYPES
+
+    @property
+    def qmax(self) -> float:
+        return _QMAX[self.name]
+
+
+def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (q [..., D] in ``fmt.storage``, scale [...] float32) with x ~= q * scale.
+
+    ``scale_factor`` exists for the quality test's deliberately broken quantizer (2.0: scales off by 2x)."""
+    x32 = x.float()
+    scale = x32.abs().amax(-1).div_(fmt.qmax).clamp_min_(_TINY)  # [...]
+    y = x32 / (scale * scale_factor).unsqueeze(-1)
+    if fmt.name == "int8":
+        q = y.round_().clamp_(-127, 127).to(torch.int8)
+    else:
+        q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)
+    return q, scale
+
+
+_FP8_TABLES: dict[tuple[torch.dtype, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _fp8_table(storage: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256] the value of every fp8 bit pattern in ``dtype`` (NaN patterns as 0: never written)."""
+    key = (storage, dtype, device)
+    if key not in _FP8_TABLES:
+        values = torch.arange(256, dtype=torch.uint8).view(storage).float().nan_to_num(0.0, 0.0, 0.0)
+        _FP8_TABLES[key] = values.to(device=device, dtype=dtype)
+    return _FP8_TABLES[key]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [..., D], scale [...] -> [..., D] in ``dtype`` (one conversion and one multiply). fp8 is read
+    through a 256-entry table: bit for bit what ``q.to(dtype)`` gives, ~1.7x faster on CPU (where
+    torch converts fp8 one element at a time)."""
+    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = q.view(torch.uint8).reshape(-1).to(torch.int32)
+        x = _fp8_table(q.dtype, dtype, q.device).index_select(0, codes).view(q.shape)
+    else:
+        x = q.to(dtype)
+    return x.mul_(scale.to(dtype).unsqueeze(-1))
+
+
+def hadamard(n: int) -> torch.Tensor | None:
+    """[n, n] orthonormal Walsh-Hadamard matrix (Sylvester), or None when n is not a power of two."""
+    if n < 1 or n & (n - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+class PagedKVCache:
+    """The device KV pool: ``raw`` (what tiers move, one row per block) and typed views of it.
+
+    Plain (``auto``/bfloat16): ``raw`` is [NB, L, BS, 2, KVH, D] in the storage dtype.
+    Quantized: ``raw`` is uint8 [NB, L, layer_bytes]; ``data`` [NB, L, BS, 2, KVH, D] and ``scales``
+    [NB, L, BS, 2, KVH] float32 are views into it (see the module docstring for the row layout).
+    """
+
+    def __init__(
+        self, fmt: KVFormat, num_blocks: int, shape: tuple[int, int, int, int], device: torch.device
+    ) -> None:
+        num_layers, block_size, num_kv_heads, head_dim = shape
+        self.fmt = fmt
+        self.block_size = block_size
+        self.token_shape = (2, num_kv_heads, head_dim)
+        self.scale_factor = 1.0  # != 1 only in the quality test's broken quantizer
+        nb, bs, kvh, d = num_blocks, block_size, num_kv_heads, head_dim
+        self.rotation: torch.Tensor | None = None
+        if not fmt.quantized:
+            self.raw = torch.zeros((nb, num_layers, bs, 2, kvh, d), dtype=fmt.storage, device=device)
+            self.data, self.scales = self.raw, None
+            return
+        rotation = hadamard(d) if ROTATED[fmt.name] else None
+        self.rotation = None if rotation is None else rotation.to(device=device, dtype=fmt.compute)  # [D, D]
+        self.data_bytes = bs * 2 * kvh * d
+        layer_bytes = self.data_bytes + bs * 2 * kvh * 4
+        self.raw = torch.zeros((nb, num_layers, layer_bytes), dtype=torch.uint8, device=device)
+        self.data = self.raw[:, :, : self.data_bytes].view(fmt.storage).view(nb, num_layers, bs, 2, kvh, d)
+        self.scales = self.raw[:, :, self.data_bytes :].view(torch.float32).view(nb, num_layers, bs, 2, kvh)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.raw[0].numel() * self.raw.element_size() // self.block_size
+
+    def write(
+        self, layer: int, kv_new: torch.Tensor, slot_block_ids: torch.Tensor, slot_offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Store kv_new [T, 2, KVH, D] into its slots; returns [T, 2, KVH, D] in the compute dtype: the
+        values a later read of those slots returns (``kv_new`` itself when stored as it is)."""
+        if self.scales is None:
+            stored = kv_new.to(self.fmt.storage)  # kv_new itself when the dtypes match
+            self.data[slot_block_ids, layer, slot_offsets] = stored
+            return kv_new if stored is kv_new else stored.to(kv_new.dtype)
+        if self.rotation is not None:
+            kv_new = self._rotate(kv_new)
+        q, scale = quantize(kv_new, self.fmt, self.scale_factor)  # [T, 2, KVH, D], [T, 2, KVH]
+        self.data[slot_block_ids, layer, slot_offsets] = q
+        self.scales[slot_block_ids, layer, slot_offsets] = scale
+        return dequantize(q, scale, kv_new.dtype)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        """[n] block ids -> [n * BS, 2, KVH, D] in the compute dtype (one copy of just those blocks)."""
+        n = block_table.shape[0]
+        rows = self.raw.select(1, layer)  # [NB, ...] one layer of every block
+        flat = rows.reshape(rows.shape[0], -1).index_select(0, block_table)  # [n, layer elements]
+        if self.scales is None:
+            out = flat.view(n * self.block_size, *self.token_shape)
+            return out if out.dtype == self.fmt.compute else out.to(self.fmt.compute)
+        data = flat[:, : self.data_bytes].view(self.fmt.storage)  # [n, BS*2*KVH*D] (a view)
+        scale = flat[:, self.data_bytes :].view(torch.float32)  # [n, BS*2*KVH] (a view)
+        kv = dequantize(data.unflatten(1, (-1, self.token_shape[-1])), scale, self.fmt.compute)
+        return kv.view(n * self.block_size, *self.token_shape)  # [n, BS*2*KVH, D] contiguous
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] @ R as one 2-D mm (a batched matmul on a strided view is ~1000x slower on CPU)."""
+        assert self.rotation is not None
+        d = self.rotation.shape[0]
+        return torch.mm(x.reshape(-1, d), self.rotation).view(x.shape)
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] into the basis K is stored in (itself without a rotation)."""
+        return q if self.rotation is None else self._rotate(q)
+
+    def unrotate_output(self, out: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """Attention output [T, H * D] (a mix of rotated V rows) back to the model's basis: R is a
+        symmetric orthonormal Hadamard matrix, so R^-1 = R^T = R."""
+        return out if self.rotation is None else self._rotate(out)
