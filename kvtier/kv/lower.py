@@ -35,6 +35,12 @@ class LowerHit:
     host_keys: tuple[BlockHash, ...] = ()
     promoted: tuple[tuple[Medium, int], ...] = ()
     num_pending_blocks: int = 0
+    # The tier each of ``host_keys`` was read up from (empty: all from the host tier); for the dashboard.
+    origins: tuple[Medium, ...] = ()
+
+    def origin(self, i: int) -> Medium:
+        """The tier ``host_keys[i]``'s bytes came from."""
+        return self.origins[i] if self.origins else Medium.HOST
 
     def blocks_by_tier(self) -> dict[Medium, int]:
         """``host_keys`` by the tier that served them."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
@@ -72,6 +73,8 @@ class ComputedBlocks:
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
+
+BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
 
 
 @dataclass
@@ -133,8 +136,12 @@ class KVCacheManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self._swapped: dict[str, _Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Device blocks whose KV was loaded from a lower tier: block_id -> (the key it was loaded under,
+        # that tier). Absent: computed on the device. Only read by ``block_map``; dropped on eviction.
+        self._origins: dict[int, tuple[BlockHash, Medium]] = {}
 
     def _evicted(self, block: KVBlock) -> None:
+        self._origins.pop(block.block_id, None)
         if self._on_evict is not None:
             self._on_evict(block)
         if self.tiers is not None and block.block_hash is not None:
@@ -264,7 +271,7 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         fresh = self.pool.get_new_blocks(len(load_keys) + num_fresh)
         if load_keys:
-            self._load_into(seq, token_ids, load_keys, fresh[: len(load_keys)])
+            self._load_into(seq, token_ids, computed.lower, fresh[: len(load_keys)])
         seq.blocks.extend(fresh[len(load_keys) :])
         return True
 
@@ -289,17 +296,19 @@ class KVCacheManager:
         return hit_blocks
 
     def _load_into(
-        self, seq: _SeqBlocks, token_ids: Sequence[int], keys: Sequence[BlockHash], blocks: list[KVBlock]
+        self, seq: _SeqBlocks, token_ids: Sequence[int], hit: LowerHit, blocks: list[KVBlock]
     ) -> None:
-        """Plan loads of host-tier ``keys`` into fresh ``blocks`` appended to the table; they are cached
-        under their keys at once (the step's plan fills them before any forward reads them)."""
+        """Plan loads of the host-tier keys of ``hit`` into fresh ``blocks`` appended to the table; they
+        are cached under their keys at once (the step's plan fills them before any forward reads them)."""
         assert self.tiers is not None
         bs = self.block_size
+        keys = hit.host_keys
         self.tiers.load(keys, [block.block_id for block in blocks])
         first = len(seq.blocks)
         for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
             i = first + j
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+            self._origins[block.block_id] = (key, hit.origin(j))
         seq.blocks.extend(blocks)
         seq.block_hashes.extend(keys)
 
@@ -444,6 +453,7 @@ class KVCacheManager:
         seq.blocks = fresh
         for i in range(seq.num_cached_blocks):
             self._cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            self._origins[fresh[i].block_id] = (seq.block_hashes[i], Medium.HOST)
         self._seqs[seq_id] = seq
         return True
 
@@ -469,6 +479,19 @@ class KVCacheManager:
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
         return [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+
+    def block_map(self) -> list[tuple[BlockState, Medium]]:
+        """Each device block's state and the tier its KV came from (``Medium.DEVICE``: computed here;
+        a free block says DEVICE). Read-only, O(num_blocks): for the dashboard, not the step."""
+        out: list[tuple[BlockState, Medium]] = []
+        for block in self.pool.blocks:
+            cached = block.block_hash is not None
+            state: BlockState = "in_use" if block.ref_cnt > 0 else "cached" if cached else "free"
+            origin = self._origins.get(block.block_id)
+            # The key check skips a stale entry (a loaded block that was not cached under its key).
+            loaded = origin is not None and cached and block.block_hash == origin[0]
+            out.append((state, origin[1] if origin is not None and loaded else Medium.DEVICE))
+        return out
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""

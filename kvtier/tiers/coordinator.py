@@ -175,7 +175,8 @@ class TierCoordinator:
             finally:
                 self.host.unpin(host_keys)
             num_pending = self._num_leading_in_flight(rest)
-        return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending)
+        origins = tuple(self._promoted.get(k, Medium.HOST) for k in host_keys)
+        return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending, origins)
 
     def _num_leading_in_flight(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are on their way into the host tier (or being written, then read)."""
