@@ -271,6 +271,14 @@ class EngineArgs:
             "docs/kv-events.md); default: the remote tier's URL when set, else no events"
         },
     )
+    canary_rate: float = field(
+        default=0.01,
+        metadata={
+            "help": "equivalence canary: fraction of requests served from cache whose cached K/V is "
+            "rechecked against a recomputation when the engine is idle; a mismatch quarantines the "
+            "tier it came from (0: off)"
+        },
+    )
     kv_replica_id: str | None = field(
         default=None,
         metadata={
@@ -299,6 +307,8 @@ class EngineArgs:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if not 0.0 <= self.canary_rate <= 1.0:
+            raise ConfigError(f"canary_rate must be in [0, 1], got {self.canary_rate}")
         if self.kv_host_gb < 0:
             raise ConfigError(f"kv_host_gb must be >= 0, got {self.kv_host_gb}")
         if self.kv_disk_gb <= 0:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from kvtier.config import ConfigError, EngineArgs, resolve_engine_config
+from kvtier.insight.advice import Costs, TierSize
+from kvtier.insight.hub import CacheInsight
 from kvtier.kv.hashing import HASH_SPEC_VERSION, BlockHash
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import SwapPlan
@@ -99,6 +101,12 @@ class LLMEngine:
         self.cost_model = CostModel(cache.block_bytes)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.cost_model)
         self.sampler = Sampler(args.seed)
+        # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
+        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed)
+        self.insight.canary.on_mismatch = self._quarantine
+        self.kv.observer = self.insight
+        self._mrc: dict[tuple[str, float], float] = {}
+        self._mrc_time = float("-inf")
         self.outputs = OutputProcessor(self.tokenizer)
         # Block hashes chain from the model's identity and the KV dtype: blocks are only ever
         # reused by the same weights computing in the same precision.
@@ -264,6 +272,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
+        self.insight.canary.capture(self.runner.kv_cache)  # the bytes sampled hits were served
         t0 = time.perf_counter()
         logits = self.runner.execute(out)
         if out.prefills and not out.decodes:
@@ -343,6 +352,61 @@ class LLMEngine:
             banned |= set(self.eos_token_ids)
         return tuple(sorted(banned))
 
+    # ------------------------------------------------------------------------------ idle work: the canary
+    @property
+    def has_idle_work(self) -> bool:
+        """Canary checks wait for a moment with no request to step (``run_idle_work``)."""
+        return self.insight.canary.has_pending
+
+    def run_idle_work(self) -> bool:
+        """Run one pending canary check (a recomputation of a cached prefix); False if none waits."""
+        return self.insight.canary.run_one(self.model)
+
+    def _quarantine(self, tier: Medium, keys: list[BlockHash]) -> None:
+        """The canary found ``keys`` served from ``tier`` wrong: forget them everywhere, and load
+        nothing more from ``tier`` (the device: no prefix reuse at all) until ``release_quarantine``."""
+        for key in keys:
+            self.kv.forget_block(key)
+            if self.tiers is not None:
+                self.tiers.forget(key, "canary mismatch")
+        if tier == Medium.DEVICE:
+            self.kv.device_quarantined = True
+        elif self.tiers is not None:
+            self.tiers.quarantine(tier)
+
+    def quarantined(self) -> list[Medium]:
+        lower = self.tiers.quarantined if self.tiers is not None else set()
+        media = ([Medium.DEVICE] if self.kv.device_quarantined else []) + sorted(
+            lower, key=list(Medium).index
+        )
+        return media
+
+    def release_quarantine(self, media: Iterable[Medium]) -> list[Medium]:
+        """Lift the quarantine of ``media`` (an admin call); returns those that were quarantined."""
+        released = []
+        for medium in media:
+            if medium == Medium.DEVICE and self.kv.device_quarantined:
+                self.kv.device_quarantined = False
+                released.append(medium)
+            elif self.tiers is not None and self.tiers.lift_quarantine(medium):
+                released.append(medium)
+        return released
+
+    def kv_canary(self) -> dict[str, Any]:
+        return self.insight.canary.report(self.quarantined())
+
+    def kv_advice(self) -> dict[str, Any]:
+        """Miss-ratio curves per tier, the measured hit ratios and sizing sentences."""
+        sizes = [TierSize(str(Medium.DEVICE), self.kv.pool.num_blocks, 0.0)]
+        for tier in self.tiers.tiers if self.tiers is not None else []:
+            c = tier.counters
+            per_block = c.load_seconds / c.blocks_loaded if c.blocks_loaded else 0.0
+            if tier.medium != Medium.REMOTE:  # a shared store: no capacity of ours to scale
+                sizes.append(TierSize(str(tier.medium), tier.capacity_blocks, per_block))
+        cm = self.cost_model
+        costs = Costs(self.kv.block_size, cm.block_bytes, cm.prefill_tokens_per_s, cm.transfer_bytes_per_s)
+        return self.insight.advice(sizes, costs)
+
     # ------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and each tier's counters (see ``kvtier.stats``)."""
@@ -360,7 +424,18 @@ class LLMEngine:
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
             tiers=tiers,
+            canary_checks=self.insight.canary.checks_by_label(),
+            mrc_hit_ratio=self._mrc_gauges(),
         )
+
+    def _mrc_gauges(self) -> dict[tuple[str, float], float]:
+        """The advice curves as ``{(tier, size factor): hit ratio}``, recomputed at most once a second."""
+        now = time.monotonic()
+        if now - self._mrc_time >= 1.0:
+            curves = self.kv_advice()["tiers"]
+            self._mrc = {(t, p["size_factor"]): p["hit_ratio"] for t, c in curves.items() for p in c["curve"]}
+            self._mrc_time = now
+        return self._mrc
 
     # ------------------------------------------------------------------------------ KV inspection
     def kv_blocks(self) -> tuple[dict[Medium, list[BlockHash]], int | None]:

@@ -112,3 +112,7 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens of admitted requests
     generation_tokens: int  # tokens sampled
     tiers: dict[Medium, TierSnapshot] = field(default_factory=dict)  # the tiers the engine has
+    # kvtier/insight: canary checks by (result, tier), and the miss-ratio curves' estimated hit ratio
+    # by (tier, size factor) (refreshed at most once a second).
+    canary_checks: dict[tuple[str, str], int] = field(default_factory=dict)
+    mrc_hit_ratio: dict[tuple[str, float], float] = field(default_factory=dict)

@@ -272,6 +272,19 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def uncache(self, block_hash: BlockHash) -> bool:
+        """Take ``block_hash`` out of the hash map (the canary found its bytes wrong): no lookup finds
+        it again. An idle block becomes free (reused first); one in use stays with its sequences."""
+        block = self._cached.pop(block_hash, None)
+        if block is None:
+            return False
+        block.block_hash = None
+        block.token_ids = None
+        if block.ref_cnt == 0:
+            self._free_queue.remove(block)
+            self._free_queue.appendleft(block)
+        return True
+
     # ---------------------------------------------------------------- checks
 
     def check_integrity(self) -> None:

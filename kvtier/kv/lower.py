@@ -35,12 +35,12 @@ class LowerHit:
     host_keys: tuple[BlockHash, ...] = ()
     promoted: tuple[tuple[Medium, int], ...] = ()
     num_pending_blocks: int = 0
-    # The tier each of ``host_keys`` was read up from (empty: all from the host tier); for the dashboard.
-    origins: tuple[Medium, ...] = ()
+    # The tier each of ``host_keys`` came from (HOST, or the one it was promoted from); () = all HOST.
+    sources: tuple[Medium, ...] = ()
 
-    def origin(self, i: int) -> Medium:
-        """The tier ``host_keys[i]``'s bytes came from."""
-        return self.origins[i] if self.origins else Medium.HOST
+    def source_of(self, i: int) -> Medium:
+        """The tier whose bytes ``host_keys[i]`` are (what the canary blames on a mismatch)."""
+        return self.sources[i] if self.sources else Medium.HOST
 
     def blocks_by_tier(self) -> dict[Medium, int]:
         """``host_keys`` by the tier that served them."""

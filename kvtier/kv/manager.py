@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
@@ -75,6 +75,23 @@ class ComputedBlocks:
 NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
 
 BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
+
+
+@dataclass(frozen=True)
+class AdoptedPrefix:
+    """What one adopted lookup touched, for an :class:`AccessObserver` (``kvtier/insight``)."""
+
+    keys: tuple[BlockHash, ...]  # every full prompt block looked up, in order; the hits lead
+    served_by: tuple[Medium, ...]  # the tier of each hit block (device, host, disk, ...)
+    block_ids: tuple[int, ...]  # the device blocks holding the hits now (loads land this step)
+
+
+class AccessObserver(Protocol):
+    """Told of every adopted prefix lookup and of every block newly entered into the device cache
+    (the miss-ratio tracker and the canary); called on the scheduler's thread, must be cheap."""
+
+    def on_adopt(self, seq_id: str, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None: ...
+    def on_cached(self, keys: Sequence[BlockHash]) -> None: ...
 
 
 @dataclass
@@ -132,6 +149,8 @@ class KVCacheManager:
         self.tiers = tiers
         # KV events: told when a block enters the device prefix cache and when it is evicted from it.
         self.listener: BlockListener | None = None
+        self.observer: AccessObserver | None = None  # block-key accesses (kvtier/insight)
+        self.device_quarantined = False  # the canary caught a bad device hit: no prefix reuse at all
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
         self._seqs: dict[str, _SeqBlocks] = {}
         self._swapped: dict[str, _Swapped] = {}
@@ -168,7 +187,7 @@ class KVCacheManager:
         asked for the following blocks (``ComputedBlocks.lower``); that may start disk reads.
         Takes no reference and counts nothing: ``allocate_slots`` counts the hit it adopts.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or self.device_quarantined:
             return NO_COMPUTED_BLOCKS
         bs = self.block_size
         max_blocks = max(0, (len(token_ids) - 1) // bs)
@@ -273,7 +292,30 @@ class KVCacheManager:
         if load_keys:
             self._load_into(seq, token_ids, computed.lower, fresh[: len(load_keys)])
         seq.blocks.extend(fresh[len(load_keys) :])
+        if self.observer is not None:
+            self._observe_adopt(seq_id, token_ids, computed, seq, extra_keys)
         return True
+
+    def _observe_adopt(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        computed: ComputedBlocks,
+        seq: _SeqBlocks,
+        extra_keys: tuple[ExtraKey, ...],
+    ) -> None:
+        """Tell the observer every full prompt block looked up (hits first) and where the hits came from."""
+        assert self.observer is not None
+        keys = list(computed.block_hashes)
+        extend_block_hashes(
+            keys, token_ids, self.block_size, seq.root, computed.num_lookup_blocks * self.block_size
+        )
+        lower = computed.lower
+        served = [Medium.DEVICE] * len(computed.block_ids)
+        served += [lower.source_of(i) for i in range(len(lower.host_keys))]
+        num_hits = len(served)
+        hit_ids = tuple(block.block_id for block in seq.blocks[:num_hits])
+        self.observer.on_adopt(seq_id, token_ids, AdoptedPrefix(tuple(keys), tuple(served), hit_ids))
 
     def _check_fresh(self, seq_id: str, computed: ComputedBlocks) -> list[KVBlock]:
         """The device hit blocks of ``computed``; raises if the lookup went stale (a block evicted since)."""
@@ -308,7 +350,7 @@ class KVCacheManager:
         for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
             i = first + j
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
-            self._origins[block.block_id] = (key, hit.origin(j))
+            self._origins[block.block_id] = (key, hit.source_of(j))
         seq.blocks.extend(blocks)
         seq.block_hashes.extend(keys)
 
@@ -375,6 +417,8 @@ class KVCacheManager:
             self._cache_block(block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
             if self.tiers is not None:
                 self.tiers.on_block_full(block.block_id, seq.block_hashes[i])
+        if self.observer is not None:
+            self.observer.on_cached(seq.block_hashes[seq.num_cached_blocks : num_full])
         seq.num_cached_blocks = num_full
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -455,6 +499,14 @@ class KVCacheManager:
             self._cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
             self._origins[fresh[i].block_id] = (seq.block_hashes[i], Medium.HOST)
         self._seqs[seq_id] = seq
+        return True
+
+    def forget_block(self, key: BlockHash) -> bool:
+        """Drop ``key`` from the device prefix cache (its bytes were found wrong); True if it was there."""
+        if not self.pool.uncache(key):
+            return False
+        if self.listener is not None:
+            self.listener.blocks_removed(Medium.DEVICE, [key])
         return True
 
     def end_schedule_step(self) -> SwapPlan:

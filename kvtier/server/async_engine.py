@@ -332,7 +332,7 @@ class AsyncEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            busy = engine.has_unfinished_requests()
+            busy = engine.has_unfinished_requests() or engine.has_idle_work
             commands = [self._commands.get()] if not busy else []
             while True:
                 try:
@@ -354,6 +354,11 @@ class AsyncEngine:
                     for rid in ids:
                         engine.abort_request(rid)
                     self._post(self._fail, ids, EngineDeadError(f"engine step failed: {exc}"))
+            elif engine.has_idle_work:  # no request to step: one canary check (kvtier/insight)
+                try:
+                    engine.run_idle_work()
+                except Exception:
+                    logger.exception("canary check failed")
             now = time.monotonic()
             stats = engine.stats()
             if self._observer is not None:

@@ -11,6 +11,20 @@
     GET /v1/kv/blocks    {"object": "kv.blocks", "replica_id": ..., "instance": ..., "seq": 42,
                           "block_size": 16, "blocks": {"device": ["<64 hex>", ...], "host": [...], ...}}
     GET /v1/kv/blocks?medium=host&medium=disk     only those media (also ?medium=host,disk)
+    GET /v1/kv/advice    {"object": "kv.advice",
+                          "tiers": {"host": {"capacity_blocks": ..., "capacity_bytes": ...,
+                                    "curve": [{"size_factor": 0.25, "size_blocks": ..., "hit_ratio": ...},
+                                              ... 0.5, 1, 2, 4, 8],
+                                    "current_hit_ratio": ..., "measured_hit_ratio": ...}, "device": ..., ...},
+                          "sampled_accesses": ..., "lookups": ..., "sampling_rate": ...,
+                          "tracked_blocks": ...,
+                          "advice": ["a host tier of 6.00 GiB (2× today's) would have served 31% more ..."]}
+    GET /v1/kv/canary    {"rate": 0.01, "checks": {"match": n, "mismatch": n, "skipped": n}, "pending": n,
+                          "tolerance": 1e-4, "by_tier": {"host": {"match": n, "mismatch": n}, ...},
+                          "quarantined": ["host"], "last_mismatch": null | {"tier": "host",
+                          "block_keys": ["<64 hex>"], "max_abs_diff": 3.2, "time": <unix seconds>}}
+    POST /admin/kv/quarantine  {"release": ["host"]}  lift quarantines (canary mismatches) ->
+                          {"released": ["host"], "quarantined": []}; 400 for an unknown medium
 
 ``blocks`` is taken on the engine thread between two steps, so it is exactly the state after event batch
 ``seq`` of ``instance`` (``null`` without events): a router seeds its index from it and applies the
@@ -23,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 
 from kvtier.engine import LLMEngine
 from kvtier.server.async_engine import AsyncEngine
@@ -47,6 +61,7 @@ def kv_router(check_key: Callable[[Request], None]) -> APIRouter:
     """The ``/v1/kv`` routes, behind the same key check as the other ``/v1`` routes; they read the
     engine and the settings from ``request.app.state``."""
     router = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_key)])
+    _insight_routes(router)
 
     @router.get("/info")
     async def info(request: Request) -> dict[str, Any]:
@@ -77,5 +92,43 @@ def kv_router(check_key: Callable[[Request], None]) -> APIRouter:
                 if wanted is None or m in wanted
             },
         }
+
+    outer = APIRouter()
+    outer.include_router(router)
+    outer.include_router(_admin_router(check_key))
+    return outer
+
+
+def _insight_routes(router: APIRouter) -> None:
+    """``GET /v1/kv/advice`` (miss-ratio curves, sizing) and ``GET /v1/kv/canary`` (kvtier/insight)."""
+
+    @router.get("/advice")
+    async def advice(request: Request) -> dict[str, Any]:
+        engine: AsyncEngine = request.app.state.engine
+        return await engine.call(LLMEngine.kv_advice)
+
+    @router.get("/canary")
+    async def canary(request: Request) -> dict[str, Any]:
+        engine: AsyncEngine = request.app.state.engine
+        return {"object": "kv.canary", **await engine.call(LLMEngine.kv_canary)}
+
+
+def _admin_router(check_key: Callable[[Request], None]) -> APIRouter:
+    """``POST /admin/kv/quarantine``: lift a tier's quarantine after the canary caught it."""
+    router = APIRouter(prefix="/admin/kv", dependencies=[Depends(check_key)])
+
+    @router.post("/quarantine")
+    async def quarantine(request: Request, body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+        names = body.get("release") if isinstance(body, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise APIError(400, 'the body must be {"release": ["host", ...]}', param="release")
+        media = _media(names) or set()
+
+        def release(e: LLMEngine) -> tuple[list[Medium], list[Medium]]:
+            return e.release_quarantine(sorted(media, key=list(Medium).index)), e.quarantined()
+
+        engine: AsyncEngine = request.app.state.engine
+        released, left = await engine.call(release)
+        return {"released": [str(m) for m in released], "quarantined": [str(m) for m in left]}
 
     return router

@@ -106,6 +106,7 @@ class _StatsCollector(Collector):
                     family.add_metric([medium.value], float(getattr(_tier(stats, medium), attr)))
                 yield family
         yield from _remote_families(_tier(stats, Medium.REMOTE))
+        yield from _insight_families(stats)
 
 
 def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
@@ -116,6 +117,29 @@ def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         PREFIX + _REMOTE_BREAKER[0], _REMOTE_BREAKER[1], value=float(remote.breaker_state)
     )
+
+
+def _insight_families(stats: EngineStats) -> Iterator[Metric]:
+    """kvtier/insight: the equivalence canary's checks, and the miss-ratio curves (zeros without data)."""
+    checks = CounterMetricFamily(
+        PREFIX + "canary_checks",
+        "Cached blocks rechecked against a recomputation, by result (match, mismatch) and serving tier.",
+        labels=["result", "tier"],
+    )
+    for result in ("match", "mismatch"):
+        for medium in Medium:
+            checks.add_metric(
+                [result, medium.value], float(stats.canary_checks.get((result, medium.value), 0))
+            )
+    yield checks
+    mrc = GaugeMetricFamily(
+        PREFIX + "kv_mrc_hit_ratio",
+        "Estimated prompt-block hit ratio (all tiers) if the tier were size_factor times its size (0-1).",
+        labels=["tier", "size_factor"],
+    )
+    for (tier, factor), ratio in sorted(stats.mrc_hit_ratio.items()):
+        mrc.add_metric([tier, f"{factor:g}"], float(ratio))
+    yield mrc
 
 
 class ServerMetrics:

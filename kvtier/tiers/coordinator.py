@@ -105,6 +105,22 @@ class TierCoordinator:
         self._swap_ids = itertools.count()
         self._private: set[BlockKey] = set()  # keys of swapped-out sequences' private blocks
         self._listener: BlockListener | None = None  # KV events (attach_listener)
+        # Tiers the equivalence canary caught serving wrong bytes (kvtier/insight/canary.py): nothing
+        # is loaded from them until ``release``. Quarantining HOST stops every load from below the
+        # device, since disk and remote blocks are staged through host memory.
+        self.quarantined: set[Medium] = set()
+
+    # ------------------------------------------------------------------------------ quarantine
+    def quarantine(self, medium: Medium) -> None:
+        """Stop loading blocks from ``medium`` (stores go on; lookups no longer find its blocks)."""
+        self.quarantined.add(Medium(medium))
+
+    def lift_quarantine(self, medium: Medium) -> bool:
+        """Lift a quarantine (an admin call); False if ``medium`` was not quarantined."""
+        if Medium(medium) not in self.quarantined:
+            return False
+        self.quarantined.discard(Medium(medium))
+        return True
 
     @property
     def tiers(self) -> list[KVTier]:
@@ -125,6 +141,14 @@ class TierCoordinator:
 
     def check_integrity(self) -> None:
         self.host.check_integrity()
+
+    def forget(self, key: BlockKey, reason: str) -> None:
+        """Drop ``key`` from every tier that holds it and may be asked again (a canary mismatch)."""
+        self._promoted.pop(key, None)
+        self.host.discard([key])  # unless pinned by a load in flight: the quarantine covers that
+        for level in self.external:
+            if level.tier.contains(key) and not level.in_flight(key):
+                level.tier.invalidate(key, reason)
 
     # ------------------------------------------------------------------------------ KV events
     def attach_listener(self, listener: BlockListener) -> None:
@@ -161,11 +185,12 @@ class TierCoordinator:
     # ------------------------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[BlockKey]) -> LowerHit:
         """Leading ``keys`` held by the host tier, then by the external tiers (starting their reads)."""
-        if not keys:
+        if not keys or Medium.HOST in self.quarantined:
             return NO_LOWER_HIT
-        n_host = self.host.lookup(keys)
+        n_host = self._num_trusted(keys[: self.host.lookup(keys)])
         host_keys = tuple(keys[:n_host])
-        promoted = Counter(self._promoted[k] for k in host_keys if k in self._promoted)
+        sources = tuple(self._promoted.get(k, Medium.HOST) for k in host_keys)
+        promoted = Counter(m for m in sources if m != Medium.HOST)
         rest = keys[n_host:]
         num_pending = 0
         if rest and self.persists:
@@ -175,8 +200,16 @@ class TierCoordinator:
             finally:
                 self.host.unpin(host_keys)
             num_pending = self._num_leading_in_flight(rest)
-        origins = tuple(self._promoted.get(k, Medium.HOST) for k in host_keys)
-        return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending, origins)
+        return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending, sources)
+
+    def _num_trusted(self, host_keys: Sequence[BlockKey]) -> int:
+        """How many leading host hits were not promoted from a quarantined tier."""
+        if not self.quarantined:
+            return len(host_keys)
+        for i, key in enumerate(host_keys):
+            if self._promoted.get(key) in self.quarantined:
+                return i
+        return len(host_keys)
 
     def _num_leading_in_flight(self, keys: Sequence[BlockKey]) -> int:
         """How many leading ``keys`` are on their way into the host tier (or being written, then read)."""
@@ -197,7 +230,8 @@ class TierCoordinator:
                 i += 1  # read (after the write) soon
                 continue
             for level in self.external:
-                n = level.tier.lookup(keys[i:]) if level.active else 0
+                usable = level.active and level.tier.medium not in self.quarantined
+                n = level.tier.lookup(keys[i:]) if usable else 0
                 if n:
                     run = [k for k in keys[i : i + n] if not any(lv.in_flight(k) for lv in self.external)]
                     self._promote(level, run)

@@ -1,0 +1,232 @@
+"""The equivalence canary: does the cache still give the K/V a recomputation gives?
+
+For a sampled fraction (``canary_rate``) of the requests whose prompt was partly served from cache,
+the canary checks a few of the cached blocks it served::
+
+    adopt (scheduler)   the request's hit: blocks b0..b5 from device, host, disk    on_adopt: sampled?
+                        pick up to BLOCKS_PER_CHECK of them, lower tiers first       (seeded RNG)
+    _execute (engine)   after this step's loads, copy those blocks' bytes out        capture(kv_cache)
+    idle (engine)       recompute the prompt up to the deepest picked block in a     run_one(model)
+                        scratch pool, without the cache; compare block by block
+    mismatch            log the block keys and the tier the bytes came from, count   on_mismatch(tier, keys)
+                        it, and the engine quarantines that tier (no more loads)
+
+Checks wait in a queue of at most ``MAX_PENDING`` (more are skipped and counted) and run only when the
+engine has no request to step (``LLMEngine.run_idle_work``): they never share a step with user work.
+
+Tolerance (elementwise, NaN/inf always a mismatch): ``|served - recomputed| <= atol + rtol *
+max|recomputed|`` over the block, with ``atol = rtol = 1e-4`` in float32 and ``5e-2`` in bfloat16/float16.
+Honest blocks differ only by the summation order of a different batch or chunking (measured below
+1e-5 relative in float32); a flipped byte in a value's exponent or high mantissa is far outside.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.kv.hashing import BlockHash
+from kvtier.kv.manager import AdoptedPrefix
+from kvtier.models.attention import AttentionMetadata, PrefillGroup
+from kvtier.models.llama import LlamaModel
+from kvtier.stats import Medium
+
+logger = logging.getLogger("kvtier.canary")
+
+BLOCKS_PER_CHECK = 4  # blocks compared per sampled request (lower-tier blocks first)
+MAX_PENDING = 4  # checks waiting for idle capacity; more are skipped (counted)
+MAX_RECOMPUTE_TOKENS = 2048  # blocks deeper than this are never picked (bounds one check's cost)
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}  # atol = rtol, per KV dtype
+
+
+@dataclass
+class _Candidate:
+    """A sampled request's picked blocks, before their bytes are captured."""
+
+    token_ids: list[int]  # the prompt up to the end of the deepest picked block
+    indices: list[int]  # picked block indices in the prompt
+    keys: list[BlockHash]
+    tiers: list[Medium]
+    block_ids: list[int]  # device blocks holding the served bytes this step
+
+
+@dataclass
+class _Check:
+    candidate: _Candidate
+    served: torch.Tensor  # [k, L, BS, 2, KVH, D]: the bytes the cache served, copied out
+
+
+@dataclass
+class Mismatch:
+    tier: Medium
+    block_keys: list[str]  # hex
+    max_abs_diff: float
+    time: float
+
+
+@dataclass
+class CanaryStats:
+    match: int = 0
+    mismatch: int = 0
+    skipped: int = 0  # sampled, but the queue was full
+    by_tier: dict[Medium, dict[str, int]] = field(default_factory=dict)
+    last_mismatch: Mismatch | None = None
+
+
+def recompute_kv(model: LlamaModel, token_ids: Sequence[int], block_size: int) -> torch.Tensor:
+    """K/V of ``token_ids`` (a whole number of blocks) computed from scratch, in one causal prefill
+    into a private pool: [num_blocks, L, BS, 2, KVH, D]. The engine's pool is not touched."""
+    c = model.config
+    n = len(token_ids)
+    device = model.embed.device
+    scratch = torch.zeros(
+        (n // block_size, c.num_layers, block_size, 2, c.num_kv_heads, c.head_dim),
+        dtype=model.dtype,
+        device=device,
+    )
+    positions = torch.arange(n, device=device)  # [n]
+    meta = AttentionMetadata(
+        slot_block_ids=positions // block_size,
+        slot_offsets=positions % block_size,
+        decode=None,
+        prefills=[PrefillGroup(0, n, 0, None, None)],
+    )
+    with torch.inference_mode():
+        model.forward(
+            torch.tensor(list(token_ids), dtype=torch.long, device=device), positions, scratch, meta
+        )
+    return scratch
+
+
+def block_diff(served: torch.Tensor, recomputed: torch.Tensor, tol: float) -> tuple[bool, float]:
+    """(within tolerance, max |served - recomputed|) of one block; non-finite bytes never match."""
+    a, b = served.float(), recomputed.float()
+    if not bool(torch.isfinite(a).all()):
+        return False, float("inf")
+    diff = float((a - b).abs().max())
+    return diff <= tol + tol * float(b.abs().max()), diff
+
+
+class Canary:
+    """Samples requests served from cache, captures the served bytes, checks them when idle."""
+
+    def __init__(self, rate: float, block_size: int, dtype: str, seed: int = 0) -> None:
+        self.rate = rate
+        self.block_size = block_size
+        self.tolerance = TOLERANCE[dtype]
+        self.blocks_per_check = BLOCKS_PER_CHECK
+        self.stats = CanaryStats()
+        self.on_mismatch: Callable[[Medium, list[BlockHash]], None] | None = None
+        self._rng = random.Random(seed)
+        self._capturing: list[_Candidate] = []
+        self._pending: deque[_Check] = deque()
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # ------------------------------------------------------------------------------ sampling
+    def on_adopt(self, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None:
+        """A request adopted a cached prefix: sample it, and pick the blocks to check."""
+        limit = MAX_RECOMPUTE_TOKENS // self.block_size
+        hits = [i for i in range(min(len(adopted.served_by), limit))]
+        if self.rate <= 0 or not hits or self._rng.random() >= self.rate:
+            return
+        lower = [i for i in hits if adopted.served_by[i] != Medium.DEVICE]
+        device = [i for i in hits if adopted.served_by[i] == Medium.DEVICE]
+        picked = self._rng.sample(lower, min(len(lower), self.blocks_per_check))
+        picked += self._rng.sample(device, min(len(device), self.blocks_per_check - len(picked)))
+        picked.sort()
+        end = (picked[-1] + 1) * self.block_size
+        self._capturing.append(
+            _Candidate(
+                list(token_ids[:end]),
+                picked,
+                [adopted.keys[i] for i in picked],
+                [adopted.served_by[i] for i in picked],
+                [adopted.block_ids[i] for i in picked],
+            )
+        )
+
+    def capture(self, kv_cache: torch.Tensor) -> None:
+        """Copy out the bytes the sampled requests were served (call after the step's loads ran)."""
+        for cand in self._capturing:
+            if len(self._pending) >= MAX_PENDING:
+                self.stats.skipped += 1
+                continue
+            ids = torch.tensor(cand.block_ids, dtype=torch.long, device=kv_cache.device)
+            self._pending.append(_Check(cand, kv_cache.index_select(0, ids)))  # a copy
+        self._capturing.clear()
+
+    # ------------------------------------------------------------------------------ checking
+    def run_one(self, model: LlamaModel) -> bool:
+        """Run the oldest pending check; False if there was none."""
+        if not self._pending:
+            return False
+        check = self._pending.popleft()
+        cand = check.candidate
+        recomputed = recompute_kv(model, cand.token_ids, self.block_size)
+        bad: dict[Medium, list[tuple[BlockHash, float]]] = {}
+        for j, (index, tier) in enumerate(zip(cand.indices, cand.tiers, strict=True)):
+            ok, diff = block_diff(check.served[j], recomputed[index], self.tolerance)
+            self._count(tier, ok)
+            if not ok:
+                bad.setdefault(tier, []).append((cand.keys[j], diff))
+        for tier, blocks in bad.items():
+            self._mismatch(tier, blocks)
+        return True
+
+    def _count(self, tier: Medium, ok: bool) -> None:
+        result = "match" if ok else "mismatch"
+        setattr(self.stats, result, getattr(self.stats, result) + 1)
+        counts = self.stats.by_tier.setdefault(tier, {"match": 0, "mismatch": 0})
+        counts[result] += 1
+
+    def _mismatch(self, tier: Medium, blocks: list[tuple[BlockHash, float]]) -> None:
+        keys = [key for key, _ in blocks]
+        worst = max(diff for _, diff in blocks)
+        shown = min(worst, 1e30)  # finite, for JSON (a non-finite served value reads as 1e30)
+        self.stats.last_mismatch = Mismatch(tier, [k.hex() for k in keys], shown, time.time())
+        logger.error(
+            "canary: %d cached block(s) served from the %s tier differ from a recomputation "
+            "(max |diff| %.3g): %s; quarantining the %s tier",
+            len(keys),
+            tier,
+            worst,
+            ", ".join(k.hex() for k in keys),
+            tier,
+        )
+        if self.on_mismatch is not None:
+            self.on_mismatch(tier, keys)
+
+    def checks_by_label(self) -> dict[tuple[str, str], int]:
+        """``{(result, tier): n}`` for ``kvtier:canary_checks_total``."""
+        return {(r, str(t)): n for t, c in self.stats.by_tier.items() for r, n in c.items()}
+
+    def report(self, quarantined: Sequence[Medium]) -> dict[str, Any]:
+        """``GET /v1/kv/canary``'s body."""
+        s = self.stats
+        last = s.last_mismatch
+        return {
+            "rate": self.rate,
+            "checks": {"match": s.match, "mismatch": s.mismatch, "skipped": s.skipped},
+            "pending": len(self._pending),
+            "tolerance": self.tolerance,
+            "by_tier": {str(t): dict(c) for t, c in s.by_tier.items()},
+            "quarantined": [str(m) for m in quarantined],
+            "last_mismatch": None
+            if last is None
+            else {
+                "tier": str(last.tier),
+                "block_keys": last.block_keys,
+                "max_abs_diff": last.max_abs_diff,
+                "time": last.time,
+            },
+        }

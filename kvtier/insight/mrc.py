@@ -1,0 +1,182 @@
+"""Miss-ratio curves of the block-key stream: a SHARDS-style sampled reuse-distance tracker.
+
+The engine tells the tracker every prefix lookup it adopts (the full prompt blocks looked up, in
+order) and every block newly entered into the device cache. For an LRU cache, a reference hits iff its
+*reuse distance* (distinct blocks referenced since the block's previous reference) is below the cache's
+capacity in blocks, so one histogram of reuse distances gives the hit ratio at every capacity::
+
+    access stream   a b c a d b ...          distance(a, 2nd time) = |{b, c}| = 2
+    histogram       weight by distance        hit_ratio(C) = weight(distance < C) / weight(all lookups)
+
+Spatial sampling (SHARDS, Waldspurger et al., FAST'15): a block is tracked iff the low 24 bits of its
+key (a sha256, so uniform) fall under a threshold ``T``; sampled at rate ``R = T / 2^24``, a distance
+of ``d`` sampled blocks stands for ``d / R`` real ones and each sampled lookup for ``1 / R``. Fixed-size
+variant: at most ``max_keys`` blocks are tracked; when one more would be, the threshold drops to the
+largest tracked hash and the blocks at or above it are forgotten, so memory stays bounded however long
+the stream. Distances come from a Fenwick tree over access times (O(log n) per reference), compacted
+when the clock reaches its end. Histogram buckets grow geometrically by 2% (bounded too).
+
+A prompt only reuses a block if it reuses every block before it (the chain of hashes); the tracker
+takes that into account by giving each sampled lookup the largest distance of the sampled blocks
+before it in the same prompt. Deterministic: the same stream gives the same curve (no randomness;
+sampling depends only on the keys). Torch-free.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MODULUS = 1 << 24
+BUCKET_GROWTH = 1.02
+COLD = -1  # the bucket of first references (a miss at every capacity)
+
+
+def key_hash(key: bytes) -> int:
+    """The sampling hash of a block key: its low 24 bits (keys are sha256 digests, uniform)."""
+    return int.from_bytes(key[-3:], "little")
+
+
+def bucket_of(distance: float) -> int:
+    """Histogram bucket of a reuse distance in blocks: 0 for [0, 1), then 2% wide geometric buckets."""
+    if distance < 1.0:
+        return 0
+    return 1 + int(math.log(distance) / math.log(BUCKET_GROWTH))
+
+
+def bucket_floor(bucket: int) -> float:
+    """The smallest distance in ``bucket``."""
+    return 0.0 if bucket <= 0 else BUCKET_GROWTH ** (bucket - 1)
+
+
+class _Fenwick:
+    """Counts of live access times 1..size; prefix sums in O(log size)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.tree = [0] * (size + 1)
+
+    def add(self, i: int, delta: int) -> None:
+        while i <= self.size:
+            self.tree[i] += delta
+            i += i & -i
+
+    def prefix(self, i: int) -> int:
+        total = 0
+        while i > 0:
+            total += self.tree[i]
+            i -= i & -i
+        return total
+
+
+@dataclass(frozen=True)
+class TrackerSnapshot:
+    """The histogram at one moment (what the curves are computed from)."""
+
+    histogram: dict[int, float]  # bucket -> estimated lookups (COLD: first references)
+    num_lookups: int  # lookups seen (every block, sampled or not)
+    num_sampled: int  # sampled lookup references
+    sampling_rate: float
+    num_tracked: int  # blocks tracked now (<= max_keys)
+
+    def hit_ratio(self, capacity_blocks: float) -> float:
+        """Estimated fraction of looked-up blocks an LRU cache of ``capacity_blocks`` would have held."""
+        total = sum(self.histogram.values())
+        if total <= 0:
+            return 0.0
+        hits = sum(w for b, w in self.histogram.items() if b != COLD and bucket_floor(b) < capacity_blocks)
+        return hits / total
+
+
+class ReuseTracker:
+    """Sampled reuse distances of block keys, in at most ``max_keys`` tracked blocks."""
+
+    def __init__(self, max_keys: int = 8192, initial_rate: float = 1.0) -> None:
+        if max_keys < 16:
+            raise ValueError(f"max_keys must be at least 16, got {max_keys}")
+        self.max_keys = max_keys
+        self.threshold = max(1, min(MODULUS, int(initial_rate * MODULUS)))
+        self._last: dict[bytes, int] = {}  # tracked key -> its latest access time
+        self._heap: list[tuple[int, bytes]] = []  # (-hash, key): the largest hash on top
+        self._clock_size = 4 * max_keys
+        self._times = _Fenwick(self._clock_size)
+        self._now = 0
+        self.histogram: dict[int, float] = {}
+        self.num_lookups = 0
+        self.num_sampled = 0
+
+    @property
+    def rate(self) -> float:
+        return self.threshold / MODULUS
+
+    # ------------------------------------------------------------------------------ the stream
+    def lookup(self, keys: Sequence[bytes]) -> None:
+        """One prompt's full blocks, in order: each is a lookup (counted) and a reference."""
+        self.num_lookups += len(keys)
+        chain = 0.0  # the largest distance so far in this prompt: a block hits only if its parents do
+        for key in keys:
+            distance = self._reference(key)
+            if distance is None:
+                continue
+            chain = math.inf if distance < 0 else max(chain, distance)
+            self._record(chain)
+
+    def insert(self, keys: Sequence[bytes]) -> None:
+        """Blocks entered into the cache (computed): references that are not lookups."""
+        for key in keys:
+            self._reference(key)
+
+    def snapshot(self) -> TrackerSnapshot:
+        return TrackerSnapshot(
+            dict(self.histogram), self.num_lookups, self.num_sampled, self.rate, len(self._last)
+        )
+
+    # ------------------------------------------------------------------------------ internals
+    def _record(self, distance: float) -> None:
+        self.num_sampled += 1
+        bucket = COLD if math.isinf(distance) else bucket_of(distance)
+        self.histogram[bucket] = self.histogram.get(bucket, 0.0) + 1.0 / self.rate
+
+    def _reference(self, key: bytes) -> float | None:
+        """Reference ``key``: None if not sampled; -1.0 for a first reference; else its distance in
+        real blocks (distinct sampled blocks since its last reference, over the rate)."""
+        h = key_hash(key)
+        if h >= self.threshold:
+            return None
+        last = self._last.get(key)
+        if self._now >= self._clock_size:
+            self._compact()
+            last = self._last.get(key)
+        self._now += 1
+        if last is None:
+            self._last[key] = self._now
+            self._times.add(self._now, 1)
+            heapq.heappush(self._heap, (-h, key))
+            self._shrink()
+            return -1.0
+        distance = self._times.prefix(self._now - 1) - self._times.prefix(last)
+        self._times.add(last, -1)
+        self._times.add(self._now, 1)
+        self._last[key] = self._now
+        return distance / self.rate
+
+    def _shrink(self) -> None:
+        """Over ``max_keys``: lower the threshold to the largest tracked hash and forget those keys."""
+        while len(self._last) > self.max_keys:
+            top = -self._heap[0][0]
+            self.threshold = top
+            while self._heap and -self._heap[0][0] >= top:
+                _, key = heapq.heappop(self._heap)
+                last = self._last.pop(key)
+                self._times.add(last, -1)
+
+    def _compact(self) -> None:
+        """The clock reached its end: renumber the live access times 1..n in order."""
+        order = sorted(self._last.items(), key=lambda item: item[1])
+        self._times = _Fenwick(self._clock_size)
+        for t, (key, _) in enumerate(order, start=1):
+            self._last[key] = t
+            self._times.add(t, 1)
+        self._now = len(order)

@@ -1,0 +1,164 @@
+"""The equivalence canary on the real model: bytes flipped in a host block (host memory has no
+checksum) and in a disk file re-written with a valid checksum are caught, the tier is quarantined,
+and later requests recompute instead, with the exact answer. Honest tiers never trip it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.kv.hashing import extend_block_hashes, root_hash
+from kvtier.llm import LLM
+from kvtier.sampling_params import SamplingParams
+from kvtier.stats import Medium
+from kvtier.tiers.block_format import read_block_file, write_block_file
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+PROMPT = "Document A: " + " ".join(f"item {j} weighs {j * 7} kg." for j in range(6))
+FILLERS = [
+    f"Document {i}: " + " ".join(f"thing {i}-{j} costs {j * 3 + i} dollars." for j in range(7))
+    for i in range(5)
+]
+BLOCK_BYTES = 737_280  # SmolLM2-135M, float32, 16 tokens
+
+
+def prompt_keys(llm: LLM, prompt: str) -> list[bytes]:
+    """The chained keys of the prompt's full blocks, as the engine computes them."""
+    e = llm.engine
+    ids = e.tokenizer.encode(prompt)
+    keys: list[bytes] = []
+    extend_block_hashes(keys, ids, e.kv.block_size, root_hash((e.cache_identity, "")))
+    return keys[: (len(ids) - 1) // e.kv.block_size]
+
+
+def answer(llm: LLM, prompt: str) -> tuple[list[int], dict[Any, int]]:
+    out = llm.generate([prompt], GREEDY)[0]
+    return list(out.outputs[0].token_ids), dict(out.cached_tokens_by_tier)
+
+
+def drain(llm: LLM) -> int:
+    n = 0
+    while llm.engine.run_idle_work():
+        n += 1
+    return n
+
+
+def flip(raw: torch.Tensor | bytearray, at: int = 4096, n: int = 64) -> None:
+    """Invert ``n`` bytes from ``at``: exponents and high mantissas included."""
+    if isinstance(raw, torch.Tensor):
+        raw[at : at + n].bitwise_xor_(0xFF)
+    else:
+        for i in range(at, at + n):
+            raw[i] ^= 0xFF
+
+
+def test_story_a_flipped_host_block_is_caught_and_the_host_tier_quarantined() -> None:
+    llm = LLM(kv_device_blocks=12, kv_host_gb=0.05, canary_rate=1.0, dtype="float32", num_threads=2)
+    e = llm.engine
+    reference, _ = answer(llm, PROMPT)
+    for f in FILLERS:  # push the prompt's blocks out of the device pool into the host tier
+        answer(llm, f)
+    keys = prompt_keys(llm, PROMPT)
+    assert 1 <= len(keys) <= 4 and all(e.tiers.host.contains(k) for k in keys)
+    drain(llm)
+    assert e.kv_canary()["checks"]["mismatch"] == 0
+
+    # Act 1: one byte range of one host block goes bad; the next request is served from host.
+    bad = keys[1]
+    flip(e.mover.host.block(e.tiers.host.host_block_of(bad)).view(-1).view(torch.uint8))
+    _, by_tier = answer(llm, PROMPT)
+    assert by_tier[Medium.HOST] > 0
+    assert drain(llm) == 1
+    report = e.kv_canary()
+    assert report["quarantined"] == ["host"]
+    assert report["by_tier"]["host"]["mismatch"] == 1 and report["by_tier"]["host"]["match"] >= 1
+    assert report["last_mismatch"]["tier"] == "host" and report["last_mismatch"]["block_keys"] == [bad.hex()]
+    assert report["last_mismatch"]["max_abs_diff"] > 1.0
+    assert e.stats().canary_checks[("mismatch", "host")] == 1
+
+    # Act 2: nothing more is loaded from host; the prompt is recomputed and the answer is exact again.
+    loaded = e.stats().tiers[Medium.HOST].blocks_loaded
+    for f in FILLERS[:2]:
+        answer(llm, f)
+    again, by_tier = answer(llm, PROMPT)
+    assert again == reference and by_tier[Medium.HOST] == 0
+    assert e.stats().tiers[Medium.HOST].blocks_loaded == loaded
+
+    # Act 3: the admin lifts the quarantine; the host tier serves again (the bad block was dropped).
+    assert e.release_quarantine([Medium.HOST]) == [Medium.HOST] and e.quarantined() == []
+    e.kv.check_integrity()
+    llm.close()
+
+
+def test_story_a_disk_file_rewritten_with_a_valid_checksum_is_caught(tmp_path: Path) -> None:
+    llm = LLM(
+        kv_device_blocks=12,
+        kv_host_gb=8 * BLOCK_BYTES / 2**30,  # 8 host blocks: the fillers push the prompt down to disk
+        kv_disk_dir=str(tmp_path / "kv"),
+        canary_rate=1.0,
+        dtype="float32",
+        num_threads=2,
+    )
+    e = llm.engine
+    disk = e.tiers.tier(Medium.DISK)
+    reference, _ = answer(llm, PROMPT)
+    for f in FILLERS:
+        answer(llm, f)
+    drain(llm)
+    keys = prompt_keys(llm, PROMPT)
+    e.tiers.flush()  # every write on its way is on disk
+    assert all(disk.contains(k) and not e.tiers.host.contains(k) for k in keys)
+
+    # Act 1: a block file is edited and re-written with a valid header and checksum.
+    bad = keys[0]
+    payload = bytearray(disk.identity.block_bytes)
+    read_block_file(disk.path_of(bad), bad, disk.identity, payload)
+    flip(payload)
+    Path(disk.path_of(bad)).unlink()
+    write_block_file(disk.path_of(bad), bad, disk.identity, payload)
+    _, by_tier = answer(llm, PROMPT)
+    assert by_tier[Medium.DISK] > 0  # the checksum passed: the bad bytes were served
+    assert drain(llm) == 1
+    report = e.kv_canary()
+    assert report["quarantined"] == ["disk"] and report["last_mismatch"]["block_keys"] == [bad.hex()]
+    assert report["by_tier"]["disk"]["mismatch"] == 1
+
+    # Act 2: the disk tier is no longer read; the answer is exact again.
+    loaded = e.stats().tiers[Medium.DISK].blocks_loaded
+    for f in FILLERS:
+        answer(llm, f)
+    again, by_tier = answer(llm, PROMPT)
+    assert again == reference and by_tier[Medium.DISK] == 0
+    assert e.stats().tiers[Medium.DISK].blocks_loaded == loaded
+    llm.close()
+
+
+def test_honest_tiers_never_trip_the_canary_over_a_long_run(tmp_path: Path) -> None:
+    """The exactness suite's workloads (multi-turn chat, a shared system prompt) over host + disk,
+    every cached request checked: only matches, nothing quarantined, answers as without a cache."""
+    from tests.test_tier_exactness import multiturn, shared_system_prompt
+
+    plain = LLM(kv_device_blocks=20, canary_rate=0.0, enable_prefix_caching=False, num_threads=2)
+    expected = (multiturn(plain), shared_system_prompt(plain))
+    plain.close()
+    llm = LLM(
+        kv_device_blocks=20,
+        kv_host_gb=0.02,
+        kv_disk_dir=str(tmp_path / "kv"),
+        canary_rate=1.0,
+        num_threads=2,
+    )
+    got = []
+    for workload in (multiturn, shared_system_prompt, multiturn):
+        got.append(workload(llm))
+        drain(llm)
+    assert (got[0], got[1]) == expected and got[2] == expected[0]
+    report = llm.engine.kv_canary()
+    assert report["checks"]["mismatch"] == 0 and report["quarantined"] == []
+    assert report["checks"]["match"] >= 20 and set(report["by_tier"]) >= {"device", "host"}
+    llm.close()
