@@ -177,7 +177,7 @@ def test_the_page_is_served_without_a_key_and_its_data_only_with_it(served) -> N
     assert data["block_map"]["num_blocks"] == 32 and set(data["tiers"]) == {"device"}
     assert data["tiers"]["device"]["capacity_blocks"] == 32
     assert data["history"]["interval_s"] == 1.0 and data["totals"]["num_requests_running"] == 0
-    assert set(data["features"]) == {"advice", "canary"}
+    assert data["features"] == {"advice": True, "canary": True}  # GET /v1/kv/advice and /v1/kv/canary
 
 
 def test_the_cluster_page_is_the_same_page_in_cluster_mode() -> None:

@@ -45,7 +45,10 @@ def tokens(i: int, n: int) -> list[int]:
 @pytest.fixture
 def server(tiny_llama_dir: Callable[..., Path]) -> Iterator[BackgroundServer]:
     model = os.environ.get("KVTIER_DASHBOARD_MODEL") or str(tiny_llama_dir())
-    engine: dict[str, Any] = dict(kv_device_blocks=DEVICE_BLOCKS, max_num_seqs=4, num_threads=1)
+    # canary_rate 1: every request served from cache is rechecked (when idle), so the page has checks to show
+    engine: dict[str, Any] = dict(
+        kv_device_blocks=DEVICE_BLOCKS, max_num_seqs=4, num_threads=1, canary_rate=1.0
+    )
     engine["kv_host_gb"] = 64 * BLOCK_BYTES / 2**30
     if model == "default":  # the README's screenshot: SmolLM2, a bigger pool
         model, engine["kv_device_blocks"], engine["kv_host_gb"] = None, 40, 0.25
@@ -70,6 +73,19 @@ def traffic(server: BackgroundServer) -> None:
         complete(server, tokens(i, 80), 4)
     for i in (10, 11):
         complete(server, tokens(i, 80), 4)
+
+
+def settle(server: BackgroundServer, timeout: float = 30.0) -> None:
+    """Until the engine has nothing left to do: no request, no canary check pending (it runs when idle)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        canary = httpx.get(server.url + "/v1/kv/canary", headers=AUTH)
+        idle = canary.status_code == 404 or canary.json()["pending"] == 0
+        if idle and server.app.state.engine.queue_depth() == 0:
+            time.sleep(0.2)  # the snapshot after the last check
+            return
+        assert time.monotonic() < deadline, "the engine did not settle"
+        time.sleep(0.1)
 
 
 def scrape(server: BackgroundServer) -> dict[tuple[str, str], float]:
@@ -97,6 +113,20 @@ def check_against_metrics(page: Page, server: BackgroundServer) -> list[dict[str
     return shown
 
 
+def check_curves(page: Page, server: BackgroundServer) -> None:
+    advice = httpx.get(server.url + "/v1/kv/advice", headers=AUTH).json()
+    drawn = page.evaluate(
+        """[...document.querySelectorAll('#advice .curve')].map(c => [c.dataset.tier,
+        [...c.querySelectorAll('circle[data-hit-ratio]')].map(p => [Number(p.dataset.sizeFactor),
+         Number(p.dataset.hitRatio)]), c.textContent])"""
+    )
+    assert [tier for tier, _, _ in drawn] == list(advice["tiers"]) and "device" in advice["tiers"]
+    for tier, points, text in drawn:
+        curve = advice["tiers"][tier]["curve"]
+        assert points == [[p["size_factor"], p["hit_ratio"]] for p in curve]
+        assert f"now: {advice['tiers'][tier]['capacity_blocks']} blocks" in text
+
+
 def wait_for_update(page: Page) -> None:
     """Until the page has rendered a poll that began after this call."""
     seen = page.evaluate("Number(document.body.dataset.updates)")
@@ -105,6 +135,7 @@ def wait_for_update(page: Page) -> None:
 
 def test_the_live_page_shows_what_metrics_says_and_keeps_up(server: BackgroundServer, tmp_path: Path) -> None:
     traffic(server)
+    settle(server)
     scraped = scrape(server)
     assert scraped["kvtier:tier_hit_blocks_total", "tier=host"] > 0  # the traffic did reach the host tier
     assert sum(scraped["kvtier:num_preemptions_total", f"mode={m}"] for m in ("swap", "recompute")) > 0
@@ -133,13 +164,21 @@ def test_the_live_page_shows_what_metrics_says_and_keeps_up(server: BackgroundSe
         # Act 3: the charts have lines, the panels without a server endpoint say so.
         assert page.evaluate("document.querySelectorAll('#chart-usage path').length") == 2
         assert "idle" in page.evaluate("document.getElementById('requests').textContent")
-        for panel, feature in (("advice", "advice"), ("canary", "canary")):
-            served = httpx.get(server.url + "/v1/kv/dashboard", headers=AUTH).json()["features"][feature]
+        features = httpx.get(server.url + "/v1/kv/dashboard", headers=AUTH).json()["features"]
+        for panel in ("advice", "canary"):
             text = page.evaluate(f"document.getElementById('{panel}').textContent")
-            assert ("not available" in text) != served, text
+            assert ("not available" in text) != features[panel], text
+        if features["advice"]:  # the miss-ratio curves drawn are the server's, the current size marked
+            check_curves(page, server)
+        if features["canary"]:  # its checks by tier were among the numbers compared with /metrics
+            assert ("kvtier:canary_checks_total", "result=match,tier=device") in metrics
+            assert "cache agrees with recomputation" in page.evaluate(
+                "document.getElementById('canary').textContent"
+            )
 
         # Act 4: more traffic; the page follows within a couple of polls and still matches /metrics.
         complete(server, tokens(20, 40), 3)
+        settle(server)
         wait_for_update(page)
         shown = check_against_metrics(page, server)
         assert (

@@ -9,7 +9,8 @@
 
     {"object": "kv.dashboard", "model", "replica_id", "time", "uptime_s", "block_size",
      "totals":  {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
-                 "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions": {mode: n}},
+                 "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions": {mode: n},
+                 "canary_checks": {"match": {tier: n}, "mismatch": {tier: n}}},
      "tiers":   {"device": {"capacity_blocks", "used_blocks", "usage", "lookups", "hit_blocks",
                             "hit_tokens", "blocks_loaded", "blocks_stored", "blocks_evicted", "hit_rate",
                             "recent_hit_rate"},
@@ -51,6 +52,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
+from starlette.routing import Match
 
 from kvtier.engine import LLMEngine
 from kvtier.sequence import Sequence
@@ -156,6 +158,11 @@ def _totals(stats: EngineStats) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "generation_tokens": stats.generation_tokens,
         "num_preemptions": dict(stats.num_preemptions),
+        # the equivalence canary's checks by result and serving tier (kvtier/insight/canary.py)
+        "canary_checks": {
+            result: {tier: n for (r, tier), n in sorted(stats.canary_checks.items()) if r == result}
+            for result in ("match", "mismatch")
+        },
     }
 
 
@@ -233,10 +240,16 @@ def engine_view(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def _serves(app: FastAPI, path: str) -> bool:
+    """Whether some route of ``app`` answers ``GET path`` (asked of the routes themselves: FastAPI may
+    keep included routers nested)."""
+    scope = {"type": "http", "path": path, "method": "GET", "root_path": ""}
+    return any(route.matches(scope)[0] == Match.FULL for route in app.router.routes)
+
+
 def _features(app: FastAPI) -> dict[str, bool]:
     """Which of the cache's other JSON endpoints this app serves (the page fetches only those)."""
-    paths = {getattr(route, "path", None) for route in app.routes}
-    return {"advice": "/v1/kv/advice" in paths, "canary": "/v1/kv/canary" in paths}
+    return {"advice": _serves(app, "/v1/kv/advice"), "canary": _serves(app, "/v1/kv/canary")}
 
 
 async def dashboard_data(request: Request) -> dict[str, Any]:

@@ -56,7 +56,7 @@ function ago(seconds) {
 // A number /metrics also has: the text shows it, data-* say which sample it is.
 function metric(name, labels, value, text) {
   const attrs = { class: "metric", "data-metric": name, "data-value": String(value) };
-  if (labels) attrs["data-labels"] = Object.entries(labels).map(([k, v]) => k + "=" + v).join(",");
+  if (labels) attrs["data-labels"] = Object.entries(labels).sort().map(([k, v]) => k + "=" + v).join(",");
   return el("span", attrs, text === undefined ? int(value) : text);
 }
 
@@ -151,7 +151,7 @@ function renderReplica(data, features) {
   renderRequests(data.requests, data.block_size);
   renderPreemptions(data.totals, data.history);
   renderAdvice(features.advice);
-  renderCanary(features.canary);
+  renderCanary(features.canary, (data.totals || {}).canary_checks || { match: {}, mismatch: {} });
 }
 
 function stat(label, value, detail) {
@@ -373,7 +373,7 @@ function renderPreemptions(totals, history) {
 
 // ----------------------------------------------------------------------- miss-ratio curves, canary
 function curveChart(name, tier) {
-  const width = 300, height = 160, m = { left: 36, right: 8, top: 8, bottom: 28 };
+  const width = 340, height = 170, m = { left: 40, right: 14, top: 8, bottom: 30 };
   const w = width - m.left - m.right, h = height - m.top - m.bottom;
   const lo = Math.log2(0.25), hi = Math.log2(8);
   const x = (f) => m.left + w * (Math.log2(Math.max(f, 0.25)) - lo) / (hi - lo);
@@ -387,9 +387,12 @@ function curveChart(name, tier) {
   const curve = (tier.curve || []).slice().sort((a, b) => a.size_factor - b.size_factor);
   const d = curve.map((p, i) => (i ? "L" : "M") + x(p.size_factor).toFixed(1) + "," + y(p.hit_ratio).toFixed(1)).join("");
   if (d) parts.push(svg("path", { d, fill: "none", stroke: COLORS[name] || "#444", "stroke-width": 2 }));
-  for (const p of curve) parts.push(svg("circle", { cx: x(p.size_factor), cy: y(p.hit_ratio), r: 2.5, fill: COLORS[name] || "#444" }));
+  for (const p of curve) {
+    parts.push(svg("circle", { cx: x(p.size_factor), cy: y(p.hit_ratio), r: 2.5, fill: COLORS[name] || "#444",
+      "data-size-factor": p.size_factor, "data-hit-ratio": p.hit_ratio }));
+  }
   parts.push(svg("line", { x1: x(1), x2: x(1), y1: m.top, y2: m.top + h, stroke: "#1d2330", "stroke-dasharray": "3 3" }));
-  parts.push(svg("text", { x: x(1) + 4, y: m.top + 10 }, "now: " + int(tier.capacity_blocks) + " blocks"));
+  parts.push(svg("text", { class: "now", x: x(1) + 4, y: m.top + 10 }, "now: " + int(tier.capacity_blocks) + " blocks"));
   if (tier.current_hit_ratio !== null && tier.current_hit_ratio !== undefined) {
     parts.push(svg("circle", { cx: x(1), cy: y(tier.current_hit_ratio), r: 4.5, fill: "none", stroke: "#1d2330", "stroke-width": 2 }));
   }
@@ -418,7 +421,8 @@ function renderAdvice(served) {
     notes.length ? el("ul", null, notes) : sampled, notes.length ? sampled : null);
 }
 
-function renderCanary(served) {
+// The checks by tier come with the engine's snapshot (they equal /metrics); the state from v1/kv/canary.
+function renderCanary(served, checks) {
   const box = $("canary");
   if (!served || (state.canary === null && state.canaryError)) {
     put(box, el("p", { class: "na" }, "not available on this server" +
@@ -427,21 +431,27 @@ function renderCanary(served) {
   }
   const c = state.canary;
   if (c === null) return;
-  const checks = c.checks || {};
+  const total = c.checks || {};
   const quarantined = c.quarantined || [];
-  const ok = !checks.mismatch && !quarantined.length;
-  const rows = Object.entries(c.by_tier || {}).map(([name, n]) => el("tr", null, el("td", null, name),
-    el("td", { class: "num" }, typeof n === "object" ? int(n.match) : int(n)),
-    el("td", { class: "num" }, typeof n === "object" ? int(n.mismatch) : "")));
+  const ok = !total.mismatch && !quarantined.length;
+  const tiers = TIERS.filter((n) => n in checks.match || n in checks.mismatch);
+  const rows = tiers.map((n) => el("tr", null, el("td", null, n),
+    el("td", { class: "num" }, metric("kvtier:canary_checks_total", { result: "match", tier: n }, checks.match[n] || 0)),
+    el("td", { class: "num" }, metric("kvtier:canary_checks_total", { result: "mismatch", tier: n }, checks.mismatch[n] || 0))));
   const last = c.last_mismatch;
   put(box,
-    el("div", null, el("span", { class: "chip " + (ok ? "good" : "bad") }, ok ? "all checks agree" : "MISMATCH"),
-      " rate " + c.rate + " · ", el("b", null, int(checks.match)), " match · ", el("b", null, int(checks.mismatch)), " mismatch"),
-    quarantined.length ? el("div", null, "quarantined: ", quarantined.map((q) =>
-      el("span", { class: "chip bad" }, typeof q === "object" ? q.tier || JSON.stringify(q) : q))) : null,
-    rows.length ? el("table", null, el("thead", null, el("tr", null, el("th", null, "tier"), el("th", { class: "num" }, "match"),
-      el("th", { class: "num" }, "mismatch"))), el("tbody", null, rows)) : null,
-    last ? el("div", { class: "sub mono" }, "last mismatch: " + JSON.stringify(last)) : null);
+    el("div", null, el("span", { class: "chip " + (ok ? "good" : "bad") }, ok ? "cache agrees with recomputation" : "MISMATCH"),
+      " ", el("b", null, int(total.match)), " match · ", el("b", null, int(total.mismatch)), " mismatch · ",
+      int(total.skipped), " skipped"),
+    el("div", { class: "sub" }, "rechecks " + pct(c.rate, 1) + " of requests served from cache, when idle" +
+      (c.tolerance !== undefined ? " (tolerance " + c.tolerance + ")" : "") + (c.pending ? " · " + c.pending + " pending" : "")),
+    quarantined.length ? el("div", null, "quarantined (not loaded from): ",
+      quarantined.map((q) => el("span", { class: "chip bad" }, String(q)))) : null,
+    rows.length ? el("table", null, el("thead", null, el("tr", null, el("th", null, "served by"),
+      el("th", { class: "num" }, "match"), el("th", { class: "num" }, "mismatch"))), el("tbody", null, rows))
+      : el("p", { class: "na" }, "no check yet"),
+    last ? el("div", { class: "sub mono" }, "last mismatch: " + last.tier + " tier, " + (last.block_keys || []).length +
+      " block(s), max |diff| " + last.max_abs_diff + ", " + new Date(1000 * last.time).toLocaleTimeString()) : null);
 }
 
 // ----------------------------------------------------------------------------------- cluster view
