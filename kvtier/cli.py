@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_help = "OpenAI-compatible HTTP server (/v1 chat and completions, /metrics)"
     _lazy(sub, "serve", "kvtier.server.serve", serve_help)
+    router_help = "cache-aware router in front of several 'kvtier serve' replicas (same OpenAI API)"
+    _lazy(sub, "router", "kvtier.router.cli", router_help)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table)").add_subparsers(
         dest="bench", required=True

@@ -1,0 +1,164 @@
+"""The router's pieces without any network: the policies' decisions, the bounded block index fed with
+real event batches, the salt and the hashes of a request. Fast: no replica, no torch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
+from kvtier.kv_events import EventBatch, KVEvent, KVEventRecorder
+from kvtier.router.index import ReplicaIndex, remote_run
+from kvtier.router.policy import Candidate, CostModel, cache_aware, decide, estimate
+from kvtier.router.prompt import Prompt, parse_prompt, tenant_salt
+from kvtier.stats import Medium
+
+COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=16.0)
+
+
+# ------------------------------------------------------------------------------------------ policy
+def test_story_a_returning_conversation_goes_where_its_prefix_is() -> None:
+    """Act 1: a 1000-token conversation is held by b; a and b are idle: b wins on cache."""
+    a, b = Candidate("a", load=0), Candidate("b", load=0, cached_tokens=960)
+    d = cache_aware([a, b], 1000, COST, turn=0)
+    assert d.choice == 1 and d.reason == "cache_hit" and d.cached_tokens == 960
+    # Act 2: b has two requests queued: 40 + 2*256 = 552 tokens of work, still less than 1000.
+    d = cache_aware([a, Candidate("b", load=2, cached_tokens=960)], 1000, COST, turn=0)
+    assert d.choice == 1
+    # Act 3: four queued on b: 40 + 1024 > 1000 on a: the queue decides, a wins, reason "load".
+    d = cache_aware([a, Candidate("b", load=4, cached_tokens=960)], 1000, COST, turn=0)
+    assert d.choice == 0 and d.reason == "load" and d.cached_tokens == 0
+    assert d.ranking == (0, 1)  # the retry would go to b
+
+
+def test_remote_blocks_are_cheap_everywhere_but_not_free() -> None:
+    local = Candidate("a", load=0, cached_tokens=512)
+    remote = Candidate("b", load=0, remote_tokens=512)
+    assert estimate(local, 600, COST) == 88
+    assert estimate(remote, 600, COST) == pytest.approx(88 + 51.2)
+    d = cache_aware([remote, local], 600, COST, turn=0)
+    assert d.choice == 1 and d.reason == "cache_hit"
+
+
+def test_a_burst_of_one_new_prefix_spreads() -> None:
+    """Eight requests of one prefix nobody holds, each decision seeing the previous ones queued."""
+    loads = [0, 0, 0]
+    picks = []
+    for turn in range(8):
+        candidates = [Candidate(name, load) for name, load in zip("abc", loads, strict=True)]
+        d = cache_aware(candidates, 800, COST, turn)
+        loads[d.choice] += 1
+        picks.append(d.choice)
+    assert sorted(loads) == [2, 3, 3]
+    assert picks[:3] in ([0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 2, 1], [1, 0, 2], [2, 1, 0])
+
+
+def test_near_ties_go_to_the_least_loaded_then_in_turn() -> None:
+    """Costs 1000 and 1030 (within 5%): a tie; the less loaded wins even though it costs a bit more."""
+    a = Candidate("a", load=1, cached_tokens=256)  # 744 + 256 = 1000
+    b = Candidate("b", load=0, cached_tokens=0)  # 1000... plus nothing
+    c = Candidate("c", load=3)
+    d = cache_aware([a, b, c], 1030, COST, turn=0)
+    assert d.choice == 1
+    same = [Candidate("a", 0), Candidate("b", 0)]
+    assert {cache_aware(same, 100, COST, turn).choice for turn in range(4)} == {0, 1}
+
+
+def test_the_other_policies() -> None:
+    cands = [Candidate("a", 2, cached_tokens=900), Candidate("b", 1), Candidate("c", 1)]
+    assert [decide("round_robin", cands, 1000, COST, t).choice for t in range(4)] == [0, 1, 2, 0]
+    least = [decide("least_loaded", cands, 1000, COST, t) for t in range(2)]
+    assert [d.choice for d in least] == [1, 2] and least[0].reason == "load"
+    fallback = decide("cache_aware", cands, None, COST, 0)  # no hashes: by load
+    assert fallback.reason == "fallback" and fallback.choice in (1, 2)
+    with pytest.raises(ValueError):
+        decide("cache_aware", [], 10, COST, 0)
+
+
+# ------------------------------------------------------------------------------------------ index
+def _hashes(n: int, salt: str = "") -> list[BlockHash]:
+    return hash_full_blocks(list(range(4 * n)), 4, root_hash(("id:float32", salt)))
+
+
+def test_story_index_follows_a_recorder_and_notices_gaps() -> None:
+    """Real batches from the engine's recorder: stored, moved down a tier, removed, a gap, a restart."""
+    h = _hashes(6)
+    rec = KVEventRecorder("r:1")
+    index = ReplicaIndex()
+    rec.blocks_stored(Medium.DEVICE, h[:4])
+    assert index.apply(rec.end_step())  # seq 1: cleared + stored
+    assert index.local_prefix(h) == 4
+    rec.blocks_stored(Medium.HOST, h[:2])
+    rec.blocks_removed(Medium.DEVICE, h[:2])
+    rec.blocks_stored(Medium.REMOTE, h[4:6])
+    assert index.apply(rec.end_step())
+    assert index.local_prefix(h) == 4  # blocks 0, 1 now on host: still this replica's
+    assert index.counts() == {"device": 2, "host": 2, "disk": 0, "remote": 2}
+    assert remote_run([ReplicaIndex(), index], h, 4) == 2
+    rec.blocks_removed(Medium.HOST, h[:1])
+    rec.end_step()  # seq 3 lost
+    rec.blocks_stored(Medium.DISK, h[5:6])
+    assert not index.apply(rec.end_step())  # seq 4 after 2: a gap
+    assert index.num_gaps == 1
+    restarted = KVEventRecorder("r:1")  # a new instance: cleared first
+    assert index.apply(restarted.end_step())
+    assert len(index) == 0 and index.local_prefix(h) == 0
+
+
+def test_index_is_bounded_and_forgets_the_oldest() -> None:
+    h = _hashes(10)
+    index = ReplicaIndex(max_blocks=4)
+    batch = EventBatch("r", "i", 1, 0.0, (KVEvent("stored", Medium.DEVICE, tuple(h[:6])),))
+    index.apply(batch)
+    assert len(index) == 4 and index.num_forgotten == 2
+    assert index.local_prefix(h) == 0  # blocks 0 and 1 were forgotten: an underestimate, never wrong
+    assert index.local_prefix(h[2:]) == 4
+
+
+def test_seed_from_a_snapshot_keeps_remote_blocks_it_cannot_list() -> None:
+    h = _hashes(3)
+    index = ReplicaIndex()
+    index.apply(EventBatch("r", "i", 1, 0.0, (KVEvent("stored", Medium.REMOTE, tuple(h)),)))
+    index.seed({"instance": "i", "seq": 7, "blocks": {"device": [h[0].hex()], "host": []}}, last_id="5-0")
+    assert index.counts()["remote"] == 3 and index.local_prefix(h) == 1
+    assert (index.instance, index.seq, index.last_id) == ("i", 7, "5-0")
+    index.apply(EventBatch("r", "i", 7, 0.0, (KVEvent("stored", Medium.DEVICE, tuple(h)),)))
+    assert index.local_prefix(h) == 1  # seq 7 is in the snapshot already: skipped
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def test_tenant_salt_is_the_servers() -> None:
+    """The replica's derivation (kvtier.server.app.tenant_salt) for --prefix-cache-scope user."""
+    want = hashlib.sha256(json.dumps(("k1", "alice", "s")).encode()).hexdigest()
+    assert tenant_salt("Bearer k1", "alice", "s", "user") == want
+    assert tenant_salt("Bearer k1", "alice", "s", "shared") == "s"
+    assert tenant_salt("", None, None, "shared") is None
+
+
+def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # noqa: ANN001
+    from kvtier.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir)
+    body = {"messages": [{"role": "user", "content": "Hello, world!"}], "cache_salt": "t1"}
+    p = parse_prompt(tok, "/v1/chat/completions", body)
+    assert p is not None and p.cache_salt == "t1"
+    assert p.token_ids == tok.encode_chat([{"role": "user", "content": "Hello, world!"}], True)[1]
+    ids = parse_prompt(tok, "/v1/completions", {"prompt": [[5, 6, 7], [1]]})
+    assert ids == Prompt([5, 6, 7], None)
+    assert parse_prompt(tok, "/v1/chat/completions", {"messages": "nope"}) is None
+    assert parse_prompt(tok, "/v1/chat/completions", None) is None
+    b = Prompt(list(range(10)), None).block_hashes("x:float32", 4)
+    assert b == hash_full_blocks(list(range(10)), 4, root_hash(("x:float32", "")))
+
+
+def test_the_router_never_imports_torch() -> None:
+    code = (
+        "import sys, kvtier.router.app, kvtier.router.cli, kvtier.router.prompt;"
+        "from kvtier.router.prompt import load_tokenizer;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
