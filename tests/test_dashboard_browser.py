@@ -219,3 +219,41 @@ def test_readme_screenshot_with_requests_running(server: BackgroundServer, tmp_p
         page.screenshot(Path(target))
         assert page.errors() == []
     busy.join()
+
+
+def test_the_router_serves_the_cluster_page(
+    server: BackgroundServer, tiny_llama_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    """``kvtier router`` in front of the replica: its /dashboard lists the replica, healthy, linking the
+    replica's own page, and counts what it routed there."""
+    from kvtier.router.app import create_app as create_router_app
+    from kvtier.router.core import RouterSettings
+
+    settings = RouterSettings(
+        replicas=[server.url], policy="round_robin", api_key=KEY, model=str(tiny_llama_dir())
+    )
+    router = serve_in_thread(create_router_app(settings))
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(router.url + "/health").status_code != 200:  # its first health check of the replica
+            assert time.monotonic() < deadline, "the router never found the replica healthy"
+            time.sleep(0.1)
+        body = {"model": "dashboard-test", "prompt": tokens(1, 40), "max_tokens": 2}
+        answer = httpx.post(router.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert answer.status_code == 200, answer.text
+        with Chromium(tmp_path) as browser:
+            page = browser.open(router.url + "/dashboard")
+            page.wait_for("document.querySelectorAll('#replicas tbody tr').length == 1")
+            assert page.evaluate("document.getElementById('replica-view').hidden") is True
+            row = "document.querySelector('#replicas tbody tr')"
+            assert page.evaluate(f"{row}.querySelector('a').href") == server.url + "/dashboard"
+            page.wait_for(f"{row}.textContent.includes('healthy')")
+            assert "round_robin" in page.evaluate("document.getElementById('replica').textContent")
+            routed = httpx.get(router.url + "/router/state").json()["replicas"][0]["routed"]
+            assert sum(routed.values()) == 1
+            reason, n = next(iter(routed.items()))
+            page.wait_for(f"{row}.textContent.includes('{reason} {n}')")
+            page.screenshot(tmp_path / "cluster.png")
+            assert page.errors() == []
+    finally:
+        router.stop()

@@ -37,6 +37,7 @@ from kvtier.router.core import NoReplica, Route, Router, RouterSettings
 from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import forward
+from kvtier.server.dashboard import page_router
 from kvtier.server.protocol import APIError
 
 logger = logging.getLogger("kvtier.router")
@@ -53,6 +54,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     app.add_exception_handler(NoReplica, _no_replica)
     app.include_router(v1)
     app.include_router(root)
+    app.include_router(page_router(cluster=True))  # GET /dashboard: the cluster page (kvtier.server)
     return app
 
 

@@ -48,17 +48,19 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.routing import Match
 
-from kvtier.engine import LLMEngine
-from kvtier.sequence import Sequence
-from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.protocol import APIError
 from kvtier.stats import EngineStats, Medium, TierSnapshot
+
+if TYPE_CHECKING:  # torch-free at import: ``kvtier router`` serves the page too
+    from kvtier.engine import LLMEngine
+    from kvtier.sequence import Sequence
+    from kvtier.server.async_engine import AsyncEngine
 
 HISTORY_S = 300  # seconds of history kept
 SAMPLE_EVERY_S = 1.0

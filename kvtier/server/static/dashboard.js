@@ -455,31 +455,43 @@ function renderCanary(served, checks) {
 }
 
 // ----------------------------------------------------------------------------------- cluster view
+// kvtier router's page: GET router/state (mode, policy, each replica), each replica linking its own page.
 function scalar(v) { return v === null || v === undefined ? "–" : typeof v === "object" ? JSON.stringify(v) : String(v); }
+
+function counts(v) {
+  if (v === null || v === undefined || typeof v !== "object") return scalar(v);
+  const parts = Object.entries(v).filter(([, n]) => n).map(([k, n]) => k + " " + n);
+  return parts.length ? parts.join(" · ") : "0";
+}
+
+function replicaRow(r) {
+  const base = String(r.url || "").replace(/\/+$/, "");
+  const trouble = r.problem || r.last_error;
+  return el("tr", { "data-url": base },
+    el("td", null, el("a", { href: base + "/dashboard", target: "_blank", rel: "noopener" }, base),
+      r.replica_id ? el("div", { class: "sub" }, r.replica_id) : null),
+    el("td", null, el("span", { class: "chip " + (r.healthy ? "good" : "bad") }, r.healthy ? "healthy" : "down"),
+      trouble ? el("div", { class: "sub" }, String(trouble)) : null),
+    el("td", { class: "num" }, scalar(r.running)), el("td", { class: "num" }, scalar(r.waiting)),
+    el("td", { class: "num" }, scalar(r.in_flight)), el("td", null, counts(r.routed)),
+    el("td", null, counts(r.indexed_blocks), r.index_source ? el("div", { class: "sub" }, "from " + r.index_source) : null));
+}
 
 function renderCluster(s) {
   $("replica-view").hidden = true;
   $("cluster-view").hidden = false;
   $("model").textContent = "cluster router";
   $("replica").textContent = "mode " + scalar(s.mode) + " · policy " + scalar(s.policy);
-  const replicas = Array.isArray(s.replicas) ? s.replicas : Object.entries(s.replicas || {}).map(([url, r]) => ({ url, ...r }));
+  const replicas = Array.isArray(s.replicas) ? s.replicas : [];
   const healthy = replicas.filter((r) => r.healthy).length;
   const sum = (f) => replicas.reduce((a, r) => a + (Number(r[f]) || 0), 0);
   put($("cluster-totals"), stat("replicas", healthy + " / " + replicas.length, "healthy"),
-    stat("running", sum("running"), "sequences, all replicas"), stat("waiting", sum("waiting"), "sequences queued"));
-  const rows = replicas.map((r) => {
-    const routed = r.routed || {};
-    const reasons = typeof routed === "object" ? Object.entries(routed).map(([k, v]) => k + " " + v).join(" · ") : scalar(routed);
-    const base = String(r.url || "").replace(/\/+$/, "");
-    return el("tr", null, el("td", null, el("a", { href: base + "/dashboard", target: "_blank", rel: "noopener" }, base)),
-      el("td", null, el("span", { class: "chip " + (r.healthy ? "good" : "bad") }, r.healthy ? "healthy" : "down")),
-      el("td", { class: "num" }, scalar(r.running)), el("td", { class: "num" }, scalar(r.waiting)),
-      el("td", null, reasons || "–"), el("td", { class: "num" }, scalar(r.indexed_blocks ?? r.blocks)));
-  });
-  put($("replicas"), rows.length ? el("table", null, el("thead", null, el("tr", null, el("th", null, "replica"),
-    el("th", null, "health"), el("th", { class: "num" }, "running"), el("th", { class: "num" }, "waiting"),
-    el("th", null, "routed, by reason"), el("th", { class: "num" }, "indexed blocks"))), el("tbody", null, rows))
-    : el("p", { class: "na" }, "no replica"));
+    stat("running", sum("running"), "sequences, all replicas"), stat("waiting", sum("waiting"), "sequences queued"),
+    stat("in flight", sum("in_flight"), "requests through the router"));
+  const head = ["replica", "health", "running", "waiting", "in flight", "routed, by reason", "indexed blocks"];
+  put($("replicas"), replicas.length ? el("table", null,
+    el("thead", null, el("tr", null, head.map((h, i) => el("th", { class: i >= 2 && i <= 4 ? "num" : null }, h)))),
+    el("tbody", null, replicas.map(replicaRow))) : el("p", { class: "na" }, "no replica"));
 }
 
 schedule(0);
