@@ -123,6 +123,7 @@ class Chromium:
         profile.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
         args += ["--no-first-run", "--no-default-browser-check", "--disable-extensions", "--mute-audio"]
+        args += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
         args += ["--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1"]
         args += [f"--user-data-dir={profile}", f"--window-size={self.size[0]},{self.size[1]}", "about:blank"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

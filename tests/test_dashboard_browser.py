@@ -51,7 +51,7 @@ def server(tiny_llama_dir: Callable[..., Path]) -> Iterator[BackgroundServer]:
     )
     engine["kv_host_gb"] = 64 * BLOCK_BYTES / 2**30
     if model == "default":  # the README's screenshot: SmolLM2, a bigger pool
-        model, engine["kv_device_blocks"], engine["kv_host_gb"] = None, 40, 0.25
+        model, engine["kv_device_blocks"], engine["kv_host_gb"] = None, 24, 0.25
     settings = ServerSettings(model_name="dashboard-test", api_key=KEY)
     srv = serve_in_thread(create_app(lambda: LLM(model, **engine).engine, settings))
     srv.wait_ready()
@@ -202,20 +202,30 @@ def test_the_live_page_shows_what_metrics_says_and_keeps_up(server: BackgroundSe
         assert all("401" in e for e in errors), errors  # the refused fetch, and nothing else
 
 
+def readme_traffic(server: BackgroundServer) -> None:
+    """Chat-like prompts sharing a prefix (device hits, evictions into the host tier), some of them again
+    (host hits), then more at once than the device pool holds (preemptions, a queue)."""
+    shared = tokens(50, 64)
+    for i in range(8):
+        complete(server, shared + tokens(60 + i, 48), 16)
+    for i in range(3):
+        complete(server, shared + tokens(60 + i, 48), 16)
+    complete(server, [shared + tokens(80 + i, 16 + 8 * i) for i in range(6)], 120)
+
+
 def test_readme_screenshot_with_requests_running(server: BackgroundServer, tmp_path: Path) -> None:
     """Only with KVTIER_DASHBOARD_SCREENSHOT: the page while requests run (what the README shows)."""
     target = os.environ.get("KVTIER_DASHBOARD_SCREENSHOT")
     if not target:
         pytest.skip("set KVTIER_DASHBOARD_SCREENSHOT=path to make the README's screenshot")
-    traffic(server)
-    busy = threading.Thread(
-        target=lambda: complete(server, [tokens(30 + i, 48 + 16 * i) for i in range(6)], 160)
-    )
-    busy.start()
+    busy = threading.Thread(target=readme_traffic, args=(server,))
     with Chromium(tmp_path, width=1440, height=1000) as browser:
         page = browser.open(server.url + "/dashboard?key=" + KEY)
-        page.wait_for("document.querySelectorAll('#requests tr').length > 2", timeout=60)
-        time.sleep(1.5)
+        busy.start()
+        preempted = "[...document.querySelectorAll('[data-metric=\"kvtier:num_preemptions_total\"]')]"
+        page.wait_for(f"{preempted}.some(e => e.dataset.value > 0)", timeout=400)
+        page.wait_for("document.querySelectorAll('#requests tr').length > 3", timeout=60)
+        time.sleep(3)
         page.screenshot(Path(target))
         assert page.errors() == []
     busy.join()
