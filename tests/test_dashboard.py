@@ -29,8 +29,10 @@ def prompt(i: int, num_tokens: int = 65) -> list[int]:
 
 def origins(llm: LLM) -> dict[tuple[str, Medium], int]:
     """How many device blocks are in each (state, origin)."""
+    states, loaded = llm.engine.kv.block_map()
     counted: dict[tuple[str, Medium], int] = {}
-    for state, origin in llm.engine.kv.block_map():
+    for block_id, state in enumerate(states):
+        origin = loaded.get(block_id, Medium.DEVICE) if state != "free" else Medium.DEVICE
         counted[state, origin] = counted.get((state, origin), 0) + 1
     return counted
 
@@ -80,18 +82,17 @@ def test_story_block_map_says_which_tier_each_blocks_kv_came_from(
 
 
 def test_block_map_cells_and_counts() -> None:
-    states = [("free", Medium.DEVICE), ("cached", Medium.HOST), ("in_use", Medium.DEVICE)]
-    states += [("in_use", Medium.DISK), ("cached", Medium.REMOTE), ("cached", Medium.DEVICE)]
-    m = block_map(states)  # type: ignore[arg-type]
+    states = ["free", "cached", "in_use", "in_use", "cached", "cached"]
+    loaded = {1: Medium.HOST, 3: Medium.DISK, 4: Medium.REMOTE, 0: Medium.HOST}  # 0: free, so no origin
+    m = block_map(states, loaded)
     assert m["cells"] == ".hDKrd" and m["blocks_per_cell"] == 1 and m["num_blocks"] == 6
     assert m["counts"] == {"free": 1, "cached": 3, "in_use": 2}
     assert m["by_origin"]["device"] == {"cached": 1, "in_use": 1}
     assert m["by_origin"]["host"] == {"cached": 1, "in_use": 0}
     # A pool larger than the map: each cell shows the busiest of its blocks.
-    big = block_map(states * 3, max_cells=6)  # type: ignore[arg-type]
+    big = block_map(states * 3, {i + 6 * k: o for k in range(3) for i, o in loaded.items()}, max_cells=6)
     assert big["blocks_per_cell"] == 3 and big["cells"] == "DKDKDK" and big["counts"]["in_use"] == 6
-    quiet = [("free", Medium.DEVICE)] * 5 + [("cached", Medium.HOST)]
-    assert block_map(quiet, max_cells=2)["cells"] == ".h"  # type: ignore[arg-type]
+    assert block_map(["free"] * 5 + ["cached"], {5: Medium.HOST}, max_cells=2)["cells"] == ".h"
 
 
 def _stats(t: int, lookups: int, hits: int, used: int, preemptions: int) -> EngineStats:
@@ -145,8 +146,9 @@ def test_engine_view_lists_sequences_with_their_cached_tokens_by_tier(
         assert [r["status"] for r in running] == ["running", "running"] and waiting[0]["status"] == "waiting"
         assert running[0]["cached_tokens"] == 64 and running[0]["cached_tokens_by_tier"] == {"device": 64}
         assert running[1]["cached_tokens"] == 0 and waiting[0]["cached_tokens"] is None
-        assert view["block_map"]["counts"]["in_use"] == engine.kv.snapshot().used_blocks > 0
-        assert view["block_size"] == 16 and len(view["block_map"]["cells"]) == 64
+        cells = block_map(*view["block_states"])
+        assert cells["counts"]["in_use"] == engine.kv.snapshot().used_blocks > 0
+        assert view["block_size"] == 16 and len(cells["cells"]) == 64
 
 
 @pytest.fixture(scope="module")

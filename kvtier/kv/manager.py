@@ -532,18 +532,17 @@ class KVCacheManager:
         """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
         return [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
 
-    def block_map(self) -> list[tuple[BlockState, Medium]]:
-        """Each device block's state and the tier its KV came from (``Medium.DEVICE``: computed here;
-        a free block says DEVICE). Read-only, O(num_blocks): for the dashboard, not the step."""
-        out: list[tuple[BlockState, Medium]] = []
-        for block in self.pool.blocks:
-            cached = block.block_hash is not None
-            state: BlockState = "in_use" if block.ref_cnt > 0 else "cached" if cached else "free"
-            origin = self._origins.get(block.block_id)
-            # The key check skips a stale entry (a loaded block that was not cached under its key).
-            loaded = origin is not None and cached and block.block_hash == origin[0]
-            out.append((state, origin[1] if origin is not None and loaded else Medium.DEVICE))
-        return out
+    def block_map(self) -> tuple[list[BlockState], dict[int, Medium]]:
+        """Each device block's state (by block id), and the tier the KV of the blocks loaded from below
+        came from (any other block's was computed on the device). Read-only, O(num_blocks), allocating
+        no object per block (a pool of 100k blocks in milliseconds): for the dashboard, not the step."""
+        blocks = self.pool.blocks
+        states: list[BlockState] = [
+            "in_use" if b.ref_cnt > 0 else "free" if b.block_hash is None else "cached" for b in blocks
+        ]
+        # The key check skips a stale entry (a loaded block that was not cached under its key).
+        loaded = {i: medium for i, (key, medium) in self._origins.items() if blocks[i].block_hash == key}
+        return states, loaded
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""

@@ -182,20 +182,24 @@ def _tiers(stats: EngineStats, history: History) -> dict[str, dict[str, Any]]:
     return out
 
 
-def block_map(states: list[tuple[str, Medium]], max_cells: int = MAX_CELLS) -> dict[str, Any]:
-    """The device pool as ``cells`` (see the module doc) with counts by state and by origin tier."""
-    chars = []
-    counts = {"free": 0, "cached": 0, "in_use": 0}
-    by_origin: dict[str, dict[str, int]] = {}
-    for state, origin in states:
-        counts[state] += 1
+def block_map(
+    states: list[str], origins: dict[int, Medium] | None = None, max_cells: int = MAX_CELLS
+) -> dict[str, Any]:
+    """The device pool as ``cells`` (see the module doc) with counts by state and by origin tier, from
+    each block's state and the origin of the blocks loaded from a lower tier (``KVCacheManager.block_map``).
+    """
+    origins = origins or {}
+    chars = ["." if s == "free" else "D" if s == "in_use" else "d" for s in states]
+    counts = {state: states.count(state) for state in ("free", "cached", "in_use")}
+    by_origin = {"device": {"cached": counts["cached"], "in_use": counts["in_use"]}}
+    for block_id, medium in origins.items():
+        state = states[block_id]
         if state == "free":
-            chars.append(".")
             continue
-        tally = by_origin.setdefault(str(origin), {"cached": 0, "in_use": 0})
-        tally[state] += 1
-        char = _ORIGIN_CHARS[origin]
-        chars.append(char.upper() if state == "in_use" else char)
+        char = _ORIGIN_CHARS[medium]
+        chars[block_id] = char.upper() if state == "in_use" else char
+        by_origin["device"][state] -= 1
+        by_origin.setdefault(str(medium), {"cached": 0, "in_use": 0})[state] += 1
     per_cell = max(1, -(-len(chars) // max_cells))
     if per_cell > 1:  # the busiest block of each group: in use, else cached, else free
         rank = lambda c: 2 if c.isupper() else 0 if c == "." else 1  # noqa: E731
@@ -205,7 +209,7 @@ def block_map(states: list[tuple[str, Medium]], max_cells: int = MAX_CELLS) -> d
         "blocks_per_cell": per_cell,
         "cells": "".join(chars),
         "counts": counts,
-        "by_origin": by_origin,
+        "by_origin": {medium: n for medium, n in by_origin.items() if n["cached"] or n["in_use"]},
     }
 
 
@@ -226,13 +230,14 @@ def _seq_row(seq: Sequence, engine: LLMEngine, now: float) -> dict[str, Any]:
 
 
 def engine_view(engine: LLMEngine) -> dict[str, Any]:
-    """What only the engine thread can read: the block map and the sequences (``AsyncEngine.call``)."""
+    """What only the engine thread can read: each block's state and the sequences (``AsyncEngine.call``;
+    ``block_states`` is encoded by :func:`block_map` off that thread)."""
     now = time.monotonic()
     sched = engine.scheduler
     return {
         "replica_id": engine.replica_id,
         "block_size": engine.kv.block_size,
-        "block_map": block_map(engine.kv.block_map()),
+        "block_states": engine.kv.block_map(),
         "requests": {
             "running": [_seq_row(s, engine, now) for s in sched.running[:MAX_LISTED]],
             "waiting": [_seq_row(s, engine, now) for s in list(sched.waiting)[:MAX_LISTED]],
@@ -259,6 +264,7 @@ async def dashboard_data(request: Request) -> dict[str, Any]:
     state = request.app.state
     engine: AsyncEngine = state.engine
     view = await engine.call(engine_view)
+    view["block_map"] = await asyncio.to_thread(block_map, *view.pop("block_states"))
     stats = engine.stats
     history: History = state.dashboard_history
     history.sample(stats)
