@@ -14,7 +14,7 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 from kvtier.server.app import ServerSettings, create_app
-from kvtier.server.dashboard import History, block_map, engine_view, page_router
+from kvtier.server.dashboard import History, block_map, engine_view, page_routes
 from kvtier.server.serve import serve_in_thread
 from kvtier.stats import EngineStats, Medium, TierSnapshot
 
@@ -183,12 +183,10 @@ def test_the_page_is_served_without_a_key_and_its_data_only_with_it(served) -> N
 
 
 def test_the_cluster_page_is_the_same_page_in_cluster_mode() -> None:
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
+    from starlette.applications import Starlette
+    from starlette.testclient import TestClient
 
-    app = FastAPI()
-    app.include_router(page_router(cluster=True))
-    page = TestClient(app).get("/dashboard")
+    page = TestClient(Starlette(routes=page_routes(cluster=True))).get("/dashboard")
     assert page.status_code == 200 and 'data-mode="cluster"' in page.text
 
 

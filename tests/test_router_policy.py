@@ -17,7 +17,7 @@ from kvtier.router.policy import Candidate, CostModel, cache_aware, decide, esti
 from kvtier.router.prompt import Prompt, parse_prompt, tenant_salt
 from kvtier.stats import Medium
 
-COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=16.0)
+COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=1.0)
 
 
 # ------------------------------------------------------------------------------------------ policy
@@ -156,9 +156,80 @@ def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # no
 
 
 def test_the_router_never_imports_torch() -> None:
+    """Not at start-up (FastAPI neither: the router answers within well under a second), and not when
+    it loads the tokenizer and the request models."""
     code = (
-        "import sys, kvtier.router.app, kvtier.router.cli, kvtier.router.prompt;"
+        "import sys, kvtier.router.app, kvtier.router.cli, uvicorn;"
+        "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules, 'heavy import at start';"
         "from kvtier.router.prompt import load_tokenizer;"
+        "import kvtier.server.protocol, kvtier.models.loader;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_router_errors_have_the_servers_shape() -> None:
+    from kvtier.router.errors import RouterError
+    from kvtier.server.protocol import APIError
+
+    args = (503, "no replica")
+    kwargs = dict(type="server_error", param="x", code="no_healthy_replica", headers={"Retry-After": "1"})
+    mine, theirs = RouterError(*args, **kwargs).response(), APIError(*args, **kwargs).response()
+    assert mine.body == theirs.body and mine.status_code == theirs.status_code
+    assert mine.headers["retry-after"] == "1"
+
+
+# ------------------------------------------------------------------------------------------ identity
+def test_a_replica_with_another_hash_spec_or_model_is_routed_by_load_only() -> None:
+    from kvtier.kv.hashing import HASH_SPEC_VERSION
+    from kvtier.router.replicas import ReplicaSet, normalize_url
+
+    replicas = ReplicaSet(client=None, headers={}, fingerprint=lambda: "abc")  # type: ignore[arg-type]
+    info = {"hash_spec_version": HASH_SPEC_VERSION, "enable_prefix_caching": True, "model_fingerprint": "abc"}
+    assert replicas._problem(info) is None
+    assert "hash spec version 2" in replicas._problem({**info, "hash_spec_version": 2})
+    assert "fingerprint" in replicas._problem({**info, "model_fingerprint": "other"})
+    assert "prefix caching is off" in replicas._problem({**info, "enable_prefix_caching": False})
+    assert normalize_url(" http://h:1/ ") == "http://h:1"
+    for bad in ("h:1", "ftp://h", "http://h:1/?q=1", "http://"):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
+
+
+def test_the_default_models_tokenizer_is_the_engines(converted_default_model) -> None:  # noqa: ANN001
+    """The router's torch-free tokenizer of the embedded GGUF (through the conversion cache) has the
+    engine's fingerprint and renders and tokenizes a chat exactly as the engine's tokenizer does."""
+    from kvtier.router.prompt import load_tokenizer
+
+    tokenizer, fingerprint = load_tokenizer(None)
+    assert fingerprint == converted_default_model.fingerprint
+    conversation = [
+        {"role": "system", "content": "You are terse. <|im_end|> stays text."},
+        {"role": "user", "content": "Héllo 🙂, what is a KV block?"},
+    ]
+    want = converted_default_model.tokenizer.encode_chat(conversation, add_generation_prompt=True)
+    assert tokenizer.encode_chat(conversation, add_generation_prompt=True) == want
+    assert tokenizer.encode("plain text prompt") == converted_default_model.tokenizer.encode(
+        "plain text prompt"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--replica", "ftp://x"], "--replica: a replica is an http(s)://host:port URL"),
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--kv-remote-url", "http://x"], "--kv-remote-url must be a redis:// URL"),
+        (["--load-tokens", "-1"], "--load-tokens must be a finite number >= 0"),
+        (["--policy", "random"], "invalid choice: 'random'"),
+    ],
+)
+def test_bad_router_flags_are_one_line(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    from kvtier.cli import main
+
+    try:
+        status = main(["router", *flags])
+    except SystemExit as exc:  # argparse's own errors
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("kvtier: error: ") and message in err, err

@@ -15,6 +15,10 @@ The ``/v1``, ``/router/explain`` and ``/admin`` routes need ``Authorization: Bea
 router has one; the client's header is passed on to the replica, and the router's own calls to the
 replicas (``/v1/kv/...``) carry the key. Errors are OpenAI's JSON shape; a replica's own errors (400 for
 a bad body, 404 for an unknown model...) come back to the client unchanged.
+
+Plain Starlette, not FastAPI (whose import alone costs more than half a second): the router answers
+within well under a second of starting; the replica's request models (``kvtier.server.protocol``) are
+imported on the tokenizer thread, meanwhile.
 """
 
 from __future__ import annotations
@@ -24,42 +28,40 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route as Endpoint
 
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
+from kvtier.router.errors import RouterError
 from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import forward
-from kvtier.server.dashboard import page_router
-from kvtier.server.protocol import APIError
+from kvtier.server.dashboard import page_routes
 
 logger = logging.getLogger("kvtier.router")
+Handler = Callable[[Request], Awaitable[Response]]
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
+def create_app(settings: RouterSettings) -> Starlette:
     """The app; ``app.state.router`` is its :class:`Router` (started with the app's lifespan)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0))
-    app = FastAPI(title="kvtier router", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    handlers = {RouterError: _router_error, HTTPException: _http_error, NoReplica: _no_replica}
+    app = Starlette(routes=ROUTES, lifespan=_lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
     app.state.router = Router(settings, client)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(NoReplica, _no_replica)
-    app.include_router(v1)
-    app.include_router(root)
-    app.include_router(page_router(cluster=True))  # GET /dashboard: the cluster page (kvtier.server)
     return app
 
 
 @contextlib.asynccontextmanager
-async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     router: Router = app.state.router
     router.load_tokenizer_in_background()
     tasks = [asyncio.create_task(coro) for coro in router.background_tasks()]
@@ -72,20 +74,24 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 # ---------------------------------------------------------------------------------------- errors
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+async def _router_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RouterError)
     return exc.response()
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+    return RouterError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
 
-async def _no_replica(request: Request, exc: NoReplica) -> JSONResponse:
+async def _no_replica(request: Request, exc: Exception) -> Response:
     request.app.state.router.metrics.failures.labels("no_replica").inc()
     message = "no healthy replica to serve the request; retry later"
     headers = {"Retry-After": "1"}
-    return APIError(503, message, type="server_error", code="no_healthy_replica", headers=headers).response()
+    return RouterError(
+        503, message, type="server_error", code="no_healthy_replica", headers=headers
+    ).response()
 
 
 def check_key(request: Request) -> None:
@@ -95,7 +101,7 @@ def check_key(request: Request) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(
+        raise RouterError(
             401,
             "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
             code="invalid_api_key",
@@ -103,10 +109,20 @@ def check_key(request: Request) -> None:
         )
 
 
+def keyed(handler: Handler) -> Handler:
+    """``handler`` behind :func:`check_key`."""
+
+    async def checked(request: Request) -> Response:
+        check_key(request)
+        return await handler(request)
+
+    return checked
+
+
 async def read_body(request: Request) -> bytes:
     """The body, at most ``--max-request-bytes`` (413 beyond, as the replicas answer)."""
     limit = request.app.state.router.settings.max_request_bytes
-    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    too_large = RouterError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -127,9 +143,6 @@ def _json_or_none(body: bytes) -> Any:
 
 
 # ---------------------------------------------------------------------------------------- routes
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
-
-
 async def _generate(request: Request, path: str) -> Response:
     router: Router = request.app.state.router
     body = await read_body(request)
@@ -137,24 +150,17 @@ async def _generate(request: Request, path: str) -> Response:
     return await forward(router, request, route, path, body)
 
 
-@v1.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     return await _generate(request, CHAT_PATH)
 
 
-@v1.post("/completions")
 async def completions(request: Request) -> Response:
     return await _generate(request, COMPLETIONS_PATH)
 
 
-@v1.get("/models")
 async def models(request: Request) -> Response:
-    return await _pass(request, "/v1/models")
-
-
-@v1.get("/models/{model:path}")
-async def model(model: str, request: Request) -> Response:
-    return await _pass(request, f"/v1/models/{model}")
+    model = request.path_params.get("model")
+    return await _pass(request, "/v1/models" if model is None else f"/v1/models/{model}")
 
 
 async def _pass(request: Request, path: str) -> Response:
@@ -164,68 +170,69 @@ async def _pass(request: Request, path: str) -> Response:
     return await forward(router, request, route, path, b"", "GET", count=False)
 
 
-root = APIRouter()
-
-
-@root.get("/health")
-async def health(request: Request) -> JSONResponse:
+async def health(request: Request) -> Response:
     router: Router = request.app.state.router
     healthy = len(router.replicas.healthy())
     body = {"status": "ok" if healthy else "no_healthy_replica", "healthy_replicas": healthy}
     return JSONResponse(body, status_code=200 if healthy else 503)
 
 
-@root.get("/metrics")
 async def prometheus_metrics(request: Request) -> Response:
     return Response(request.app.state.router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@root.get("/router/state")
-async def state(request: Request) -> dict[str, Any]:
-    return request.app.state.router.state()
+async def state(request: Request) -> Response:
+    return JSONResponse(request.app.state.router.state())
 
 
-@root.post("/router/explain", dependencies=[Depends(check_key)])
-async def explain(request: Request) -> dict[str, Any]:
+async def explain(request: Request) -> Response:
     """What ``choose`` decides for ``request`` (nothing is sent), with the block hashes per replica."""
     router: Router = request.app.state.router
     given = _json_or_none(await read_body(request))
     if not isinstance(given, dict) or given.get("endpoint") not in ("chat", "completions"):
-        raise APIError(400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint")
+        raise RouterError(
+            400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint"
+        )
     path = CHAT_PATH if given["endpoint"] == "chat" else COMPLETIONS_PATH
-    route = await router.choose(path, given.get("request"), request.headers.get("authorization", ""))
-    hashes = await router.block_hashes(path, given.get("request"), request.headers.get("authorization", ""))
-    return {**router.explain(route), **hashes}
+    authorization = request.headers.get("authorization", "")
+    route = await router.choose(path, given.get("request"), authorization)
+    hashes = await router.block_hashes(path, given.get("request"), authorization)
+    return JSONResponse({**router.explain(route), **hashes})
 
 
 async def _admin_url(request: Request) -> str:
     given = _json_or_none(await read_body(request))
     url = given.get("url") if isinstance(given, dict) else None
     if not isinstance(url, str):
-        raise APIError(400, 'send {"url": "http://host:port"}', param="url")
+        raise RouterError(400, 'send {"url": "http://host:port"}', param="url")
     return url
 
 
-@root.post("/admin/replicas", dependencies=[Depends(check_key)])
-async def add_replica(request: Request) -> dict[str, Any]:
+async def admin_replicas(request: Request) -> Response:
+    """POST: add a replica (checked at once); DELETE: remove one."""
     router: Router = request.app.state.router
     url = await _admin_url(request)
     try:
+        if request.method == "DELETE":
+            if not router.replicas.remove(url):
+                raise RouterError(404, f"no replica {url}", param="url", code="not_found")
+            return JSONResponse({"object": "router.replica", "url": url, "deleted": True})
         replica = router.replicas.add(url)
     except ValueError as exc:
-        raise APIError(400, str(exc), param="url") from None
+        raise RouterError(400, str(exc), param="url") from None
     await router.replicas.check(replica)  # up at once when it answers
-    return {"object": "router.replica", "url": replica.url, "healthy": replica.healthy}
+    return JSONResponse({"object": "router.replica", "url": replica.url, "healthy": replica.healthy})
 
 
-@root.delete("/admin/replicas", dependencies=[Depends(check_key)])
-async def remove_replica(request: Request) -> dict[str, Any]:
-    router: Router = request.app.state.router
-    url = await _admin_url(request)
-    try:
-        removed = router.replicas.remove(url)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="url") from None
-    if not removed:
-        raise APIError(404, f"no replica {url}", param="url", code="not_found")
-    return {"object": "router.replica", "url": url, "deleted": True}
+ROUTES = [
+    Endpoint("/v1/chat/completions", keyed(chat_completions), methods=["POST"]),
+    Endpoint("/v1/completions", keyed(completions), methods=["POST"]),
+    Endpoint("/v1/models", keyed(models), methods=["GET"]),
+    Endpoint("/v1/models/{model:path}", keyed(models), methods=["GET"]),
+    Endpoint("/health", health, methods=["GET"]),
+    Endpoint("/metrics", prometheus_metrics, methods=["GET"]),
+    Endpoint("/router/state", state, methods=["GET"]),
+    Endpoint("/router/explain", keyed(explain), methods=["POST"]),
+    Endpoint("/admin/replicas", keyed(admin_replicas), methods=["POST", "DELETE"]),
+    *page_routes(cluster=True),  # GET /dashboard: the cluster's live page (kvtier/server/dashboard.py)
+]

@@ -10,7 +10,7 @@ cost of computing one prompt token)::
     compute_tokens(r)  the rest of the prompt, computed by r's prefill
     load(r)            requests queued on r (running + waiting): each delays a new one's first token
 
-The lowest cost wins. Costs within ``near_tie`` of the best (and ``min_slack`` tokens) count as equal:
+The lowest cost wins. Costs within ``near_tie`` of the best (or ``min_slack`` tokens) count as equal:
 among those the least loaded wins, then the one after the previous pick in turn, so a burst of one
 new prefix spreads over the replicas instead of piling onto the first ("the best") one.
 
@@ -45,7 +45,7 @@ class CostModel:
     remote_cost: float = 0.1  # a block loaded from the remote tier costs this fraction of computing it
     load_tokens: float = 256.0  # one queued request delays a new one as much as this many prompt tokens
     near_tie: float = 0.05  # costs within this fraction of the best are ties...
-    min_slack: float = 16.0  # ...and within this many tokens
+    min_slack: float = 1.0  # ...or within this many tokens
 
 
 @dataclass(frozen=True)

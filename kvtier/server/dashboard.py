@@ -35,7 +35,7 @@ device block (per ``blocks_per_cell`` blocks in a pool larger than ``MAX_CELLS``
 The history holds the last ``HISTORY_S`` seconds of snapshots, one a second, taken on the server (a
 background task while the app runs, and on each request of the page): it is there when the page opens.
 ``features`` says whether ``/v1/kv/advice`` (miss-ratio curves) and ``/v1/kv/canary`` are served, so the
-page asks only for what exists. ``kvtier router`` serves the same page (``page_router``); there it shows
+page asks only for what exists. ``kvtier router`` serves the same page (``page_routes``); there it shows
 the cluster from ``/router/state``.
 """
 
@@ -50,14 +50,17 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
-from starlette.routing import Match
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
 
-from kvtier.server.protocol import APIError
 from kvtier.stats import EngineStats, Medium, TierSnapshot
 
-if TYPE_CHECKING:  # torch-free at import: ``kvtier router`` serves the page too
+if TYPE_CHECKING:  # plain Starlette at import, no torch nor FastAPI: ``kvtier router`` serves the page too
+    from fastapi import APIRouter
+
     from kvtier.engine import LLMEngine
     from kvtier.sequence import Sequence
     from kvtier.server.async_engine import AsyncEngine
@@ -247,14 +250,14 @@ def engine_view(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
-def _serves(app: FastAPI, path: str) -> bool:
+def _serves(app: Starlette, path: str) -> bool:
     """Whether some route of ``app`` answers ``GET path`` (asked of the routes themselves: FastAPI may
     keep included routers nested)."""
     scope = {"type": "http", "path": path, "method": "GET", "root_path": ""}
     return any(route.matches(scope)[0] == Match.FULL for route in app.router.routes)
 
 
-def _features(app: FastAPI) -> dict[str, bool]:
+def _features(app: Starlette) -> dict[str, bool]:
     """Which of the cache's other JSON endpoints this app serves (the page fetches only those)."""
     return {"advice": _serves(app, "/v1/kv/advice"), "canary": _serves(app, "/v1/kv/canary")}
 
@@ -286,33 +289,34 @@ def _asset(name: str, body: bytes | None = None) -> Response:
     """A static file of the page (``body``: its content, already read and changed)."""
     media_type = _STATIC.get(name)
     if media_type is None:
-        raise APIError(404, f"no dashboard asset named {name!r}", code="not_found")
+        raise HTTPException(404, f"no dashboard asset named {name!r}")  # the app's OpenAI-shaped 404
     if body is None:
         body = resources.files("kvtier.server").joinpath("static", name).read_bytes()
     return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
 
-def page_router(cluster: bool = False) -> APIRouter:
-    """``GET /dashboard`` and its static files, without data. ``cluster``: the page of ``kvtier router``,
-    which polls ``router/state`` and links each replica's own page, instead of ``v1/kv/dashboard``."""
-    router = APIRouter()
+def page_routes(cluster: bool = False) -> list[Route]:
+    """``GET /dashboard`` and its static files (plain Starlette routes, no data). ``cluster``: the page of
+    ``kvtier router``, which polls ``router/state`` and links each replica's own page, instead of
+    ``v1/kv/dashboard``."""
 
-    @router.get("/dashboard", include_in_schema=False)
-    async def page() -> Response:
+    async def page(request: Request) -> Response:
         html = resources.files("kvtier.server").joinpath("static", "dashboard.html").read_bytes()
         if cluster:
             html = html.replace(b'data-mode="replica"', b'data-mode="cluster"', 1)
         return _asset("dashboard.html", html)
 
-    @router.get("/dashboard/static/{name}", include_in_schema=False)
-    async def static(name: str) -> Response:
-        return _asset(name)
+    async def static(request: Request) -> Response:
+        return _asset(request.path_params["name"])
 
-    return router
+    return [
+        Route("/dashboard", page, methods=["GET"], include_in_schema=False),
+        Route("/dashboard/static/{name}", static, methods=["GET"], include_in_schema=False),
+    ]
 
 
 @contextlib.asynccontextmanager
-async def _sampling(app: FastAPI) -> AsyncIterator[None]:
+async def _sampling(app: Starlette) -> AsyncIterator[None]:
     """While the app runs, sample the engine's snapshot every second into the history."""
     history: History = app.state.dashboard_history
 
@@ -330,12 +334,13 @@ async def _sampling(app: FastAPI) -> AsyncIterator[None]:
             await task
 
 
-def dashboard_router(app: FastAPI, check_key: Callable[[Request], None]) -> APIRouter:
+def dashboard_router(app: Starlette, check_key: Callable[[Request], None]) -> APIRouter:
     """The page, its static files, and ``GET /v1/kv/dashboard`` (behind ``check_key``), for an app
     whose ``state`` has ``engine``, ``settings`` and ``started`` (``kvtier.server.app.create_app``)."""
+    from fastapi import APIRouter, Depends
+
     app.state.dashboard_history = History()
-    router = APIRouter(lifespan=_sampling)
-    router.include_router(page_router())
+    router = APIRouter(routes=page_routes(), lifespan=_sampling)  # type: ignore[arg-type]
     data = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_key)])
     data.add_api_route("/dashboard", dashboard_data, methods=["GET"])
     router.include_router(data)
