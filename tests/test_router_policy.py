@@ -130,6 +130,24 @@ def test_seed_from_a_snapshot_keeps_remote_blocks_it_cannot_list() -> None:
     assert index.local_prefix(h) == 1  # seq 7 is in the snapshot already: skipped
 
 
+def test_a_restarted_router_takes_remote_blocks_from_the_stream() -> None:
+    """The snapshot lists device/host/disk only; the stream's remote announcements of the current
+    instance (after its 'cleared') are replayed on top; an older instance's are not."""
+    h = _hashes(4)
+    old, new = KVEventRecorder("r:1"), KVEventRecorder("r:1")
+    old.blocks_stored(Medium.REMOTE, h[:1])
+    new.blocks_stored(Medium.REMOTE, h[:3])
+    new.blocks_stored(Medium.DEVICE, h[:2])
+    stream = [old.end_step(), new.end_step()]
+    new.blocks_removed(Medium.REMOTE, h[2:3])
+    stream.append(new.end_step())
+    index = ReplicaIndex()
+    index.seed({"instance": new.instance, "seq": 2, "blocks": {"device": [x.hex() for x in h[:2]]}})
+    index.replay_remote(stream)
+    assert index.counts() == {"device": 2, "host": 0, "disk": 0, "remote": 2}
+    assert remote_run([index], h, 0) == 2
+
+
 # ------------------------------------------------------------------------------------------ prompts
 def test_tenant_salt_is_the_servers() -> None:
     """The replica's derivation (kvtier.server.app.tenant_salt) for --prefix-cache-scope user."""

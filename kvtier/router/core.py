@@ -115,8 +115,7 @@ class Router:
     async def choose(self, path: str, body: Any, authorization: str = "") -> Route:
         """The replicas for this request, best first; NoReplica when none is healthy."""
         start = time.perf_counter()
-        healthy = self.replicas.healthy()
-        if not healthy:
+        if not self.replicas.healthy():
             raise NoReplica("no healthy replica")
         prompt = None
         if self.settings.policy == "cache_aware" and self.tokenizer is not None:
@@ -124,6 +123,9 @@ class Router:
                 self._identity_checked = True
                 self.replicas.recheck_identity()
             prompt = await self.prompt(path, body, authorization)
+        healthy = self.replicas.healthy()  # again: one may have gone while the prompt was tokenized
+        if not healthy:
+            raise NoReplica("no healthy replica")
         candidates, matched = self._candidates(healthy, prompt)
         num_tokens = len(prompt.token_ids) if prompt is not None and matched else None
         turn = next(self._turn)

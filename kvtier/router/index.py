@@ -104,6 +104,26 @@ class ReplicaIndex:
         if last_id is not None:
             self.last_id = last_id
 
+    def replay_remote(self, batches: Sequence[EventBatch]) -> None:
+        """Take the remote-tier blocks from ``batches`` of the current instance (a stream read from its
+        start after a ``seed``): a snapshot cannot list a shared store, the stream's announcements can."""
+        for batch in batches:
+            if batch.instance != self.instance:
+                continue
+            for event in batch.events:
+                if event.type == "cleared":
+                    self._drop_remote()
+                elif event.medium == Medium.REMOTE:
+                    self._apply_event(event)
+
+    def _drop_remote(self) -> None:
+        for h in [h for h, bits in self.held.items() if bits & REMOTE_BIT]:
+            bits = self.held[h] & ~REMOTE_BIT
+            if bits:
+                self.held[h] = bits
+            else:
+                del self.held[h]
+
     def clear(self) -> None:
         self.held.clear()
         self.instance, self.seq, self.last_id = None, 0, "0"

@@ -124,7 +124,9 @@ async def attempt(
         upstream = await _send(router, request, replica, method, path, body)
     except httpx.TransportError as exc:
         release()
-        router.replicas.mark_down(replica, f"{type(exc).__name__} on {path}")
+        # refused or reset: down now; merely slow (a timeout): the health check decides
+        if not isinstance(exc, httpx.TimeoutException):
+            router.replicas.mark_down(replica, f"{type(exc).__name__} on {path}")
         return None
     except BaseException:
         release()

@@ -1,12 +1,15 @@
 """The replicas behind the router: health, load and identity, checked on a timer.
 
-Every ``HEALTH_INTERVAL_S`` each replica gets ``GET /health`` (``HEALTH_TIMEOUT_S``). On the first
-failure (refused, timed out, not 200: loading, draining) it is marked down and gets no more requests;
-a request that fails on it to connect marks it down at once too. So a dead replica stops receiving
-requests within ``HEALTH_INTERVAL_S + HEALTH_TIMEOUT_S`` (1.5 s) at worst. When it answers 200 again
-(or a new one is added) the router reads its ``GET /v1/kv/info`` (block size, cache identity, hash spec
-version, event stream) and from then on its ``GET /metrics`` (``num_requests_running``/``waiting``)
-with every health check.
+Every ``HEALTH_INTERVAL_S`` each replica gets ``GET /health`` (``HEALTH_TIMEOUT_S``). A refused or
+reset connection, or an answer other than 200 (loading, draining), marks it down at once; so do a
+request that fails on it to connect and a ``/v1/kv/info`` it cannot answer. A replica that still
+accepts connections but does not answer in time (busy, hung) is marked down after ``MAX_TIMEOUTS``
+checks in a row, so that one slow answer on a loaded machine does not empty the pool. A dead replica
+stops receiving requests within ``HEALTH_INTERVAL_S`` (0.5 s) of dying; a hung one within ~3 s.
+
+When it answers 200 again (or a new one is added) the router reads its ``GET /v1/kv/info`` (block
+size, cache identity, hash spec version, event stream) and from then on its ``GET /metrics``
+(``num_requests_running``/``waiting``) with every health check.
 
 A replica's *load* is what is queued on it: ``max(in_flight, running + waiting)``, where ``in_flight``
 counts the requests this router has open on it (exact and immediate) and ``running + waiting`` comes
@@ -16,6 +19,7 @@ from its last ``/metrics`` (includes other clients, up to one interval old).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections import Counter
@@ -32,6 +36,7 @@ logger = logging.getLogger("kvtier.router")
 
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
+MAX_TIMEOUTS = 2  # health checks timing out in a row before a replica that still accepts is marked down
 _GAUGE_LINE = re.compile(rb"^kvtier:(num_requests_running|num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
@@ -60,6 +65,7 @@ class Replica:
     following: bool = False  # its index follows its event stream
     synced: bool = False  # its index reflects it (events or a recent snapshot)
     last_error: str | None = None
+    timeouts: int = 0  # health checks timed out in a row
 
     @property
     def load(self) -> int:
@@ -127,18 +133,32 @@ class ReplicaSet:
         replica.last_error = reason
 
     async def check(self, replica: Replica) -> None:
-        """One health check: /health, then /v1/kv/info when it just came up, then its load."""
+        """One health check: /health, then /v1/kv/info when it just came up, then its load.
+
+        Refused or reset (a dead replica): down at once. Timed out (a busy or hung one): down after
+        ``MAX_TIMEOUTS`` checks in a row. A failed ``/metrics`` read keeps the last load."""
         try:
             r = await self.client.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
-            if r.status_code != 200:
-                self.mark_down(replica, f"/health answered {r.status_code}")
-                return
-            if not replica.healthy or replica.info is None:
-                await self._identify(replica)
-            await self._read_load(replica)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except httpx.TimeoutException:
+            replica.timeouts += 1
+            if replica.timeouts >= MAX_TIMEOUTS:
+                self.mark_down(replica, f"/health timed out {replica.timeouts} times in a row")
+            return
+        except httpx.HTTPError as exc:
             self.mark_down(replica, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             return
+        replica.timeouts = 0
+        if r.status_code != 200:
+            self.mark_down(replica, f"/health answered {r.status_code}")
+            return
+        try:
+            if not replica.healthy or replica.info is None:
+                await self._identify(replica)
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            self.mark_down(replica, f"/v1/kv/info: {type(exc).__name__}: {exc}")
+            return
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            await self._read_load(replica)
         if not replica.healthy:
             logger.warning("router: replica %s is up", replica.url)
             replica.healthy = True

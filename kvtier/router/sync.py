@@ -104,6 +104,7 @@ class IndexSync:
                 newest = await client.xrevrange(replica.stream, count=1)
                 last_id = _text(newest[0][0]) if newest else "0"
                 if await self.snapshot(replica, last_id):
+                    await self._replay_remote(client, replica, last_id)
                     replica.following = True
         followed = {r.stream: r for r in self.replicas.healthy() if r.following and r.stream}
         if not followed:
@@ -120,6 +121,19 @@ class IndexSync:
                     logger.info("router: missed KV events of %s; resyncing", replica.url)
                     replica.following = False
                     break
+
+    async def _replay_remote(self, client: Any, replica: Replica, last_id: str) -> None:
+        """The remote-tier blocks the replica announced (its stream up to ``last_id``, at most
+        ``STREAM_MAXLEN`` entries): what a restarted router cannot learn from ``/v1/kv/blocks``."""
+        if last_id == "0" or replica.stream is None:
+            return
+        start = "-"
+        while True:
+            entries = await client.xrange(replica.stream, min=start, max=last_id, count=1000)
+            replica.index.replay_remote([EventBatch.from_fields(fields) for _, fields in entries])
+            if len(entries) < 1000:
+                return
+            start = "(" + _text(entries[-1][0])
 
 
 def _text(value: str | bytes) -> str:
