@@ -214,6 +214,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "multiturn": "multi-turn chat TTFT: no caching, device, +host, +disk, restart",
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
+    "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
 }
 
 

@@ -102,9 +102,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.cost_model)
         self.sampler = Sampler(args.seed)
         # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
-        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed)
+        lower = [t.medium for t in self.tiers.tiers] if self.tiers is not None else []
+        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed, lower=lower)
         self.insight.canary.on_mismatch = self._quarantine
         self.kv.observer = self.insight
+        if self.tiers is not None:
+            self.tiers.on_stored = self.insight.on_stored
         self._mrc: dict[tuple[str, float], float] = {}
         self._mrc_time = float("-inf")
         self.outputs = OutputProcessor(self.tokenizer)
@@ -395,7 +398,7 @@ class LLMEngine:
     def kv_canary(self) -> dict[str, Any]:
         return self.insight.canary.report(self.quarantined())
 
-    def kv_advice(self) -> dict[str, Any]:
+    def kv_advice(self, sentences: bool = True) -> dict[str, Any]:
         """Miss-ratio curves per tier, the measured hit ratios and sizing sentences."""
         sizes = [TierSize(str(Medium.DEVICE), self.kv.pool.num_blocks, 0.0)]
         for tier in self.tiers.tiers if self.tiers is not None else []:
@@ -405,7 +408,7 @@ class LLMEngine:
                 sizes.append(TierSize(str(tier.medium), tier.capacity_blocks, per_block))
         cm = self.cost_model
         costs = Costs(self.kv.block_size, cm.block_bytes, cm.prefill_tokens_per_s, cm.transfer_bytes_per_s)
-        return self.insight.advice(sizes, costs)
+        return self.insight.advice(sizes, costs, sentences)
 
     # ------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
@@ -432,7 +435,7 @@ class LLMEngine:
         """The advice curves as ``{(tier, size factor): hit ratio}``, recomputed at most once a second."""
         now = time.monotonic()
         if now - self._mrc_time >= 1.0:
-            curves = self.kv_advice()["tiers"]
+            curves = self.kv_advice(sentences=False)["tiers"]
             self._mrc = {(t, p["size_factor"]): p["hit_ratio"] for t, c in curves.items() for p in c["curve"]}
             self._mrc_time = now
         return self._mrc

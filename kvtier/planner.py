@@ -364,11 +364,24 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         else:
             parser.add_argument(flag, type=type(default), default=default, help=help_text)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--from-server",
+        metavar="URL",
+        help="instead: a running `kvtier serve`'s sizing advice from its miss-ratio curves "
+        "(GET /v1/kv/advice)",
+    )
+    parser.add_argument("--api-key", default=None, help="the server's API key (with --from-server)")
     parser.set_defaults(func=run)
 
 
 def run(ns: argparse.Namespace) -> int:
     """``kvtier plan``: print the plan of ``ns`` (ConfigError on bad input or a model that does not fit)."""
+    if ns.from_server:
+        from kvtier.insight.report import fetch_advice, render_advice
+
+        advice = fetch_advice(ns.from_server, ns.api_key)
+        print(json.dumps(advice, indent=2) if ns.json else render_advice(advice, ns.from_server))
+        return 0
     names = [f.name for f in dataclasses.fields(Deployment)]
     dep = Deployment(**{n: getattr(ns, n) for n in names})
     dep.validate()  # flags first: a bad number fails before the model is read

@@ -1,10 +1,14 @@
 """Sizing advice: the miss-ratio curve turned into per-tier curves and sentences an operator can act on.
 
-The tiers are modelled as one LRU stack cut into consecutive pieces (device first, then host, disk):
-a looked-up block is served from cache iff its reuse distance is below the sum of the capacities. So
-the curve of tier ``t`` at size factor ``f`` is the stack's hit ratio at ``sum(capacities) + (f - 1) *
-capacity_t``. ``current_hit_ratio`` is the curve at 1×. (A shared remote tier has no capacity of its
-own to scale and is left out.)
+Each tier is an LRU over its own access stream (``CacheInsight``): the device pool over every prompt
+lookup, block computed and sequence freed; the host tier over the blocks asked of it (the device
+missed them) and the blocks stored into it (device evictions); the disk tier likewise one level down.
+Growing or shrinking one tier leaves the stream of the tiers above it unchanged, so its own curve says
+how many of the blocks asked of it it would serve; the faster tiers serve what they serve now, and the
+slower ones the same share of its misses as now. The curve of tier ``t`` at size factor ``f`` is then
+the share of all looked-up prompt blocks served from some tier; ``current_hit_ratio`` is the curve at
+1× (``measured_hit_ratio``, from the counters, is next to it). A shared remote tier has no capacity of
+its own to scale and is left out.
 
 Sentences (``advice``), from the curves and the engine's measured costs::
 
@@ -35,9 +39,14 @@ OVERSIZE_SLACK = 0.01  # "as many", within 1 point
 
 @dataclass(frozen=True)
 class TierSize:
+    """One tier as the advisor sees it: its size, its own access stream's curve, what it served."""
+
     medium: str  # "device", "host", "disk"
     capacity_blocks: int
     load_seconds_per_block: float  # measured (0: unknown, use the transfer rate)
+    snap: TrackerSnapshot | None = None  # the tier's own stream: blocks asked of it, blocks stored in it
+    num_asked: int = 0  # blocks looked up in this tier (the faster ones missed)
+    num_served: int = 0  # of those, blocks it served (measured)
 
 
 @dataclass(frozen=True)
@@ -53,17 +62,33 @@ def _gib(num_bytes: float) -> str:
 
 
 class Advisor:
-    """Curves and sentences for the tiers ``sizes`` (fastest first) from one tracker snapshot."""
+    """Curves and sentences for the tiers ``sizes`` (fastest first), each with its own tracker."""
 
-    def __init__(self, snap: TrackerSnapshot, sizes: list[TierSize], costs: Costs, num_requests: int):
-        self.snap = snap
+    def __init__(self, sizes: list[TierSize], costs: Costs, num_lookups: int, num_requests: int):
         self.sizes = [t for t in sizes if t.capacity_blocks > 0]
         self.costs = costs
-        self.total = sum(t.capacity_blocks for t in self.sizes)
-        self.blocks_per_request = snap.num_lookups / num_requests if num_requests else 0.0
+        self.num_lookups = num_lookups
+        self.blocks_per_request = num_lookups / num_requests if num_requests else 0.0
+
+    def _own_hits(self, tier: TierSize, factor: float) -> float:
+        """Blocks ``tier`` would serve at ``factor`` times its size: its own stream's curve."""
+        if tier.snap is None:
+            return float(tier.num_served)
+        return tier.snap.hit_ratio(factor * tier.capacity_blocks) * tier.num_asked
 
     def hit_at(self, tier: TierSize, factor: float) -> float:
-        return self.snap.hit_ratio(self.total + (factor - 1.0) * tier.capacity_blocks)
+        """Share of looked-up blocks served by some tier if ``tier`` were ``factor`` times its size: the
+        faster tiers as measured, ``tier`` from its curve, the slower ones serving the same share of
+        what it misses as they do now."""
+        if self.num_lookups <= 0:
+            return 0.0
+        i = self.sizes.index(tier)
+        faster = sum(t.num_served for t in self.sizes[:i])
+        own, own_now = self._own_hits(tier, factor), self._own_hits(tier, 1.0)
+        slower = sum(t.num_served for t in self.sizes[i + 1 :])
+        misses_now = max(tier.num_asked - own_now, 1e-9)
+        slower *= max(tier.num_asked - own, 0.0) / misses_now
+        return min(1.0, (faster + own + slower) / self.num_lookups)
 
     def curve(self, tier: TierSize) -> list[dict[str, Any]]:
         return [
@@ -114,7 +139,7 @@ class Advisor:
 
     def _oversized(self, tier: TierSize) -> str | None:
         now = self.hit_at(tier, 1.0)
-        if self.snap.num_sampled == 0:
+        if tier.snap is None or tier.snap.num_sampled == 0:
             return None
         f = 1.0
         for i in range(65):  # the smallest size (from ¼×) within OVERSIZE_SLACK of today's hit ratio
@@ -135,19 +160,19 @@ class Advisor:
         if not lower and self.sizes:  # device only: what a host tier would add
             s = self._undersized(self.sizes[0], "host tier", extra=True)
             out += [s] if s else []
-        for t in lower:
-            for s in (self._undersized(t, f"{t.medium} tier", extra=False), self._oversized(t)):
-                if s:
-                    out.append(s)
+        for t in lower:  # a tier that would gain from growing is not also called oversized
+            s = self._undersized(t, f"{t.medium} tier", extra=False) or self._oversized(t)
+            out += [s] if s else []
         return out
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, sentences: bool = True) -> dict[str, Any]:
+        snaps = [t.snap for t in self.sizes if t.snap is not None]
         return {
             "object": "kv.advice",
             "tiers": self.tiers_json(),
-            "sampled_accesses": self.snap.num_sampled,
-            "lookups": self.snap.num_lookups,
-            "sampling_rate": self.snap.sampling_rate,
-            "tracked_blocks": self.snap.num_tracked,
-            "advice": self.sentences(),
+            "sampled_accesses": sum(s.num_sampled for s in snaps),
+            "lookups": self.num_lookups,
+            "sampling_rate": min((s.sampling_rate for s in snaps), default=1.0),
+            "tracked_blocks": sum(s.num_tracked for s in snaps),
+            "advice": self.sentences() if sentences else [],
         }

@@ -122,6 +122,7 @@ class Canary:
         self.block_size = block_size
         self.tolerance = TOLERANCE[dtype]
         self.blocks_per_check = BLOCKS_PER_CHECK
+        self.max_pending = MAX_PENDING
         self.stats = CanaryStats()
         self.on_mismatch: Callable[[Medium, list[BlockHash]], None] | None = None
         self._rng = random.Random(seed)
@@ -158,7 +159,7 @@ class Canary:
     def capture(self, kv_cache: torch.Tensor) -> None:
         """Copy out the bytes the sampled requests were served (call after the step's loads ran)."""
         for cand in self._capturing:
-            if len(self._pending) >= MAX_PENDING:
+            if len(self._pending) >= self.max_pending:
                 self.stats.skipped += 1
                 continue
             ids = torch.tensor(cand.block_ids, dtype=torch.long, device=kv_cache.device)

@@ -2,9 +2,12 @@
 
 ::
 
-    KVCacheManager.observer ──on_adopt(seq, tokens, AdoptedPrefix)──► ReuseTracker.lookup (every block)
+    KVCacheManager.observer ──on_adopt(seq, tokens, AdoptedPrefix)──► device tracker: lookup (every block)
+                                                                   ├► host, disk trackers: the blocks
+                                                                   │  asked of them (faster tiers missed)
                                                                    └► Canary.on_adopt (sampled)
-                            ──on_cached(keys)───────────────────────► ReuseTracker.insert
+                            ──on_cached / on_freed(keys)────────────► device tracker: insert
+    TierCoordinator.on_stored(medium, keys) ─────────────────────────► that tier's tracker: insert
     LLMEngine._execute      ──canary.capture(kv_cache)     LLMEngine.run_idle_work ──canary.run_one(model)
     GET /v1/kv/advice       ──advice(sizes, costs)         GET /v1/kv/canary       ──canary.report(...)
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvtier.insight.advice import Advisor, Costs, TierSize
@@ -27,28 +31,69 @@ from kvtier.stats import Medium
 
 
 class CacheInsight:
-    def __init__(self, canary_rate: float, block_size: int, dtype: str, seed: int = 0, max_keys: int = 8192):
-        self.tracker = ReuseTracker(max_keys)
+    def __init__(
+        self,
+        canary_rate: float,
+        block_size: int,
+        dtype: str,
+        seed: int = 0,
+        max_keys: int = 8192,
+        lower: Sequence[Medium] = (),
+    ):
+        # One tracker per tier with a capacity: the device pool, and the lower tiers in order.
+        self.lower = [m for m in lower if m != Medium.REMOTE]
+        self.trackers = {m: ReuseTracker(max_keys) for m in [Medium.DEVICE, *self.lower]}
+        self.tracker = self.trackers[Medium.DEVICE]
         self.canary = Canary(canary_rate, block_size, dtype, seed)
         self.num_requests = 0  # adopted lookups (one per admitted prompt)
+        self.asked: Counter[Medium] = Counter()  # blocks looked up in each tier
         self.served: Counter[Medium] = Counter()  # blocks served, by tier
 
     def on_adopt(self, seq_id: str, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None:
         self.num_requests += 1
-        self.served.update(adopted.served_by)
-        self.tracker.lookup(adopted.keys)
+        keys, served = adopted.keys, adopted.served_by
+        self.served.update(served)
+        self.asked[Medium.DEVICE] += len(keys)
+        self.tracker.lookup(keys)
+        asked = keys[served.count(Medium.DEVICE) :]  # device hits lead the prefix
+        sources = served[len(keys) - len(asked) :]
+        for medium in self.lower:  # each tier is asked what the faster ones did not serve
+            self.asked[medium] += len(asked)
+            self.trackers[medium].lookup(asked, [m == medium for m in sources])
+            kept = [i for i in range(len(asked)) if i >= len(sources) or sources[i] != medium]
+            asked = [asked[i] for i in kept]
+            sources = tuple(sources[i] for i in kept if i < len(sources))
         self.canary.on_adopt(token_ids, adopted)
 
     def on_cached(self, keys: Sequence[BlockHash]) -> None:
         self.tracker.insert(keys)
 
-    def advice(self, sizes: list[TierSize], costs: Costs) -> dict[str, Any]:
+    def on_freed(self, keys: Sequence[BlockHash]) -> None:
+        self.tracker.insert(keys[::-1])  # the pool evicts a freed sequence's tail first
+
+    def on_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        """A lower tier stored ``keys`` (from the tier above): references in its stream."""
+        tracker = self.trackers.get(medium)
+        if tracker is not None:
+            tracker.insert(keys)
+
+    def advice(self, sizes: list[TierSize], costs: Costs, sentences: bool = True) -> dict[str, Any]:
         """``GET /v1/kv/advice``'s body: per-tier curves, measured ratios and sentences."""
-        answer = Advisor(self.tracker.snapshot(), sizes, costs, self.num_requests).to_json()
-        lookups = self.tracker.num_lookups
+        sizes = [
+            replace(
+                t,
+                snap=self.trackers[Medium(t.medium)].snapshot(),
+                num_asked=self.asked[Medium(t.medium)],
+                num_served=self.served[Medium(t.medium)],
+            )
+            for t in sizes
+            if Medium(t.medium) in self.trackers
+        ]
+        lookups = self.asked[Medium.DEVICE]
+        answer = Advisor(sizes, costs, lookups, self.num_requests).to_json(sentences)
         served = 0
         for size in sizes:  # cumulative through each tier, measured
-            served += self.served.get(Medium(size.medium), 0)
+            served += size.num_served
             if size.medium in answer["tiers"]:
                 answer["tiers"][size.medium]["measured_hit_ratio"] = (
                     round(served / lookups, 6) if lookups else 0.0

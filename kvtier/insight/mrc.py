@@ -24,10 +24,12 @@ sampling depends only on the keys). Torch-free.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 MODULUS = 1 << 24
 BUCKET_GROWTH = 1.02
@@ -81,13 +83,21 @@ class TrackerSnapshot:
     sampling_rate: float
     num_tracked: int  # blocks tracked now (<= max_keys)
 
+    @cached_property
+    def _cumulative(self) -> tuple[list[float], list[float], float]:
+        """(bucket floors ascending, weight of the buckets up to each, total weight incl. COLD)."""
+        floors, cumulative, running = [], [], 0.0
+        for b in sorted(b for b in self.histogram if b != COLD):
+            running += self.histogram[b]
+            floors.append(bucket_floor(b))
+            cumulative.append(running)
+        return floors, cumulative, sum(self.histogram.values())
+
     def hit_ratio(self, capacity_blocks: float) -> float:
         """Estimated fraction of looked-up blocks an LRU cache of ``capacity_blocks`` would have held."""
-        total = sum(self.histogram.values())
-        if total <= 0:
-            return 0.0
-        hits = sum(w for b, w in self.histogram.items() if b != COLD and bucket_floor(b) < capacity_blocks)
-        return hits / total
+        floors, cumulative, total = self._cumulative
+        n = bisect.bisect_left(floors, capacity_blocks)  # buckets whose smallest distance fits
+        return cumulative[n - 1] / total if n and total > 0 else 0.0
 
 
 class ReuseTracker:
@@ -112,12 +122,14 @@ class ReuseTracker:
         return self.threshold / MODULUS
 
     # ------------------------------------------------------------------------------ the stream
-    def lookup(self, keys: Sequence[bytes]) -> None:
-        """One prompt's full blocks, in order: each is a lookup (counted) and a reference."""
+    def lookup(self, keys: Sequence[bytes], touched: Sequence[bool] | None = None) -> None:
+        """One prompt's full blocks, in order: each is a lookup (counted) and a reference. A tier that
+        only refreshes a block when it serves it (the host and disk tiers: a miss is not stored there
+        by the lookup) passes ``touched``: which keys it served; the others are measured, not moved."""
         self.num_lookups += len(keys)
         chain = 0.0  # the largest distance so far in this prompt: a block hits only if its parents do
-        for key in keys:
-            distance = self._reference(key)
+        for i, key in enumerate(keys):
+            distance = self._reference(key, touch=touched is None or (i < len(touched) and touched[i]))
             if distance is None:
                 continue
             chain = math.inf if distance < 0 else max(chain, distance)
@@ -139,13 +151,20 @@ class ReuseTracker:
         bucket = COLD if math.isinf(distance) else bucket_of(distance)
         self.histogram[bucket] = self.histogram.get(bucket, 0.0) + 1.0 / self.rate
 
-    def _reference(self, key: bytes) -> float | None:
+    def _reference(self, key: bytes, touch: bool = True) -> float | None:
         """Reference ``key``: None if not sampled; -1.0 for a first reference; else its distance in
-        real blocks (distinct sampled blocks since its last reference, over the rate)."""
+        real blocks (distinct sampled blocks since its last reference, over the rate). ``touch``:
+        it becomes the most recent (else it is only measured)."""
         h = key_hash(key)
         if h >= self.threshold:
             return None
         last = self._last.get(key)
+        if not touch:
+            return (
+                -1.0
+                if last is None
+                else (self._times.prefix(self._now) - self._times.prefix(last)) / self.rate
+            )
         if self._now >= self._clock_size:
             self._compact()
             last = self._last.get(key)

@@ -87,11 +87,13 @@ class AdoptedPrefix:
 
 
 class AccessObserver(Protocol):
-    """Told of every adopted prefix lookup and of every block newly entered into the device cache
-    (the miss-ratio tracker and the canary); called on the scheduler's thread, must be cheap."""
+    """Told of every adopted prefix lookup, of every block newly entered into the device cache, and of
+    a sequence's cached blocks when it frees them (the miss-ratio trackers and the canary); called on
+    the scheduler's thread, must be cheap."""
 
     def on_adopt(self, seq_id: str, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None: ...
     def on_cached(self, keys: Sequence[BlockHash]) -> None: ...
+    def on_freed(self, keys: Sequence[BlockHash]) -> None: ...
 
 
 @dataclass
@@ -441,6 +443,8 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
             self.pool.free_blocks(reversed(seq.blocks))
+            if self.observer is not None:  # the eviction order the pool now has: tail first
+                self.observer.on_freed(seq.block_hashes[: seq.num_cached_blocks])
         swapped = self._swapped.pop(seq_id, None)
         if swapped is not None:
             assert self.tiers is not None

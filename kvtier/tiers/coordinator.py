@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -109,6 +109,8 @@ class TierCoordinator:
         # is loaded from them until ``release``. Quarantining HOST stops every load from below the
         # device, since disk and remote blocks are staged through host memory.
         self.quarantined: set[Medium] = set()
+        # Told of the blocks each tier stores (from the tier above), for its miss-ratio curve.
+        self.on_stored: Callable[[Medium, Sequence[BlockKey]], None] | None = None
 
     # ------------------------------------------------------------------------------ quarantine
     def quarantine(self, medium: Medium) -> None:
@@ -314,6 +316,8 @@ class TierCoordinator:
         self.host.complete_load(plan.load_keys)
         self.host.discard(plan.discard_keys)
         shared = [k for k in plan.store_keys if k not in self._private]
+        if self.on_stored is not None and shared:
+            self.on_stored(Medium.HOST, shared)
         self._private.difference_update(plan.discard_keys)  # private until dropped (KV events hide them)
         for level in self.external:
             if level.policy == "write_through" and level.active:
@@ -431,5 +435,7 @@ class TierCoordinator:
         else:
             level.storing.discard(r.key)
             tier.complete_store([r.key], ok=r.ok, seconds=r.seconds)
+            if r.ok and self.on_stored is not None:
+                self.on_stored(tier.medium, [r.key])
             if not r.ok and r.fatal and not tier.disabled:
                 tier.disable(r.error or "write failed")
