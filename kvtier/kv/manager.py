@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
@@ -73,6 +73,8 @@ class ComputedBlocks:
 
 
 NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
+
+BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
 
 
 @dataclass(frozen=True)
@@ -155,8 +157,12 @@ class KVCacheManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self._swapped: dict[str, _Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        # Device blocks whose KV was loaded from a lower tier: block_id -> (the key it was loaded under,
+        # that tier). Absent: computed on the device. Only read by ``block_map``; dropped on eviction.
+        self._origins: dict[int, tuple[BlockHash, Medium]] = {}
 
     def _evicted(self, block: KVBlock) -> None:
+        self._origins.pop(block.block_id, None)
         if self._on_evict is not None:
             self._on_evict(block)
         if self.tiers is not None and block.block_hash is not None:
@@ -286,7 +292,7 @@ class KVCacheManager:
         self._seqs[seq_id] = seq
         fresh = self.pool.get_new_blocks(len(load_keys) + num_fresh)
         if load_keys:
-            self._load_into(seq, token_ids, load_keys, fresh[: len(load_keys)])
+            self._load_into(seq, token_ids, computed.lower, fresh[: len(load_keys)])
         seq.blocks.extend(fresh[len(load_keys) :])
         if self.observer is not None:
             self._observe_adopt(seq_id, token_ids, computed, seq, extra_keys)
@@ -334,17 +340,19 @@ class KVCacheManager:
         return hit_blocks
 
     def _load_into(
-        self, seq: _SeqBlocks, token_ids: Sequence[int], keys: Sequence[BlockHash], blocks: list[KVBlock]
+        self, seq: _SeqBlocks, token_ids: Sequence[int], hit: LowerHit, blocks: list[KVBlock]
     ) -> None:
-        """Plan loads of host-tier ``keys`` into fresh ``blocks`` appended to the table; they are cached
-        under their keys at once (the step's plan fills them before any forward reads them)."""
+        """Plan loads of the host-tier keys of ``hit`` into fresh ``blocks`` appended to the table; they
+        are cached under their keys at once (the step's plan fills them before any forward reads them)."""
         assert self.tiers is not None
         bs = self.block_size
+        keys = hit.host_keys
         self.tiers.load(keys, [block.block_id for block in blocks])
         first = len(seq.blocks)
         for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
             i = first + j
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+            self._origins[block.block_id] = (key, hit.source_of(j))
         seq.blocks.extend(blocks)
         seq.block_hashes.extend(keys)
 
@@ -493,6 +501,7 @@ class KVCacheManager:
         seq.blocks = fresh
         for i in range(seq.num_cached_blocks):
             self._cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
+            self._origins[fresh[i].block_id] = (seq.block_hashes[i], Medium.HOST)
         self._seqs[seq_id] = seq
         return True
 
@@ -526,6 +535,18 @@ class KVCacheManager:
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
         return [(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None]
+
+    def block_map(self) -> tuple[list[BlockState], dict[int, Medium]]:
+        """Each device block's state (by block id), and the tier the KV of the blocks loaded from below
+        came from (any other block's was computed on the device). Read-only, O(num_blocks), allocating
+        no object per block (a pool of 100k blocks in milliseconds): for the dashboard, not the step."""
+        blocks = self.pool.blocks
+        states: list[BlockState] = [
+            "in_use" if b.ref_cnt > 0 else "free" if b.block_hash is None else "cached" for b in blocks
+        ]
+        # The key check skips a stale entry (a loaded block that was not cached under its key).
+        loaded = {i: medium for i, (key, medium) in self._origins.items() if blocks[i].block_hash == key}
+        return states, loaded
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""

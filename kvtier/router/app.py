@@ -44,6 +44,7 @@ from kvtier.router.errors import RouterError
 from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import forward
+from kvtier.server.dashboard import page_routes
 
 logger = logging.getLogger("kvtier.router")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -233,4 +234,5 @@ ROUTES = [
     Endpoint("/router/state", state, methods=["GET"]),
     Endpoint("/router/explain", keyed(explain), methods=["POST"]),
     Endpoint("/admin/replicas", keyed(admin_replicas), methods=["POST", "DELETE"]),
+    *page_routes(cluster=True),  # GET /dashboard: the cluster's live page (kvtier/server/dashboard.py)
 ]

@@ -56,6 +56,7 @@ from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import prompts
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
+from kvtier.server.dashboard import dashboard_router
 from kvtier.server.kv_routes import kv_router
 from kvtier.server.limits import RequestLimits
 from kvtier.server.metrics import ServerMetrics
@@ -171,6 +172,7 @@ def create_app(
     app.add_exception_handler(Exception, _internal)
     app.include_router(v1)
     app.include_router(kv_router(check_key))  # GET /v1/kv/info, /v1/kv/blocks
+    app.include_router(dashboard_router(app, check_key))  # GET /dashboard, /v1/kv/dashboard
     app.include_router(root)
     return app
 
