@@ -27,6 +27,7 @@ class FakeEngine:
         self.tokenizer = SimpleNamespace(max_token_chars=1)  # AsyncEngine copies these two when loaded
         self.max_model_len = 64
         self.scheduler = SimpleNamespace(waiting=[])  # read for the queue's weight
+        self.has_idle_work = False  # no canary checks waiting (kvtier/insight)
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)
