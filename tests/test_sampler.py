@@ -49,6 +49,12 @@ def test_top_p_falls_back_to_a_full_sort_when_candidates_hold_too_little_mass() 
     assert max(seen) > 256  # tokens beyond the first 256 candidates are reachable
 
 
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token() -> None:
+    """top_p=6e-295 (found by the hostile fuzzer) rounds to 0 in float32: the nucleus is still the
+    most likely token, never empty."""
+    assert set(draws(SamplingParams(temperature=1.0, top_p=6.030219558406741e-295), n=50)) == {0}
+
+
 def test_top_p_on_a_peaked_distribution_uses_candidates() -> None:
     logits = torch.full((1, VOCAB), -20.0)
     logits[0, :3] = torch.tensor([2.0, 1.0, 0.0])

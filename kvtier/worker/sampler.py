@@ -103,6 +103,7 @@ class Sampler:
                 vals, ids = torch.topk(probs, k)
                 cum = vals.cumsum(0)
             keep = (cum - vals) < p.top_p  # the smallest prefix whose mass reaches top_p
+            keep[0] = True  # the most likely token always stays (a top_p below float32's range keeps none)
             vals, ids = vals[keep], ids[keep]
         if p.min_p > 0.0:
             vals = vals.masked_fill(vals < p.min_p * vals[0], 0.0)
