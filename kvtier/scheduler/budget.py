@@ -20,7 +20,7 @@ from kvtier.scheduler.preemption import CostModel
 
 # When the decodes alone take longer than the target, prefill still gets this share of a decode
 # step's time: a step is then at most (1 + share) decode steps long.
-MIN_PREFILL_SHARE = 0.5
+MIN_PREFILL_SHARE = 1.0
 MIN_PREFILL_TOKENS = 16
 
 
