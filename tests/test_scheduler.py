@@ -280,6 +280,9 @@ def test_kv_need_counts_cached_prompt_blocks_and_admission_math() -> None:
     assert s.kv_need_for(same, ("m", ""), 64, 4096) == 8 - 3  # 128 tokens = 8 blocks, 3 cached
     assert s.kv_need_for(same, ("other", ""), 64, 4096) == 8  # another tenant's salt: nothing cached
     assert s.kv_need_for(same, ("m", ""), 64, 4096, n=3) == 5 + 2 * 4
+    # Without max_tokens a request counts as 1,024 more tokens, within max_model_len.
+    assert s.kv_need_for(same, ("m", ""), None, 4096) == (64 + 1024) // 16 - 3
+    assert s.kv_need_for(same, ("m", ""), None, 256) == 256 // 16 - 3
 
     clock = [100.0]
     a = KVAdmission(2.0, 64, clock=lambda: clock[0])

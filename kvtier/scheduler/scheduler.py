@@ -53,6 +53,9 @@ from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
 
 STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row goes first
+# A request without max_tokens may run to max_model_len; the KV admission estimate counts it as this
+# many output tokens (at most what its context leaves), not the worst case.
+UNSPECIFIED_OUTPUT_TOKENS = 1024
 
 
 class _Stop(Exception):
@@ -168,7 +171,11 @@ class Scheduler:
 
     def kv_need_blocks(self, seq: Sequence) -> int:
         """Device blocks ``seq`` still needs to reach ``max_total_tokens`` (prompt + max_tokens)."""
-        total = -(-seq.max_total_tokens // self.kv.block_size)
+        max_total = seq.max_total_tokens
+        if seq.params.max_tokens is None:
+            expected = seq.num_prompt_tokens + UNSPECIFIED_OUTPUT_TOKENS
+            max_total = min(max_total, max(expected, seq.num_tokens + 1))
+        total = -(-max_total // self.kv.block_size)
         if seq.status is SequenceStatus.RUNNING:
             return max(0, total - len(self.kv.block_ids(seq.seq_id)))
         return max(0, total - seq.kv_cached_blocks)
@@ -181,10 +188,12 @@ class Scheduler:
         max_model_len: int,
         n: int = 1,
     ) -> int:
-        """The device blocks a new request would need: prompt + ``max_tokens`` (default: up to
-        ``max_model_len``) minus the cached prompt blocks; each of ``n`` completions its own output."""
+        """The device blocks a new request would need: prompt + ``max_tokens`` (None:
+        ``UNSPECIFIED_OUTPUT_TOKENS``) within ``max_model_len``, minus the cached prompt blocks; each of
+        ``n`` completions its own output."""
         bs, num_prompt = self.kv.block_size, len(token_ids)
-        total = min(max_model_len, num_prompt + (max_tokens if max_tokens is not None else max_model_len))
+        output = max_tokens if max_tokens is not None else UNSPECIFIED_OUTPUT_TOKENS
+        total = min(max_model_len, num_prompt + output)
         need = -(-total // bs) - self.num_cached_device_blocks(token_ids, extra_keys)
         return max(0, need) + (n - 1) * -(-(total - num_prompt) // bs)
 
