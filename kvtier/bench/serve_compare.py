@@ -99,8 +99,15 @@ async def _compare(ns: argparse.Namespace, urls: dict[str, str]) -> dict[str, An
             work = workload(ns.num_requests, ns.prompt_len, ns.output_len, ns.workload_seed + i)
             for label in POLICIES if i % 2 == 0 else POLICIES[::-1]:
                 results, seconds = await run_load(clients[label], model, work, rate, ns.workload_seed + i)
-                rows.append((label, summarize(rate, results, seconds)))
-                print(f"  {label}: rate {rate:g} req/s done in {seconds:.1f}s", file=sys.stderr, flush=True)
+                row = summarize(rate, results, seconds)
+                rows.append((label, row))
+                print(
+                    f"  {label}: rate {rate:g} req/s done in {seconds:.1f}s: {row.tokens_per_s:.1f} tok/s, "
+                    f"TTFT p90 {row.ttft_p90:.2f}s, ITL p50 {row.itl_p50 * 1000:.0f}ms p99 "
+                    f"{row.itl_p99 * 1000:.0f}ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
         mixed: dict[str, dict[str, float]] = {}
         if ns.mixed:
             work, longs = mixed_workload(ns)
@@ -108,7 +115,7 @@ async def _compare(ns: argparse.Namespace, urls: dict[str, str]) -> dict[str, An
             for label, client in clients.items():
                 results, seconds = await run_load(client, model, work, rate, ns.workload_seed + 500)
                 mixed[label] = _mixed_row(results, seconds, longs)
-                print(f"  mixed, {label}: done in {seconds:.1f}s", file=sys.stderr, flush=True)
+                print(f"  mixed, {label}: done in {seconds:.1f}s: {mixed[label]}", file=sys.stderr, flush=True)
     finally:
         for client in clients.values():
             await client.aclose()
