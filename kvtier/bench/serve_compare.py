@@ -115,7 +115,8 @@ async def _compare(ns: argparse.Namespace, urls: dict[str, str]) -> dict[str, An
             for label, client in clients.items():
                 results, seconds = await run_load(client, model, work, rate, ns.workload_seed + 500)
                 mixed[label] = _mixed_row(results, seconds, longs)
-                print(f"  mixed, {label}: done in {seconds:.1f}s: {mixed[label]}", file=sys.stderr, flush=True)
+                done = f"  mixed, {label}: done in {seconds:.1f}s: {mixed[label]}"
+                print(done, file=sys.stderr, flush=True)
     finally:
         for client in clients.values():
             await client.aclose()
