@@ -214,6 +214,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "multiturn": "multi-turn chat TTFT: no caching, device, +host, +disk, restart",
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
+    "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
 }
 
 
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_help = "OpenAI-compatible HTTP server (/v1 chat and completions, /metrics)"
     _lazy(sub, "serve", "kvtier.server.serve", serve_help)
+    router_help = "cache-aware router in front of several 'kvtier serve' replicas (same OpenAI API)"
+    _lazy(sub, "router", "kvtier.router.cli", router_help)
 
     bench = sub.add_parser("bench", help="benchmarks (print a table)").add_subparsers(
         dest="bench", required=True

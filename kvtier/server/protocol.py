@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict
+from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams

@@ -1,0 +1,17 @@
+"""``kvtier router``: an OpenAI-compatible, cache-aware reverse proxy in front of ``kvtier serve`` replicas.
+
+::
+
+    cli.py       flags -> RouterSettings; uvicorn
+    app.py       the HTTP routes (the replicas' /v1 API, /health, /metrics, /router/state, /admin/replicas)
+    proxy.py     one request through to a replica and back, byte for byte; retry before the first byte
+    core.py      Router: the state, and choose() (which replicas, best first)
+    policy.py    cache_aware / round_robin / least_loaded: pure functions over numbers
+    prompt.py    a request's token ids and block hashes, exactly as the engine computes them
+    replicas.py  health checks, /v1/kv/info, load (/metrics)
+    index.py     ReplicaIndex: the blocks one replica holds, per medium, bounded
+    sync.py      keeping the indexes current: KV event streams (Redis) or polling /v1/kv/blocks
+    metrics.py   kvtier_router:... Prometheus metrics
+
+No module here imports torch (``tests/test_router.py`` checks it). See ``docs/router.md``.
+"""

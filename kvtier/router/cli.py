@@ -1,0 +1,156 @@
+"""``kvtier router``: the flags, and running the router with uvicorn.
+
+::
+
+    kvtier router --host 0.0.0.0 --port 8000 \\
+                  --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \\
+                  [--kv-remote-url redis://127.0.0.1:6379/0] \\
+                  [--policy cache_aware|round_robin|least_loaded] \\
+                  [--api-key KEY] [--model PATH] [--prefix-cache-scope shared|user]
+
+Importing this module is cheap (``kvtier --help`` may import it); FastAPI and uvicorn load in ``main``.
+Nothing the router imports pulls in torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kvtier.config import ConfigError
+from kvtier.router.policy import POLICIES, CostModel
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    g.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a 'kvtier serve' replica, http://host:port (repeatable; more: POST /admin/replicas)",
+    )
+    g.add_argument(
+        "--kv-remote-url",
+        default=None,
+        help="the Redis the replicas publish KV events to (redis://host:port/db): the router follows "
+        "their event streams; without it, it polls each replica's GET /v1/kv/blocks",
+    )
+    g.add_argument("--policy", choices=POLICIES, default="cache_aware", help="default cache_aware")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KVTIER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $KVTIER_API_KEY, else none); the router "
+        "passes the client's header on and uses the key for its own calls to the replicas",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="where the tokenizer comes from: the model the replicas serve (default: the embedded "
+        "SmolLM2, like kvtier serve); checked against each replica's model fingerprint",
+    )
+    g.add_argument(
+        "--prefix-cache-scope",
+        choices=["shared", "user"],
+        default="shared",
+        help="as the replicas were started with (default shared)",
+    )
+    _add_tuning_args(p)
+    p.set_defaults(func=main)
+
+
+def _add_tuning_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("router tuning")
+    cost = CostModel()
+    g.add_argument(
+        "--load-tokens",
+        type=float,
+        default=cost.load_tokens,
+        help="one queued request weighs like this many uncached prompt tokens "
+        f"(default {cost.load_tokens:g})",
+    )
+    g.add_argument(
+        "--remote-cost",
+        type=float,
+        default=cost.remote_cost,
+        help="a block in the shared remote tier costs this fraction of computing it "
+        f"(default {cost.remote_cost:g})",
+    )
+    g.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls (default 1)")
+    g.add_argument(
+        "--max-index-blocks",
+        type=int,
+        default=262_144,
+        help="blocks remembered per replica; the oldest are forgotten beyond (default 262144)",
+    )
+    g.add_argument(
+        "--max-request-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)"
+    )
+    g.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="default warning",
+    )
+
+
+def settings_from(ns: argparse.Namespace):  # noqa: ANN201 (RouterSettings, imported lazily)
+    from kvtier.router.core import RouterSettings
+    from kvtier.router.replicas import normalize_url
+
+    if not 0 <= ns.port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {ns.port}")
+    for flag in ("load_tokens", "remote_cost", "poll_interval"):
+        value = getattr(ns, flag)
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    for flag in ("max_index_blocks", "max_request_bytes"):
+        if getattr(ns, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(ns, flag)}")
+    if ns.kv_remote_url is not None and not ns.kv_remote_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"--kv-remote-url must be a redis:// URL, got {ns.kv_remote_url!r}")
+    try:
+        replicas = [normalize_url(u) for u in ns.replica]
+    except ValueError as exc:
+        raise ConfigError(f"--replica: {exc}") from None
+    cost = CostModel(remote_cost=ns.remote_cost, load_tokens=ns.load_tokens)
+    return RouterSettings(
+        replicas=replicas,
+        policy=ns.policy,
+        kv_remote_url=ns.kv_remote_url,
+        api_key=ns.api_key,
+        model=ns.model,
+        prefix_cache_scope=ns.prefix_cache_scope,
+        cost=cost,
+        max_index_blocks=ns.max_index_blocks,
+        max_request_bytes=ns.max_request_bytes,
+        poll_interval=ns.poll_interval,
+    )
+
+
+def main(ns: argparse.Namespace) -> int:
+    settings = settings_from(ns)
+    import logging
+
+    import uvicorn
+
+    from kvtier.router.app import create_app
+    from kvtier.server.serve import bind
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(message)s")
+    sock = bind(ns.host, ns.port)
+    host, port = sock.getsockname()[:2]
+    app = create_app(settings)
+    mode = f"KV events from {settings.kv_remote_url}" if settings.kv_remote_url else "polling /v1/kv/blocks"
+    print(
+        f"kvtier: router on http://{host}:{port} ({settings.policy}, {mode}) in front of "
+        f"{len(settings.replicas)} replica(s): {', '.join(settings.replicas) or 'none yet'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=ns.log_level, timeout_keep_alive=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0

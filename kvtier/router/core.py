@@ -1,0 +1,233 @@
+"""The router's state and its one decision: which replicas (best first) serve this request.
+
+::
+
+    choose(path, body, authorization)
+      healthy replicas ──► none: NoReplica (503)
+      policy cache_aware and the tokenizer loaded:
+        prompt token ids (kvtier.router.prompt) ──► per (cache identity, block size): block hashes
+        per replica: cached tokens (its own tiers, from its index), remote tokens (the shared tier)
+      kvtier.router.policy.decide(...) ──► Route(replicas best first, decision)
+
+Tokenizing runs on a small thread pool, never on the event loop. ``RouterSettings`` holds the flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvtier.kv.hashing import BlockHash
+from kvtier.router import policy as policies
+from kvtier.router.index import DEFAULT_MAX_BLOCKS, remote_run
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.prompt import Prompt, load_tokenizer, parse_prompt
+from kvtier.router.replicas import Replica, ReplicaSet
+from kvtier.router.sync import IndexSync
+from kvtier.tokenizer import Tokenizer
+
+logger = logging.getLogger("kvtier.router")
+
+
+@dataclass
+class RouterSettings:
+    replicas: list[str]
+    policy: str = "cache_aware"
+    kv_remote_url: str | None = None
+    api_key: str | None = None
+    model: str | None = None  # where the tokenizer comes from (None: the embedded default)
+    prefix_cache_scope: str = "shared"
+    cost: policies.CostModel = field(default_factory=policies.CostModel)
+    max_index_blocks: int = DEFAULT_MAX_BLOCKS
+    max_request_bytes: int = 4 * 2**20
+    poll_interval: float = 1.0
+
+
+class NoReplica(Exception):
+    """No healthy replica to send the request to."""
+
+
+@dataclass(frozen=True)
+class Route:
+    replicas: list[Replica]  # best first; a retry takes the next
+    decision: policies.Decision
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, client: httpx.AsyncClient) -> None:
+        if settings.policy not in policies.POLICIES:
+            raise ValueError(
+                f"--policy must be one of {', '.join(policies.POLICIES)}, got {settings.policy!r}"
+            )
+        self.settings = settings
+        self.client = client
+        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        self.replicas = ReplicaSet(
+            client, headers, max_blocks=settings.max_index_blocks, fingerprint=lambda: self.fingerprint
+        )
+        for url in settings.replicas:
+            self.replicas.add(url)
+        self.sync = IndexSync(self.replicas, settings.kv_remote_url, settings.poll_interval)
+        self.metrics = RouterMetrics(lambda: list(self.replicas.replicas.values()), lambda: self.sync.mode)
+        self.tokenizer: Tokenizer | None = None
+        self.fingerprint: str | None = None
+        self.tokenizer_error: str | None = None
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-router-tokenize")
+        self._turn = itertools.count()
+        self._identity_checked = False
+
+    # ------------------------------------------------------------------------------ start-up
+    def load_tokenizer_in_background(self) -> threading.Thread:
+        """Load the tokenizer on a thread (the router serves meanwhile, by load)."""
+
+        def load() -> None:
+            try:
+                tokenizer, fingerprint = load_tokenizer(self.settings.model)
+            except Exception as exc:  # ConfigError, OSError: cache-aware routing stays off
+                self.tokenizer_error = f"{type(exc).__name__}: {exc}"
+                logger.warning("router: no tokenizer (%s); routing by load", self.tokenizer_error)
+                return
+            import kvtier.server.protocol  # noqa: F401  the request models parse_prompt uses, loaded now
+
+            self.fingerprint = fingerprint
+            self.tokenizer = tokenizer
+
+        thread = threading.Thread(target=load, name="kvtier-router-tokenizer", daemon=True)
+        thread.start()
+        return thread
+
+    def background_tasks(self) -> list[Any]:
+        """The coroutines to run while the router serves: health checks, index polling, events."""
+        tasks = [self.replicas.run(), self.sync.run_polling()]
+        if self.settings.kv_remote_url:
+            tasks.append(self.sync.run_events())
+        return tasks
+
+    # ------------------------------------------------------------------------------ the decision
+    async def choose(self, path: str, body: Any, authorization: str = "") -> Route:
+        """The replicas for this request, best first; NoReplica when none is healthy."""
+        start = time.perf_counter()
+        if not self.replicas.healthy():
+            raise NoReplica("no healthy replica")
+        prompt = None
+        if self.settings.policy == "cache_aware" and self.tokenizer is not None:
+            if not self._identity_checked:  # the replicas seen before the tokenizer loaded
+                self._identity_checked = True
+                self.replicas.recheck_identity()
+            prompt = await self.prompt(path, body, authorization)
+        healthy = self.replicas.healthy()  # again: one may have gone while the prompt was tokenized
+        if not healthy:
+            raise NoReplica("no healthy replica")
+        candidates, matched = self._candidates(healthy, prompt)
+        num_tokens = len(prompt.token_ids) if prompt is not None and matched else None
+        turn = next(self._turn)
+        decision = policies.decide(self.settings.policy, candidates, num_tokens, self.settings.cost, turn)
+        self.metrics.latency.observe(time.perf_counter() - start)
+        if decision.reason in ("cache_hit", "load") and self.settings.policy == "cache_aware":
+            self.metrics.cached_tokens.observe(decision.cached_tokens)
+        return Route([healthy[i] for i in decision.ranking], decision)
+
+    async def prompt(self, path: str, body: Any, authorization: str) -> Prompt | None:
+        """The request's token ids and salt (on the tokenizer pool); None without a tokenizer or for a
+        body the replica would refuse."""
+        if self.tokenizer is None:
+            return None
+        scope = self.settings.prefix_cache_scope
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, parse_prompt, self.tokenizer, path, body, authorization, scope
+        )
+
+    def any_replicas(self) -> list[Replica]:
+        """Healthy replicas in turn, for a request that is not a completion (``/v1/models``)."""
+        healthy = self.replicas.healthy()
+        if not healthy:
+            raise NoReplica("no healthy replica")
+        k = next(self._turn) % len(healthy)
+        return healthy[k:] + healthy[:k]
+
+    async def block_hashes(self, path: str, body: Any, authorization: str) -> dict[str, Any]:
+        """``{"num_tokens", "per_replica": {url: [hex hash]}}`` as the router computes them."""
+        prompt = await self.prompt(path, body, authorization)
+        if prompt is None:
+            return {"num_tokens": None, "per_replica": {}}
+        per_replica = {
+            r.url: [h.hex() for h in prompt.block_hashes(r.info["cache_identity"], int(r.info["block_size"]))]
+            for r in self.replicas.replicas.values()
+            if r.info is not None
+        }
+        return {"num_tokens": len(prompt.token_ids), "per_replica": per_replica}
+
+    def _candidates(
+        self, healthy: list[Replica], prompt: Prompt | None
+    ) -> tuple[list[policies.Candidate], bool]:
+        """The policy's view of each healthy replica, and whether any could be matched at all."""
+        if prompt is None:
+            return [policies.Candidate(r.url, r.load) for r in healthy], False
+        scorable = [r for r in healthy if r.scorable]
+        indexes = [r.index for r in scorable]
+        chains: dict[tuple[str, int], list[BlockHash]] = {}
+        out = []
+        for r in healthy:
+            if not r.scorable:
+                out.append(policies.Candidate(r.url, r.load))
+                continue
+            assert r.info is not None
+            key = (r.info["cache_identity"], int(r.info["block_size"]))
+            if key not in chains:
+                chains[key] = prompt.block_hashes(*key)
+            hashes = chains[key]
+            local = r.index.local_prefix(hashes)
+            remote = remote_run(indexes, hashes, local)
+            out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1]))
+        return out, bool(scorable)
+
+    def explain(self, route: Route) -> dict[str, Any]:
+        return {
+            "policy": self.settings.policy,
+            "reason": route.decision.reason,
+            "cached_tokens": route.decision.cached_tokens,
+            "ranking": [r.url for r in route.replicas],
+            "costs": list(route.decision.costs),
+        }
+
+    # ------------------------------------------------------------------------------ state
+    def state(self) -> dict[str, Any]:
+        """``GET /router/state``."""
+        return {
+            "object": "router.state",
+            "mode": self.sync.mode,
+            "redis_ok": self.sync.redis_ok if self.settings.kv_remote_url else None,
+            "policy": self.settings.policy,
+            "tokenizer": {
+                "loaded": self.tokenizer is not None,
+                "model_fingerprint": self.fingerprint,
+                "error": self.tokenizer_error,
+            },
+            "replicas": [
+                _replica_state(r) for r in sorted(self.replicas.replicas.values(), key=lambda r: r.url)
+            ],
+        }
+
+
+def _replica_state(r: Replica) -> dict[str, Any]:
+    return {
+        "url": r.url,
+        "replica_id": (r.info or {}).get("replica_id"),
+        "healthy": r.healthy,
+        "running": r.running,
+        "waiting": r.waiting,
+        "in_flight": r.in_flight,
+        "routed": dict(r.routed),
+        "indexed_blocks": r.index.counts(),
+        "index_source": r.index_source(),
+        "problem": r.problem,
+        "last_error": r.last_error,
+    }

@@ -1,0 +1,97 @@
+"""The router's Prometheus metrics, under ``kvtier_router:``, in a registry of their own.
+
+::
+
+    kvtier_router:requests_routed_total{replica, reason}     reason: cache_hit, load, fallback,
+                                                             round_robin, retry (kvtier.router.policy)
+    kvtier_router:request_failures_total{reason}             no_replica, upstream (no byte sent back)
+    kvtier_router:estimated_cached_tokens                    histogram: the winner's cached tokens per
+                                                             cache-aware decision
+    kvtier_router:routing_latency_seconds                    histogram: body parsed -> replica chosen
+                                                             (tokenizing and hashing included)
+    kvtier_router:index_mode{mode}                           1 for the configured mode (events|polling)
+    kvtier_router:replica_healthy{replica}                   1 up, 0 down
+    kvtier_router:replica_load{replica}                      running + waiting (or in flight)
+    kvtier_router:replica_index_source{replica, source}      1 for how its index is kept now
+                                                             (events|polling|none)
+    kvtier_router:replica_indexed_blocks{replica, medium}    blocks in the router's index of it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.router.replicas import Replica
+
+PREFIX = "kvtier_router:"
+_TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+SOURCES = ("events", "polling", "none")
+
+
+class _ReplicaCollector(Collector):
+    """Gauges read from the replicas at scrape time."""
+
+    def __init__(self, replicas: Callable[[], list[Replica]], mode: Callable[[], str]) -> None:
+        self.replicas = replicas
+        self.mode = mode
+
+    def collect(self) -> Iterator[Metric]:
+        mode = GaugeMetricFamily(PREFIX + "index_mode", "1 for the index mode in use.", labels=["mode"])
+        for name in ("events", "polling"):
+            mode.add_metric([name], 1.0 if self.mode() == name else 0.0)
+        yield mode
+        healthy = GaugeMetricFamily(PREFIX + "replica_healthy", "1 up, 0 down.", labels=["replica"])
+        load = GaugeMetricFamily(PREFIX + "replica_load", "Requests queued on it.", labels=["replica"])
+        source = GaugeMetricFamily(
+            PREFIX + "replica_index_source", "How its block index is kept.", labels=["replica", "source"]
+        )
+        blocks = GaugeMetricFamily(
+            PREFIX + "replica_indexed_blocks", "Blocks indexed, per medium.", labels=["replica", "medium"]
+        )
+        for r in self.replicas():
+            healthy.add_metric([r.url], 1.0 if r.healthy else 0.0)
+            load.add_metric([r.url], float(r.load))
+            now = r.index_source() or "none"
+            for s in SOURCES:
+                source.add_metric([r.url, s], 1.0 if s == now else 0.0)
+            for medium, n in r.index.counts().items():
+                blocks.add_metric([r.url, medium], float(n))
+        yield from (healthy, load, source, blocks)
+
+
+class RouterMetrics:
+    def __init__(self, replicas: Callable[[], list[Replica]], mode: Callable[[], str]) -> None:
+        self.registry = CollectorRegistry()
+        self.routed = Counter(
+            PREFIX + "requests_routed",
+            "Requests sent to a replica, by reason.",
+            ["replica", "reason"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            PREFIX + "request_failures",
+            "Requests answered with an error by the router itself.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Histogram(
+            PREFIX + "estimated_cached_tokens",
+            "Prompt tokens the chosen replica is estimated to hold, per cache-aware decision.",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            PREFIX + "routing_latency_seconds",
+            "Time to choose a replica (tokenizing and hashing included).",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_ReplicaCollector(replicas, mode))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,98 @@
+"""A request's block hashes, computed by the router exactly as the replica's engine computes them.
+
+::
+
+    body ──► the replica's own request models (kvtier.server.protocol): conversation / prompts
+         ──► token ids: chat template + tokenizer (``Tokenizer.encode_chat``), or ``encode``, or the ids
+         ──► root_hash((cache_identity, cache_salt or "")) ──► hash_full_blocks(ids, block_size)
+
+The tokenizer is the model's own, found the way the replica finds it: ``--model`` (default: the
+embedded SmolLM2, like ``kvtier serve``), an HF directory read directly, a GGUF through the shared
+conversion cache (``$KVTIER_CACHE_DIR``; converted with numpy when missing, as the replica does). The
+model fingerprint the router computes is compared with every replica's ``GET /v1/kv/info``: a replica
+serving another model is routed by load only. ``cache_identity``, ``block_size`` and the hash spec
+version come from each replica's ``/v1/kv/info`` (``docs/block-hashes.md``).
+
+With ``--prefix-cache-scope user`` (set it like the replicas) the salt is derived from the tenant the
+way ``kvtier.server.app.tenant_salt`` derives it.
+
+Nothing here imports torch: the router starts in well under a second and loads the tokenizer on a
+thread meanwhile (requests arriving before it is loaded are routed by load, reason ``fallback``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.config import ConfigError
+from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
+from kvtier.tokenizer import Tokenizer
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
+    """``(tokenizer, model fingerprint)`` of ``model`` (None: the embedded default), without torch."""
+    from kvtier.models.loader import converted_dir, fingerprint_hf_dir, resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        return Tokenizer.from_dir(path), fingerprint_hf_dir(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ConfigError(f"{path} holds {len(ggufs)} GGUF files; name the one the replicas serve")
+        path = ggufs[0]
+    target, fingerprint = converted_dir(Path(path))
+    return Tokenizer.from_dir(target), fingerprint
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the router needs of a request: its token ids and its salt."""
+
+    token_ids: list[int]
+    cache_salt: str | None
+
+    def block_hashes(self, cache_identity: str, block_size: int) -> list[BlockHash]:
+        root = root_hash((cache_identity, self.cache_salt or ""))
+        return hash_full_blocks(self.token_ids, block_size, root)
+
+
+def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, scope: str) -> str | None:
+    """The salt the replica uses (``kvtier.server.app.tenant_salt``, pinned by a test)."""
+    if scope != "user":
+        return cache_salt
+    _, _, key = authorization.partition(" ")
+    parts = (key.strip(), user or "", cache_salt or "")
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def parse_prompt(
+    tokenizer: Tokenizer, path: str, body: Any, authorization: str = "", scope: str = "shared"
+) -> Prompt | None:
+    """The request's (first) prompt as token ids, or None when the body is not one the replica would
+    run (the replica then answers its own 400; the router routes such a request by load)."""
+    from pydantic import ValidationError
+
+    from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    try:
+        if path == CHAT_PATH:
+            chat = ChatCompletionRequest.model_validate(body)
+            _, token_ids = tokenizer.encode_chat(chat.conversation(), add_generation_prompt=True)
+            request: Any = chat
+        elif path == COMPLETIONS_PATH:
+            request = CompletionRequest.model_validate(body)
+            first = request.prompts()[0]
+            token_ids = tokenizer.encode(first) if isinstance(first, str) else list(first)
+        else:
+            return None
+    except (ValidationError, APIError, ConfigError, ValueError, TypeError):
+        return None
+    return Prompt(token_ids, tenant_salt(authorization, request.user, request.cache_salt, scope))

@@ -1,0 +1,140 @@
+"""Keeping each replica's :class:`~kvtier.router.index.ReplicaIndex` in step with the replica.
+
+Two sources (``docs/kv-events.md``), chosen per replica, never a silent guess::
+
+    events   (--kv-remote-url)  resync: XREVRANGE the stream's newest id, GET /v1/kv/blocks, seed;
+                                then XREAD BLOCK every followed stream after its last id, apply in order;
+                                a gap (lost batches) or a new instance not at seq 1: resync again
+    polling  (no Redis, a replica without events, or Redis down)
+                                GET /v1/kv/blocks every POLL_INTERVAL_S, seed
+
+A router that restarts has nothing: it resyncs every healthy replica from a snapshot as soon as the
+replica's health check passes (well under a second), so cache-aware decisions resume at once. When
+Redis fails, every replica falls back to polling until Redis answers again (logged once each way).
+``/metrics`` and ``/router/state`` say which source each replica's index has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+
+from kvtier.kv_events import EventBatch
+from kvtier.router.replicas import Replica, ReplicaSet
+
+logger = logging.getLogger("kvtier.router")
+
+POLL_INTERVAL_S = 1.0
+XREAD_BLOCK_MS = 250
+REDIS_RETRY_S = 1.0
+
+
+class IndexSync:
+    """Runs the event follower (with a Redis URL) and the poller; see the module docstring."""
+
+    def __init__(self, replicas: ReplicaSet, redis_url: str | None, poll_interval: float = POLL_INTERVAL_S):
+        self.replicas = replicas
+        self.redis_url = redis_url
+        self.poll_interval = poll_interval
+        self.redis_ok = redis_url is not None
+
+    @property
+    def mode(self) -> str:
+        """What the operator asked for: ``events`` with a Redis URL, else ``polling``."""
+        return "events" if self.redis_url else "polling"
+
+    async def snapshot(self, replica: Replica, last_id: str | None = None) -> bool:
+        """Seed ``replica``'s index from ``GET /v1/kv/blocks``; False (and the replica's error) on failure."""
+        try:
+            answer = await self.replicas.get_json(replica, "/v1/kv/blocks")
+        except (httpx.HTTPError, ValueError) as exc:
+            replica.last_error = f"/v1/kv/blocks: {type(exc).__name__}: {exc}"
+            replica.synced = False
+            return False
+        replica.index.seed(answer, last_id)
+        replica.synced = True
+        return True
+
+    # ------------------------------------------------------------------------------ polling
+    async def run_polling(self) -> None:
+        """Snapshot every healthy replica that no event stream keeps up to date, every interval."""
+        while True:
+            todo = [r for r in self.replicas.healthy() if not r.following and r.problem is None]
+            await asyncio.gather(*(self.snapshot(r) for r in todo))
+            with contextlib.suppress(TimeoutError):  # a replica came up: poll at once
+                await asyncio.wait_for(self.replicas.changed.wait(), self.poll_interval)
+            self.replicas.changed.clear()
+
+    # ------------------------------------------------------------------------------ events
+    async def run_events(self) -> None:
+        """Follow the event streams; on a Redis failure, hand every replica to the poller and retry."""
+        import redis
+        import redis.asyncio as aioredis
+
+        assert self.redis_url is not None
+        client = aioredis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            while True:
+                try:
+                    await self._follow(client)
+                    if not self.redis_ok:
+                        logger.warning("router: KV events from %s again", self.redis_url)
+                        self.redis_ok = True
+                except (redis.RedisError, OSError, ValueError, KeyError) as exc:
+                    self._redis_failed(exc)
+                    await asyncio.sleep(REDIS_RETRY_S)
+        finally:
+            await client.aclose()
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        if self.redis_ok:
+            logger.warning("router: KV events unavailable (%s); polling /v1/kv/blocks meanwhile", exc)
+        self.redis_ok = False
+        for replica in self.replicas.replicas.values():
+            replica.following = False
+
+    async def _follow(self, client: Any) -> None:
+        """One round: resync the replicas not followed yet, then one XREAD over every followed stream."""
+        for replica in self.replicas.healthy():
+            if replica.stream and not replica.following and replica.problem is None:
+                newest = await client.xrevrange(replica.stream, count=1)
+                last_id = _text(newest[0][0]) if newest else "0"
+                if await self.snapshot(replica, last_id):
+                    await self._replay_remote(client, replica, last_id)
+                    replica.following = True
+        followed = {r.stream: r for r in self.replicas.healthy() if r.following and r.stream}
+        if not followed:
+            await asyncio.sleep(XREAD_BLOCK_MS / 1000)
+            return
+        streams = {name: r.index.last_id for name, r in followed.items()}
+        answer = await client.xread(streams, count=1000, block=XREAD_BLOCK_MS)
+        for name, entries in answer or []:
+            replica = followed.get(_text(name))
+            if replica is None or not replica.following:
+                continue
+            for entry_id, fields in entries:
+                if not replica.index.apply(EventBatch.from_fields(fields), _text(entry_id)):
+                    logger.info("router: missed KV events of %s; resyncing", replica.url)
+                    replica.following = False
+                    break
+
+    async def _replay_remote(self, client: Any, replica: Replica, last_id: str) -> None:
+        """The remote-tier blocks the replica announced (its stream up to ``last_id``, at most
+        ``STREAM_MAXLEN`` entries): what a restarted router cannot learn from ``/v1/kv/blocks``."""
+        if last_id == "0" or replica.stream is None:
+            return
+        start = "-"
+        while True:
+            entries = await client.xrange(replica.stream, min=start, max=last_id, count=1000)
+            replica.index.replay_remote([EventBatch.from_fields(fields) for _, fields in entries])
+            if len(entries) < 1000:
+                return
+            start = "(" + _text(entries[-1][0])
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
