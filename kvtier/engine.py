@@ -105,7 +105,9 @@ class LLMEngine:
         self.sampler = Sampler(args.seed)
         # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
         lower = [t.medium for t in self.tiers.tiers] if self.tiers is not None else []
-        self.insight = CacheInsight(args.canary_rate, cache.block_size, config.dtype, args.seed, lower=lower)
+        self.insight = CacheInsight(
+            args.canary_rate, cache.block_size, cache.kv_dtype, args.seed, lower=lower
+        )
         self.insight.canary.on_mismatch = self._quarantine
         self.kv.observer = self.insight
         if self.tiers is not None:
@@ -290,7 +292,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
-        self.insight.canary.capture(self.runner.kv_cache)  # the bytes sampled hits were served
+        self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
         t0 = time.perf_counter()
         logits = self.runner.execute(out)
         prefill_tokens = sum(s.num_new_tokens for s in out.prefills)

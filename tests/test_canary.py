@@ -152,3 +152,40 @@ def test_honest_tiers_never_trip_the_canary_over_a_long_run() -> None:
     assert report["checks"]["skipped"] == 0 and report["checks"]["match"] >= 20
     assert report["by_tier"]["host"]["match"] > 0 and report["by_tier"]["device"]["match"] > 0
     llm.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_story_compact_kv_blocks_are_checked_after_dequantizing(tiny: str, kv_dtype: str) -> None:
+    """With compact KV the canary compares dequantized values: honest host blocks match, a flipped
+    one (data bytes inverted) is caught and the host tier is quarantined."""
+    block_bytes = 2 * (16 * 2 * 2 * 16 + 16 * 2 * 2 * 4)  # 2 layers x (1-byte data + float32 scales)
+    llm = LLM(
+        model=tiny,
+        kv_device_blocks=16,
+        kv_host_gb=64 * block_bytes / 2**30,
+        kv_cache_dtype=kv_dtype,
+        canary_rate=1.0,
+    )
+    e = llm.engine
+    assert e.config.cache.block_bytes == block_bytes
+    reference, _ = answer(llm, PROMPT)
+    for f in FILLERS:
+        answer(llm, f)
+    keys = prompt_keys(llm, PROMPT)
+    assert all(e.tiers.host.contains(k) for k in keys)
+    again, by_tier = answer(llm, PROMPT)  # honest: served from host, checked, agrees
+    assert again == reference and by_tier[Medium.HOST] > 0
+    drain(llm)
+    report = e.kv_canary()
+    assert report["checks"]["mismatch"] == 0 and report["by_tier"]["host"]["match"] >= 1
+
+    for f in FILLERS:  # the prompt's blocks back down to the host tier
+        answer(llm, f)
+    drain(llm)  # the fillers' own checks (they are cached now): the queue has room again
+    flip(e.mover.host.block(e.tiers.host.host_block_of(keys[1])).view(-1).view(torch.uint8), at=0)
+    _, by_tier = answer(llm, PROMPT)
+    assert by_tier[Medium.HOST] > 0
+    drain(llm)
+    report = e.kv_canary()
+    assert report["quarantined"] == ["host"] and report["last_mismatch"]["block_keys"] == [keys[1].hex()]
+    llm.close()

@@ -35,6 +35,7 @@ import torch
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.manager import AdoptedPrefix
 from kvtier.models.attention import AttentionMetadata, PrefillGroup
+from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize
 from kvtier.models.llama import LlamaModel
 from kvtier.stats import Medium
 
@@ -43,7 +44,17 @@ logger = logging.getLogger("kvtier.canary")
 BLOCKS_PER_CHECK = 4  # blocks compared per sampled request (lower-tier blocks first)
 MAX_PENDING = 4  # checks waiting for idle capacity; more are skipped (counted)
 MAX_RECOMPUTE_TOKENS = 2048  # blocks deeper than this are never picked (bounds one check's cost)
-TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}  # atol = rtol, per KV dtype
+# atol = rtol, per KV dtype. A compact block is compared after dequantizing; a recomputation may land
+# one quantization step away (another summation order): int8 one step is 1/127 of a token's largest
+# value, fp8 one step up to 1/8 (e4m3) or 1/4 (e5m2) of the value itself.
+TOLERANCE = {
+    "float32": 1e-4,
+    "bfloat16": 5e-2,
+    "float16": 5e-2,
+    "int8": 2e-2,
+    "fp8_e4m3": 0.13,
+    "fp8_e5m2": 0.26,
+}
 
 
 @dataclass
@@ -80,17 +91,15 @@ class CanaryStats:
     last_mismatch: Mismatch | None = None
 
 
-def recompute_kv(model: LlamaModel, token_ids: Sequence[int], block_size: int) -> torch.Tensor:
+def recompute_kv(model: LlamaModel, token_ids: Sequence[int], block_size: int, fmt: KVFormat) -> PagedKVCache:
     """K/V of ``token_ids`` (a whole number of blocks) computed from scratch, in one causal prefill
-    into a private pool: [num_blocks, L, BS, 2, KVH, D]. The engine's pool is not touched."""
+    into a private pool of the engine's KV format (its ``raw`` rows: one per block). The engine's pool
+    is not touched."""
     c = model.config
     n = len(token_ids)
     device = model.embed.device
-    scratch = torch.zeros(
-        (n // block_size, c.num_layers, block_size, 2, c.num_kv_heads, c.head_dim),
-        dtype=model.dtype,
-        device=device,
-    )
+    shape = (c.num_layers, block_size, c.num_kv_heads, c.head_dim)
+    scratch = PagedKVCache(fmt, n // block_size, shape, device)
     positions = torch.arange(n, device=device)  # [n]
     meta = AttentionMetadata(
         slot_block_ids=positions // block_size,
@@ -105,8 +114,17 @@ def recompute_kv(model: LlamaModel, token_ids: Sequence[int], block_size: int) -
     return scratch
 
 
+def block_values(cache: PagedKVCache, raw_block: torch.Tensor) -> torch.Tensor:
+    """One block's raw row (as the tiers hold it) -> its K/V values in float32 (dequantized)."""
+    if cache.scales is None:
+        return raw_block.float()
+    data = raw_block[:, : cache.data_bytes].view(cache.fmt.storage)  # [L, BS*2*KVH*D]
+    scale = raw_block[:, cache.data_bytes :].view(torch.float32)  # [L, BS*2*KVH]
+    return dequantize(data.unflatten(1, (-1, cache.token_shape[-1])), scale, torch.float32)
+
+
 def block_diff(served: torch.Tensor, recomputed: torch.Tensor, tol: float) -> tuple[bool, float]:
-    """(within tolerance, max |served - recomputed|) of one block; non-finite bytes never match."""
+    """(within tolerance, max |served - recomputed|) of one block's values; non-finite never match."""
     a, b = served.float(), recomputed.float()
     if not bool(torch.isfinite(a).all()):
         return False, float("inf")
@@ -128,6 +146,7 @@ class Canary:
         self._rng = random.Random(seed)
         self._capturing: list[_Candidate] = []
         self._pending: deque[_Check] = deque()
+        self._cache: PagedKVCache | None = None  # the engine's pool (its KV format), from capture
 
     @property
     def has_pending(self) -> bool:
@@ -156,8 +175,9 @@ class Canary:
             )
         )
 
-    def capture(self, kv_cache: torch.Tensor) -> None:
+    def capture(self, cache: PagedKVCache) -> None:
         """Copy out the bytes the sampled requests were served (call after the step's loads ran)."""
+        self._cache, kv_cache = cache, cache.raw
         for cand in self._capturing:
             if len(self._pending) >= self.max_pending:
                 self.stats.skipped += 1
@@ -173,10 +193,12 @@ class Canary:
             return False
         check = self._pending.popleft()
         cand = check.candidate
-        recomputed = recompute_kv(model, cand.token_ids, self.block_size)
+        assert self._cache is not None  # set by the capture that queued this check
+        scratch = recompute_kv(model, cand.token_ids, self.block_size, self._cache.fmt)
         bad: dict[Medium, list[tuple[BlockHash, float]]] = {}
         for j, (index, tier) in enumerate(zip(cand.indices, cand.tiers, strict=True)):
-            ok, diff = block_diff(check.served[j], recomputed[index], self.tolerance)
+            served = block_values(self._cache, check.served[j])
+            ok, diff = block_diff(served, block_values(scratch, scratch.raw[index]), self.tolerance)
             self._count(tier, ok)
             if not ok:
                 bad.setdefault(tier, []).append((cand.keys[j], diff))
