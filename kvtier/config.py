@@ -37,6 +37,7 @@ QUANTIZED_KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "int8")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 # A quantized KV dtype stores one float32 scale per (token, layer, K or V, KV head) next to the data.
 KV_SCALE_BYTES = 4
+SchedulingPolicy = Literal["stall_free", "legacy"]
 DEFAULT_KV_DEVICE_GB = 1.0
 
 
@@ -135,6 +136,11 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "auto"
     # How long a request whose prefix continues below the host tier waits for the reads.
     disk_load_timeout_s: float = 1.0
+    # --- issue 14: smooth streaming (kvtier/scheduler/budget.py, fairness.py) ---
+    scheduling_policy: SchedulingPolicy = "stall_free"
+    max_step_ms: float = 150.0  # target step latency; 0: the fixed max_num_batched_tokens budget
+    max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
+    kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,14 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
         dtype=dtype,
         cache=CacheConfig(bs, num_blocks, args.enable_prefix_caching, block_bytes, kv_dtype),
         scheduler=SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, max_model_len, args.preemption_mode
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            max_model_len,
+            args.preemption_mode,
+            scheduling_policy=args.scheduling_policy,
+            max_step_ms=args.max_step_ms,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            kv_admission_factor=args.kv_admission_factor,
         ),
         tiers=TierConfig(
             num_host_blocks,
@@ -296,6 +309,35 @@ class EngineArgs:
     preemption_mode: PreemptionMode = field(
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
     )
+    # --- issue 14: smooth streaming under load (kvtier/scheduler/) ---
+    scheduling_policy: SchedulingPolicy = field(
+        default="stall_free",
+        metadata={
+            "help": "stall_free: decodes first, prefill chunks fill a time budget, priorities and "
+            "per-tenant fair share; legacy: the fixed token budget in admission order (for comparison)"
+        },
+    )
+    max_step_ms: float = field(
+        default=150.0,
+        metadata={
+            "help": "target step latency in ms: prefill chunks get what the measured cost model says "
+            "fits beside the decodes (capped by --max-num-batched-tokens; 0: the fixed token budget)"
+        },
+    )
+    max_num_partial_prefills: int = field(
+        default=1,
+        metadata={
+            "help": "prompts left mid-prefill at once; prompts that finish within the step overtake "
+            "(0: no limit)"
+        },
+    )
+    kv_admission_factor: float = field(
+        default=4.0,
+        metadata={
+            "help": "the server answers 503 when running + waiting requests would need more than this "
+            "many device KV pools (prompt + max_tokens minus cached blocks; 0: off)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "engine seed (unseeded requests draw from it)"})
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads", "aliases": ("--threads",)}
@@ -341,6 +383,7 @@ class EngineArgs:
             raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        self._validate_scheduling()
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if not 0.0 <= self.canary_rate <= 1.0:
@@ -366,6 +409,14 @@ class EngineArgs:
             except ValueError as exc:
                 raise ConfigError(f"kv_replica_id: {exc}") from None
         self._validate_remote()
+
+    def _validate_scheduling(self) -> None:
+        if self.max_step_ms < 0:
+            raise ConfigError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.max_num_partial_prefills < 0:
+            raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
+        if self.kv_admission_factor < 0:
+            raise ConfigError(f"kv_admission_factor must be >= 0, got {self.kv_admission_factor}")
 
     def _validate_remote(self) -> None:
         ttl = self.kv_remote_ttl_s

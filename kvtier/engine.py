@@ -167,8 +167,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
-        """Validate and queue one request; raises ``ConfigError`` (and queues nothing) on bad input."""
+        """Validate and queue one request; raises ``ConfigError`` (and queues nothing) on bad input.
+        ``priority``: lower runs first; ``tenant``: its fair-share key; ``arrival_time``: monotonic
+        seconds when it arrived (the HTTP layer's; default now)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self.tokenize_prompt(prompt)
@@ -193,7 +199,12 @@ class LLMEngine:
         )
         if params.logprobs is not None:
             seq.logprobs = []
-        self.requests[request_id] = Request(request_id, list(token_ids), params, [seq], prompt=text)
+        request = Request(request_id, list(token_ids), params, [seq], prompt=text)
+        if arrival_time is not None:
+            request.arrival_time = seq.arrival_time = arrival_time
+        request.priority = seq.priority = priority
+        request.tenant = seq.tenant = tenant or ""
+        self.requests[request_id] = request
         self.scheduler.add(seq)
         self._num_prompt_tokens += len(token_ids)
         return request_id
@@ -284,8 +295,8 @@ class LLMEngine:
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
         t0 = time.perf_counter()
         logits = self.runner.execute(out)
-        if out.prefills and not out.decodes:
-            self.cost_model.observe_prefill(out.num_batched_tokens, time.perf_counter() - t0)
+        prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
+        self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
         self.scheduler.advance(out)
         return logits
 

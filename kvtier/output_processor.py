@@ -77,13 +77,6 @@ class OutputProcessor:
                 )
             )
         seq0 = request.seqs[0]
-        metrics = {"arrival_time": request.arrival_time}
-        if seq0.first_scheduled_time is not None:
-            metrics["first_scheduled_time"] = seq0.first_scheduled_time
-        if seq0.first_token_time is not None:
-            metrics["first_token_time"] = seq0.first_token_time
-        if request.finished:
-            metrics["finished_time"] = time.monotonic()
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -92,9 +85,35 @@ class OutputProcessor:
             finished=request.finished,
             num_cached_tokens=seq0.num_cached_tokens or 0,
             cached_tokens_by_tier=dict(seq0.cached_tokens_by_tier),
-            metrics=metrics,
+            metrics=request_metrics(request),
         )
 
     def forget(self, request: Request) -> None:
         for seq in request.seqs:
             self._states.pop(seq.seq_id, None)
+
+
+def request_metrics(request: Request) -> dict[str, float]:
+    """A request's timings (monotonic seconds; vLLM's names): ``arrival_time`` (the HTTP layer's when
+    served), ``first_scheduled_time``, ``first_token_time``, ``last_token_time``, ``finished_time``,
+    and the spans ``queue_time`` (arrival to first step), ``prefill_time`` (first step to first token),
+    ``ttft`` and ``e2e`` (arrival to the finish). A key is absent until its moment has come."""
+    arrival = request.arrival_time
+    metrics = {"arrival_time": arrival}
+    firsts = [s.first_scheduled_time for s in request.seqs if s.first_scheduled_time is not None]
+    if firsts:
+        metrics["first_scheduled_time"] = min(firsts)
+        metrics["queue_time"] = max(0.0, min(firsts) - arrival)
+    tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
+    if tokens:
+        metrics["first_token_time"] = min(tokens)
+        metrics["ttft"] = max(0.0, min(tokens) - arrival)
+        if firsts:
+            metrics["prefill_time"] = max(0.0, min(tokens) - min(firsts))
+    lasts = [s.last_token_time for s in request.seqs if s.last_token_time is not None]
+    if lasts:
+        metrics["last_token_time"] = max(lasts)
+    if request.finished:
+        metrics["finished_time"] = time.monotonic()
+        metrics["e2e"] = max(0.0, metrics["finished_time"] - arrival)
+    return metrics

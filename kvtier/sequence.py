@@ -73,6 +73,13 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    # Scheduling (issue 14): lower priority runs first (vLLM's meaning); tenant: the fair-share key.
+    priority: int = 0
+    tenant: str = ""
+    admitted_order: int | None = None  # when it last joined the running batch (recency for preemption)
+    num_starved_steps: int = 0  # steps in a row a prompt mid-prefill got no tokens
+    kv_cached_blocks: int = 0  # device blocks its prompt found cached when it arrived (admission estimate)
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +94,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens still to compute: more than 1 while the prompt is being prefilled, 1 when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def forks_on_prompt_done(self) -> bool:
         return self.params.n > 1 and self.index == 0 and self.num_output_tokens == 0
 
@@ -98,7 +110,9 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     prompt: str | None = None  # the text, when the prompt was given as text
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # the HTTP layer's, when served
+    priority: int = 0
+    tenant: str = ""
 
     @property
     def finished(self) -> bool:

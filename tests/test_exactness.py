@@ -162,6 +162,10 @@ def test_c_tiny_pool_forces_preemption(cases, reference) -> None:
         max_model_len=blocks * 16,
         max_num_batched_tokens=128,
         enable_prefix_caching=False,
+        # Every prompt admitted while the 128-token budget lasts (issue 14's partial-prefill limit and
+        # step-time budget would admit fewer at once, and this story needs the pool to run dry).
+        max_num_partial_prefills=0,
+        max_step_ms=0,
     )
     outs = llm.generate([c.token_ids for c in cases], GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0

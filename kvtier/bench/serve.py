@@ -13,6 +13,13 @@ process (and its GIL) with the server, so the ratio includes the client's own co
 
 The server starts in this process on a free loopback port unless ``--url`` names a running one.
 
+``--compare`` (issue 14) starts one server per scheduling policy (``legacy``: the scheduler before
+issue 14; ``stall_free``: decode-first with a step-time budget) in this process, and runs every rate
+against each in turn, side by side in one run; it prints the ratios the issue asks for. ``--mixed N``
+adds a mixed workload: ``N`` prompts of ``--mixed-long-len`` tokens among ``--num-requests`` short
+chats at ``--mixed-rate``, against stall_free with and without ``--max-num-partial-prefills`` (and
+legacy), reporting the short requests' TTFT.
+
 ``--hostile`` mixes hostile traffic into every rate (:mod:`kvtier.bench.hostile`: 20 MB bodies, ``n`` at
 the limit, slow connections) and reports ``/health``'s latency meanwhile; compare the TTFT with a run
 without it.
@@ -107,6 +114,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--hostile-n", type=int, default=16, help="n of the hostile requests (the server's --max-n)"
     )
     g.add_argument("--hostile-slow", type=int, default=8, help="slow connections held open (default 8)")
+    g.add_argument(
+        "--compare",
+        action="store_true",
+        help="legacy vs stall_free scheduling, one in-process server each, side by side (issue 14)",
+    )
+    g.add_argument(
+        "--mixed", type=int, default=0, help="with --compare: long prompts in a mixed workload (0: none)"
+    )
+    g.add_argument("--mixed-long-len", type=int, default=4000, help="tokens of each long prompt (4000)")
+    g.add_argument("--mixed-rate", type=float, default=None, help="mixed workload rate (default: lowest)")
     add_engine_args(p)
     p.set_defaults(func=main)
 
@@ -298,6 +315,10 @@ async def _overhead(ns: argparse.Namespace, client: httpx.AsyncClient, model: st
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.compare:
+        from kvtier.bench.serve_compare import compare_main
+
+        return compare_main(ns)
     server = None
     url = ns.url
     if url is None:

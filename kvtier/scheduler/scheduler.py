@@ -1,18 +1,34 @@
 """Continuous batching at iteration level, with chunked prefill and preemption by swap or recompute.
 
-Each ``schedule()`` builds one step under a token budget (``max_num_batched_tokens``):
+Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
 
-1. Running sequences first, in admission order: a decoding sequence takes 1 token, a sequence in
-   the middle of a chunked prefill takes its next chunk. If the block pool cannot supply the blocks,
-   the most recently admitted running sequence is preempted until the allocation fits: either its
-   KV is *swapped* to the host tier (and loaded back when it resumes) or its blocks are dropped to
-   be *recomputed* later (usually mostly from the prefix cache); ``preemption_mode`` and the
-   measured costs decide (``preemption.py``).
-2. Then waiting sequences are admitted in arrival order (preempted ones at the front), while the
-   budget, ``max_num_seqs`` and the pool allow. Their cached prefix is looked up in every tier and
-   only the rest is computed; the last prompt token is always computed so there are logits to
-   sample from. A sequence whose prefix continues on disk is held back while those blocks are read
-   into host memory (others go first), until the reads finish or ``disk_load_timeout_s`` passes.
+**stall_free** (the default; Sarathi-Serve's stall-free batching, vLLM's chunked prefill)::
+
+    1. decodes      every running sequence that decodes gets its 1 token, first, always (best
+                    priority, then oldest admission first); if the pool cannot grow one, the worst
+                    running sequence (largest priority value, then the latest admitted) is preempted
+    2. budget       prefill tokens = what the measured cost model says fits beside those decodes in
+                    ``max_step_ms`` (``budget.py``), capped by ``max_num_batched_tokens``
+    3. prefills     with ``max_num_partial_prefills`` = P > 0:
+                      a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk
+                      b. *finishers*: prompts whose whole rest fits in what is left of the budget,
+                         running ones first, then waiting ones in fair order (``fairness.py``):
+                         short prompts overtake a long one's remaining chunks
+                      c. *chunks*: what is left goes to prompts that stay mid-prefill, at most P of
+                         them at once (those already mid-prefill first)
+                    with P = 0: running prompts first, then waiting ones, each takes what is left
+
+**legacy** (the scheduler before issue 14, kept to compare against): one fixed token budget;
+running sequences in admission order take 1 token or their next chunk (a long prompt's 2,048-token
+chunk shares the step with every decode), then waiting ones in arrival order.
+
+In both, preemption either *swaps* the sequence's KV to the host tier (loaded back when it resumes)
+or drops its blocks to be *recomputed* later (usually mostly from the prefix cache);
+``preemption_mode`` and the measured costs decide (``preemption.py``). A waiting sequence's cached
+prefix is looked up in every tier and only the rest is computed; the last prompt token is always
+computed so there are logits to sample from. A sequence whose prefix continues on disk is held back
+while those blocks are read into host memory (others go first), until the reads finish or
+``disk_load_timeout_s`` passes.
 
 The KV manager accumulates the step's device↔host copies as it allocates; they leave in
 ``SchedulerOutput.swap``. Torch-free: the runner turns a ``SchedulerOutput`` into tensors.
@@ -20,16 +36,30 @@ The KV manager accumulates the step's device↔host copies as it allocates; they
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.config import SchedulerConfig
+from kvtier.kv.hashing import hash_block, root_hash
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import SwapPlan
+from kvtier.scheduler.budget import StepBudget
+from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
+
+STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row goes first
+# A request without max_tokens may run to max_model_len; the KV admission estimate counts it as this
+# many output tokens (at most what its context leaves), not the worst case.
+UNSPECIFIED_OUTPUT_TOKENS = 1024
+
+
+class _Stop(Exception):
+    """Admission ends for this step (the pool is full)."""
 
 
 @dataclass(frozen=True)
@@ -83,10 +113,12 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cost_model = cost_model if cost_model is not None else CostModel(block_bytes=1)
+        self.budget = StepBudget(config, self.cost_model)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions_by_mode = {"swap": 0, "recompute": 0}
+        self._admissions = itertools.count(1)
 
     @property
     def num_preemptions(self) -> int:
@@ -95,6 +127,7 @@ class Scheduler:
     # ----------------------------------------------------------------- admission and removal
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.kv_cached_blocks = self.num_cached_device_blocks(seq.token_ids, seq.extra_keys)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
@@ -115,19 +148,167 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
+        child.priority, child.tenant = parent.priority, parent.tenant
+        child.arrival_time = parent.arrival_time
+        self._start(child)
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_order = next(self._admissions)
+        self.running.append(seq)
+
+    # ---------------------------------------------------------------- KV demand (admission control)
+    def num_cached_device_blocks(self, token_ids: list[int], extra_keys: tuple[str, ...]) -> int:
+        """Leading full blocks of ``token_ids`` the device pool holds now (a pure lookup)."""
+        pool, bs = self.kv.pool, self.kv.block_size
+        parent = root_hash(extra_keys)
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            block_tokens = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, block_tokens)
+            if pool.get_cached_block(parent, block_tokens) is None:
+                return i
+        return max(0, (len(token_ids) - 1) // bs)
+
+    def kv_need_blocks(self, seq: Sequence) -> int:
+        """Device blocks ``seq`` still needs to reach ``max_total_tokens`` (prompt + max_tokens)."""
+        max_total = seq.max_total_tokens
+        if seq.params.max_tokens is None:
+            expected = seq.num_prompt_tokens + UNSPECIFIED_OUTPUT_TOKENS
+            max_total = min(max_total, max(expected, seq.num_tokens + 1))
+        total = -(-max_total // self.kv.block_size)
+        if seq.status is SequenceStatus.RUNNING:
+            return max(0, total - len(self.kv.block_ids(seq.seq_id)))
+        return max(0, total - seq.kv_cached_blocks)
+
+    def kv_need_for(
+        self,
+        token_ids: list[int],
+        extra_keys: tuple[str, ...],
+        max_tokens: int | None,
+        max_model_len: int,
+        n: int = 1,
+    ) -> int:
+        """The device blocks a new request would need: prompt + ``max_tokens`` (None:
+        ``UNSPECIFIED_OUTPUT_TOKENS``) within ``max_model_len``, minus the cached prompt blocks; each of
+        ``n`` completions its own output."""
+        bs, num_prompt = self.kv.block_size, len(token_ids)
+        output = max_tokens if max_tokens is not None else UNSPECIFIED_OUTPUT_TOKENS
+        total = min(max_model_len, num_prompt + output)
+        need = -(-total // bs) - self.num_cached_device_blocks(token_ids, extra_keys)
+        return max(0, need) + (n - 1) * -(-(total - num_prompt) // bs)
+
+    def kv_demand_blocks(self) -> int:
+        """Blocks every running and waiting sequence still needs, at most (an estimate: a prompt
+        with ``n`` completions counts once until it forks)."""
+        return sum(self.kv_need_blocks(s) for s in itertools.chain(self.running, self.waiting))
 
     # ----------------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.config.scheduling_policy == "legacy":
+            scheduled = self._schedule_legacy(out)
+        else:
+            scheduled = self._schedule_decodes(out)
+            budget = self.budget.prefill_tokens(len(scheduled))
+            scheduled += self._schedule_prefills(out, budget, {s.seq.seq_id for s in scheduled})
+        for s in scheduled:
+            (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
+        out.block_copies = self.kv.take_block_copies()
+        out.swap = self.kv.end_schedule_step()
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """Every decoding sequence's token, best first; growing one may preempt the worst others."""
+        decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
+        scheduled: list[ScheduledSeq] = []
+        taken: set[str] = set()
+        for seq in decoding[: self.config.max_num_batched_tokens]:
+            if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, taken):
+                scheduled.append(self._scheduled(seq, 1))
+                taken.add(seq.seq_id)
+        return scheduled
+
+    def _allocate(self, seq: Sequence, num_new: int, out: SchedulerOutput, taken: set[str]) -> bool:
+        """Grow ``seq``'s table by ``num_new`` slots, preempting the worst running sequences not yet
+        in this step until it fits; False when ``seq`` itself had to go (or nothing is left to take)."""
+        while not self.kv.allocate_slots(
+            seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
+        ):
+            candidates = [s for s in self.running if s.seq_id not in taken]
+            if not candidates:
+                return False
+            victim = max(candidates, key=victim_key)
+            self._preempt(victim)
+            out.preempted_seq_ids.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int, taken: set[str]) -> list[ScheduledSeq]:
+        """Prompt chunks within ``budget`` tokens (see the module docstring, step 3)."""
+        fair = FairOrder(self.waiting, self.running)
+        plan = _PrefillPlan(self, out, budget, taken, fair)
+        prompts = sorted((s for s in self.running if s.num_remaining_tokens > 1), key=run_order_key)
+        limit = self.config.max_num_partial_prefills
+        order = iter(fair)
+        if limit == 0:
+            for seq in prompts:
+                plan.continue_prompt(seq)
+            plan.admit_all(order, must_finish=False)
+        else:
+            starved = [s for s in prompts if s.num_starved_steps >= STARVE_STEPS]
+            for seq in starved:
+                plan.continue_prompt(seq)
+            for seq in prompts:
+                plan.continue_prompt(seq, must_finish=True)
+            passed = plan.admit_all(order, must_finish=True)
+            partial = [s for s in prompts if s.seq_id not in plan.taken]
+            for seq in partial[:limit]:
+                plan.continue_prompt(seq)
+            plan.admit_all(itertools.chain(passed, order), must_finish=False, limit=limit - len(partial))
+        for seq in prompts:
+            seq.num_starved_steps = 0 if seq.seq_id in plan.taken else seq.num_starved_steps + 1
+        return plan.scheduled
+
+    def _admit(self, seq: Sequence, budget: int, must_finish: bool) -> int | None:
+        """Move a waiting ``seq`` into the running batch with its first chunk (at most ``budget``
+        tokens; with ``must_finish`` only if that is its whole rest). The chunk's size, or None when
+        it is passed over; ``_Stop`` when the pool cannot take it."""
+        if self.kv.is_swapped(seq.seq_id):
+            num_new = min(seq.num_remaining_tokens, budget)
+            if must_finish and num_new < seq.num_remaining_tokens:
+                return None
+            if not self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+                raise _Stop
+        else:
+            computed = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
+            if computed.lower.num_pending_blocks and self._waits_for_disk(seq):
+                return None  # its prefix is being read from disk; the next ones may go first
+            rest = seq.num_tokens - computed.num_computed_tokens
+            num_new = min(rest, budget)
+            if must_finish and num_new < rest:
+                return None
+            if not self.kv.allocate_slots(
+                seq.seq_id, seq.token_ids, computed.num_computed_tokens, num_new, computed, seq.extra_keys
+            ):
+                raise _Stop
+            seq.num_computed_tokens = computed.num_computed_tokens
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = computed.num_computed_tokens
+                seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
+        self.waiting.remove(seq)
+        self._start(seq)
+        return num_new
+
+    # ------------------------------------------------------------------- the legacy policy
+    def _schedule_legacy(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """The scheduler before issue 14: one fixed token budget, admission order."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_remaining_tokens, budget)
             while not self.kv.allocate_slots(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
             ):
@@ -141,39 +322,19 @@ class Scheduler:
             scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
             i += 1
-
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.config.max_num_seqs:
                 break
-            if self.kv.is_swapped(seq.seq_id):
-                num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
-                    break
-            else:
-                computed = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
-                if computed.lower.num_pending_blocks and self._waits_for_disk(seq):
-                    continue  # its prefix is being read from disk; the next ones may go first
-                num_new = min(seq.num_tokens - computed.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(
-                    seq.seq_id, seq.token_ids, computed.num_computed_tokens, num_new, computed, seq.extra_keys
-                ):
-                    break
-                seq.num_computed_tokens = computed.num_computed_tokens
-                if seq.num_cached_tokens is None:
-                    seq.num_cached_tokens = computed.num_computed_tokens
-                    seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            try:
+                num_new = self._admit(seq, budget, must_finish=False)
+            except _Stop:
+                break
+            if num_new is not None:
+                scheduled.append(self._scheduled(seq, num_new))
+                budget -= num_new
+        return scheduled
 
-        for s in scheduled:
-            (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
-        out.block_copies = self.kv.take_block_copies()
-        out.swap = self.kv.end_schedule_step()
-        return out
-
+    # ------------------------------------------------------------------------------ helpers
     def _waits_for_disk(self, seq: Sequence) -> bool:
         """Hold ``seq`` back while its disk blocks are read, up to ``disk_load_timeout_s``."""
         now = self.clock()
@@ -217,6 +378,7 @@ class Scheduler:
     def append_token(self, seq: Sequence, token_id: int) -> None:
         """Add a sampled token and finish the sequence if a token-level stop condition is met."""
         seq.token_ids.append(token_id)
+        seq.last_token_time = self.clock()
         p = seq.params
         num_out = seq.num_output_tokens
         if num_out > p.min_tokens:  # the sampler masks EOS/stop ids until min_tokens are out
@@ -228,3 +390,92 @@ class Scheduler:
                 return
         if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= seq.max_total_tokens:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    # ------------------------------------------------------------------------- inspection
+    def describe(self) -> list[dict[str, Any]]:
+        """One row per running and waiting sequence: its state and timings (monotonic seconds), for
+        a dashboard (call it on the engine thread)."""
+        return [
+            {
+                "request_id": s.request_id,
+                "seq_id": s.seq_id,
+                "status": s.status.value,
+                "priority": s.priority,
+                "tenant": s.tenant,
+                "num_prompt_tokens": s.num_prompt_tokens,
+                "num_computed_tokens": s.num_computed_tokens,
+                "num_output_tokens": s.num_output_tokens,
+                "num_preemptions": s.num_preemptions,
+                "arrival_time": s.arrival_time,
+                "first_scheduled_time": s.first_scheduled_time,
+                "first_token_time": s.first_token_time,
+                "last_token_time": s.last_token_time,
+            }
+            for s in itertools.chain(self.running, self.waiting)
+        ]
+
+
+class _PrefillPlan:
+    """One step's prefill phase: the budget left, what is scheduled, who joined the batch."""
+
+    def __init__(
+        self, scheduler: Scheduler, out: SchedulerOutput, budget: int, taken: set[str], fair: FairOrder
+    ):
+        self.s = scheduler
+        self.out = out
+        self.budget = budget
+        self.taken = set(taken)
+        self.fair = fair
+        self.scheduled: list[ScheduledSeq] = []
+        self.stopped = False  # the pool or max_num_seqs is full: no more admissions this step
+
+    def _take(self, seq: Sequence, num_new: int) -> None:
+        self.scheduled.append(self.s._scheduled(seq, num_new))
+        self.taken.add(seq.seq_id)
+        self.budget -= num_new
+
+    def continue_prompt(self, seq: Sequence, must_finish: bool = False) -> bool:
+        """The next chunk of a running prompt (never preempts: a prompt can wait)."""
+        num_new = min(seq.num_remaining_tokens, self.budget)
+        if num_new <= 0 or seq.seq_id in self.taken or (must_finish and num_new < seq.num_remaining_tokens):
+            return False
+        if not self.s.kv.allocate_slots(
+            seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
+        ):
+            return False
+        self._take(seq, num_new)
+        return True
+
+    def admit_all(
+        self, order: Iterable[Sequence], must_finish: bool, limit: int | None = None
+    ) -> list[Sequence]:
+        """Waiting sequences join the batch in ``order`` (with ``must_finish``: only those whose whole
+        rest fits in the budget left; ``limit``: at most that many). Returns those passed over, in
+        order, up to where it stopped (the caller may continue with the rest of ``order``)."""
+        s, passed = self.s, []
+        bs = s.kv.block_size
+        for seq in order:
+            if self.stopped or self.budget <= 0 or (limit is not None and limit <= 0):
+                passed.append(seq)
+                break
+            if self.out.preempted_seq_ids or len(s.running) >= s.config.max_num_seqs:
+                self.stopped = True
+                passed.append(seq)
+                break
+            if must_finish and seq.num_remaining_tokens - seq.kv_cached_blocks * bs > self.budget:
+                passed.append(seq)  # cheap test first: its prompt cannot finish in this step
+                continue
+            try:
+                num_new = s._admit(seq, self.budget, must_finish)
+            except _Stop:
+                self.stopped = True
+                passed.append(seq)
+                break
+            if num_new is None:
+                passed.append(seq)
+                continue
+            self._take(seq, num_new)
+            self.fair.admitted(seq)
+            if limit is not None:
+                limit -= 1
+        return passed

@@ -55,7 +55,13 @@ from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import prompts
-from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
+from kvtier.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineNotReady,
+    KVCapacityExceeded,
+    RequestStream,
+)
 from kvtier.server.dashboard import dashboard_router
 from kvtier.server.kv_routes import kv_router
 from kvtier.server.limits import RequestLimits
@@ -156,6 +162,7 @@ def create_app(
         on_load_error=on_load_error,
         on_ready=on_ready,
     )
+    metrics.watch_kv_admission(lambda: engine.kv_admission)
     app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -266,6 +273,14 @@ def tenant_salt(request: Request, body: GenerationRequest) -> str | None:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+def tenant_of(request: Request, body: GenerationRequest) -> str:
+    """The request's fair-share key: its API key and ``user`` field, hashed (neither: "")."""
+    _, _, key = request.headers.get("authorization", "").partition(" ")
+    if not key.strip() and not body.user:
+        return ""
+    return hashlib.sha256(json.dumps((key.strip(), body.user or "")).encode()).hexdigest()[:16]
+
+
 def check_fits(engine: AsyncEngine, num_prompts: int, n: int, param: str) -> None:
     """400 for a request that could never be admitted: more sequences than ``--max-queue`` holds."""
     weight = num_prompts * n
@@ -290,6 +305,8 @@ async def admit(
     cache_salt: str | None,
     arrival: float,
     param: str,
+    priority: int = 0,
+    tenant: str | None = None,
 ) -> list[RequestStream]:
     """One stream per prompt, or none: 503 while loading or when the queue is full, 400 when the request
     could never fit the queue or the engine rejects a prompt (naming ``param`` unless the message names
@@ -309,9 +326,20 @@ async def admit(
     try:
         for prompt in prompts:
             stream = await engine.add(
-                prompt, params, cache_salt=cache_salt, arrival_time=arrival, weight=params.n
+                prompt,
+                params,
+                cache_salt=cache_salt,
+                arrival_time=arrival,
+                weight=params.n,
+                priority=priority,
+                tenant=tenant,
             )
             streams.append(stream)
+    except KVCapacityExceeded as exc:
+        _abort_all(streams)
+        metrics.reject("kv_capacity")
+        headers = {"Retry-After": str(exc.verdict.retry_after_s)}
+        raise APIError(503, str(exc), type="server_error", code="kv_capacity", headers=headers) from None
     except ConfigError as exc:
         _abort_all(streams)
         err = bad_request(exc)
@@ -418,6 +446,8 @@ class _Opened:
             cache_salt=tenant_salt(self.request, body),
             arrival=self.arrival,
             param=param,
+            priority=body.priority,
+            tenant=tenant_of(self.request, body),
         )
         tokenizer = state.engine.tokenizer
         assert tokenizer is not None  # admitted: the model has loaded

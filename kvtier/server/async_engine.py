@@ -21,7 +21,11 @@ What the HTTP layer needs of the model itself, fixed when it has loaded, is copi
 thread holds the ``LLMEngine``.
 
 Admission counts sequences, not API calls: a request with ``n`` completions weighs ``n`` in the queue
-(``add(..., weight=n)``), so ``queue_depth()`` is the number of sequences waiting to start.
+(``add(..., weight=n)``), so ``queue_depth()`` is the number of sequences waiting to start. It also
+weighs KV blocks (:class:`~kvtier.server.limits.KVAdmission`, on the engine thread as the request is
+handed over): a request that would oversubscribe the KV cache fails with :class:`KVCapacityExceeded`.
+A request's ``arrival_time`` (when the HTTP layer received it), ``priority`` and ``tenant`` go into the
+engine with it: the scheduler orders by them and ``RequestOutput.metrics`` measures from that arrival.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
+from kvtier.server.limits import KVAdmission, KVVerdict
 from kvtier.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -55,6 +60,14 @@ class EngineNotReady(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A step failed; the requests that were running in it are aborted."""
+
+
+class KVCapacityExceeded(RuntimeError):
+    """Admitting the request would oversubscribe the KV cache (a 503 with ``Retry-After``)."""
+
+    def __init__(self, verdict: KVVerdict):
+        super().__init__(verdict.message())
+        self.verdict = verdict
 
 
 class EngineObserver(Protocol):
@@ -74,6 +87,8 @@ class _Add:
     arrival_time: float
     future: asyncio.Future[None]
     weight: int = 1  # sequences this request will run (its n)
+    priority: int = 0
+    tenant: str | None = None
 
 
 @dataclass
@@ -161,6 +176,7 @@ class AsyncEngine:
         # (latest stats, weight processed when it was taken, weight waiting in the scheduler):
         # replaced whole, read without a lock.
         self._snapshot: tuple[EngineStats | None, int, int] = (None, 0, 0)
+        self.kv_admission: KVAdmission | None = None  # set when the model has loaded
         self._stopped = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -232,9 +248,11 @@ class AsyncEngine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         weight: int = 1,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Queue a request (``weight``: the sequences it runs, its ``n``); raises the engine's
-        ``ConfigError`` for bad input (nothing is queued then)."""
+        ``ConfigError`` for bad input and ``KVCapacityExceeded`` (nothing is queued then)."""
         if not self.ready:
             raise EngineNotReady(self.not_ready_reason())
         loop = asyncio.get_running_loop()
@@ -244,7 +262,8 @@ class AsyncEngine:
         future: asyncio.Future[None] = loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._num_submitted += weight
-        self._commands.put(_Add(request_id, prompt, params, cache_salt, arrival, future, weight))
+        add = _Add(request_id, prompt, params, cache_salt, arrival, future, weight, priority, tenant)
+        self._commands.put(add)
         try:
             await future
         except BaseException:
@@ -319,6 +338,8 @@ class AsyncEngine:
                 self._on_load_error(exc)
             return
         self._snapshot = (engine.stats(), 0, 0)
+        config = engine.config
+        self.kv_admission = KVAdmission(config.scheduler.kv_admission_factor, config.cache.num_device_blocks)
         _ = engine.tokenizer.max_token_chars  # computed once here, not on the event loop
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self._engine = engine  # ready from here on
@@ -360,6 +381,7 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("canary check failed")
             now = time.monotonic()
+            self._note_kv(engine, outputs)
             stats = engine.stats()
             if self._observer is not None:
                 self._observer.on_step(outputs, stats, now)
@@ -380,11 +402,46 @@ class AsyncEngine:
             if isinstance(cmd, _Add | _Call):
                 self._post(self._resolve, cmd.future, None, stopped)
 
+    def _note_kv(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """The KV demand estimate for /metrics, and the blocks finished requests gave back."""
+        admission = self.kv_admission
+        if admission is None:
+            return
+        admission.demand_blocks = engine.scheduler.kv_demand_blocks()
+        bs = engine.kv.block_size
+        for out in outputs:
+            if out.finished:
+                num_prompt = len(out.prompt_token_ids)
+                admission.on_finished(sum(-(-(num_prompt + len(c.token_ids)) // bs) for c in out.outputs))
+
+    def _check_kv(self, engine: LLMEngine, cmd: _Add) -> None:
+        """``KVCapacityExceeded`` when this request would oversubscribe the KV cache."""
+        admission = self.kv_admission
+        if admission is None or not admission.enabled:
+            return
+        _, token_ids = engine.tokenize_prompt(cmd.prompt)
+        extra_keys = (engine.cache_identity, cmd.cache_salt or "")
+        need = engine.scheduler.kv_need_for(
+            token_ids, extra_keys, cmd.params.max_tokens, engine.max_model_len, cmd.params.n
+        )
+        verdict = admission.check(engine.scheduler.kv_demand_blocks(), need)
+        if not verdict.admit:
+            raise KVCapacityExceeded(verdict)
+
     def _handle(self, engine: LLMEngine, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             self._num_processed += cmd.weight
             try:
-                engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cache_salt=cmd.cache_salt)
+                self._check_kv(engine, cmd)
+                engine.add_request(
+                    cmd.prompt,
+                    cmd.params,
+                    cmd.request_id,
+                    cache_salt=cmd.cache_salt,
+                    priority=cmd.priority,
+                    tenant=cmd.tenant,
+                    arrival_time=cmd.arrival_time,
+                )
             except Exception as exc:
                 self._post(self._resolve, cmd.future, None, exc)
                 return

@@ -15,8 +15,9 @@ Two sources:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -109,6 +110,10 @@ class _StatsCollector(Collector):
         yield from _insight_families(stats)
 
 
+def _limit(admission: Any) -> int:
+    return admission.limit_blocks if admission is not None and admission.enabled else 0
+
+
 def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
     errors = CounterMetricFamily(PREFIX + _REMOTE_ERRORS[0], _REMOTE_ERRORS[1], labels=["kind"])
     for kind in list(ERROR_KINDS) + sorted(set(remote.errors) - set(ERROR_KINDS)):
@@ -188,12 +193,28 @@ class ServerMetrics:
         )
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(reason)
-        for reason in ("queue_full", "invalid_request"):
+        for reason in ("queue_full", "invalid_request", "kv_capacity"):
             self.requests_rejected.labels(reason)
         # Engine-thread state: arrival times, whether the first token was seen, latest token times.
         self._arrivals: dict[str, float] = {}
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}  # request id -> choice -> time
+
+    def watch_kv_admission(self, source: Callable[[], Any]) -> None:
+        """Gauges of admission by KV capacity, read from ``source()`` (a ``KVAdmission`` or None)."""
+        demand = Gauge(
+            PREFIX + "kv_demand_blocks",
+            "KV blocks running and waiting requests still need, at most (prompt + max_tokens, minus "
+            "cached blocks): the admission estimate.",
+            registry=self.registry,
+        )
+        limit = Gauge(
+            PREFIX + "kv_admission_limit_blocks",
+            "Demand in KV blocks above which new requests get 503 (0: admission by KV capacity off).",
+            registry=self.registry,
+        )
+        demand.set_function(lambda: float(getattr(source(), "demand_blocks", 0)))
+        limit.set_function(lambda: float(_limit(source())))
 
     # ----------------------------------------------------------------------- engine thread
     def on_add(self, request_id: str, arrival_time: float) -> None:

@@ -27,6 +27,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request (OpenAI's limit)
 MAX_ECHO = 64  # characters of a client's value quoted back in an error message
 MAX_MESSAGE = 2000  # characters of an error message
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a request's priority (vLLM's field: lower runs first)
 
 
 def clip(value: object, limit: int = MAX_ECHO) -> str:
@@ -178,6 +179,7 @@ class GenerationRequest(_Request):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, int | float] | None = None
+    priority: int = 0  # lower runs first (vLLM's meaning)
 
     @property
     def include_usage(self) -> bool:
@@ -190,6 +192,11 @@ class GenerationRequest(_Request):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported (only 0)", name)
+        lo, hi = PRIORITY_RANGE
+        if not lo <= self.priority <= hi:
+            raise bad_request(
+                f"priority must be an integer in [{lo}, {hi}], got {clip(self.priority)}", "priority"
+            )
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

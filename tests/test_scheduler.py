@@ -1,0 +1,297 @@
+"""Scheduler stories (torch-free): decode-first steps under a time budget, partial prefills, priorities,
+per-tenant fair share, preemption victims, and admission by KV capacity.
+
+Each story runs a real ``Scheduler`` over a real ``KVCacheManager`` in a small simulated world: a step
+lasts what the cost model says it lasts (``CostModel.step_seconds``: a fixed decode step plus prefill
+tokens at a fixed rate), every sampled token is ``TOKEN``, and time is that simulated clock.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from kvtier.config import SchedulerConfig
+from kvtier.kv.manager import KVCacheManager
+from kvtier.sampling_params import SamplingParams
+from kvtier.scheduler.preemption import CostModel
+from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvtier.sequence import Sequence, SequenceStatus
+from kvtier.server.limits import KVAdmission
+
+BLOCK = 16
+TOKEN = 7  # every sampled token; the EOS id is 0, so nothing stops early
+DECODE_STEP_S = 0.05
+PREFILL_TOKENS_PER_S = 2000.0
+
+
+@dataclass
+class World:
+    scheduler: Scheduler
+    clock: list[float]
+    steps: list[SchedulerOutput] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    first_token_at: dict[str, float] = field(default_factory=dict)
+    admitted: list[str] = field(default_factory=list)  # request ids in the order they first ran
+    _rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    @property
+    def now(self) -> float:
+        return self.clock[0]
+
+    def request(
+        self, rid: str, prompt_len: int, max_tokens: int, priority: int = 0, tenant: str = ""
+    ) -> Sequence:
+        tokens = [self._rng.randrange(100, 30000) for _ in range(prompt_len)]  # no shared prefixes
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        seq = Sequence(f"{rid}-0", rid, 0, tokens, prompt_len, params, ("m", ""), prompt_len + max_tokens)
+        seq.arrival_time, seq.priority, seq.tenant = self.now, priority, tenant
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        s = self.scheduler
+        out = s.schedule()
+        prefill = sum(x.num_new_tokens for x in out.prefills)
+        seconds = s.cost_model.step_seconds(len(out.decodes), prefill)
+        self.clock[0] += seconds
+        s.advance(out)
+        for x in out.scheduled:
+            if x.seq.request_id not in self.admitted:
+                self.admitted.append(x.seq.request_id)
+            if x.samples:
+                self.first_token_at.setdefault(x.seq.request_id, self.now)
+                s.append_token(x.seq, TOKEN)
+        self.steps.append(out)
+        self.step_seconds.append(seconds)
+        return out
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.scheduler.running or self.scheduler.waiting:
+            self.step()
+            max_steps -= 1
+            assert max_steps > 0, "the world never drained"
+        self.scheduler.kv.pool.check_integrity()
+
+
+def world(num_blocks: int = 1024, **config: object) -> World:
+    clock = [0.0]
+    cost = CostModel(block_bytes=1, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_s=DECODE_STEP_S)
+    cfg = SchedulerConfig(max_model_len=num_blocks * BLOCK, **config)  # type: ignore[arg-type]
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True)
+    return World(Scheduler(cfg, kv, [0], cost, clock=lambda: clock[0]), clock)
+
+
+def _decoding(w: World, n: int, tenant: str = "") -> list[Sequence]:
+    """``n`` streams, admitted and decoding."""
+    seqs = [w.request(f"chat{i}", 64, 400, tenant=tenant) for i in range(n)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        w.step()
+    return seqs
+
+
+# ------------------------------------------------------------------------ decode-first, time budget
+def test_story_a_long_prompt_never_stalls_eight_decoding_streams() -> None:
+    w = world(max_step_ms=150.0)
+    streams = _decoding(w, 8)
+    # A 4,000-token prompt arrives while the 8 streams decode.
+    long = w.request("long", 4000, 4)
+    start = len(w.steps)
+    while long.num_output_tokens == 0:
+        out = w.step()
+        # Every step still carries every stream's next token, first...
+        assert {x.seq.request_id for x in out.decodes} >= {s.request_id for s in streams}
+        # ...and lasts no longer than the step budget.
+        assert w.step_seconds[-1] <= 0.150 + 1e-9
+    chunks = [x.num_new_tokens for out in w.steps[start:] for x in out.prefills if x.seq is long]
+    assert sum(chunks) == 4000 and len(chunks) > 10  # split across many steps
+
+    # The same story under the legacy policy: one 2,040-token chunk shares a step with the decodes.
+    old = world(scheduling_policy="legacy")
+    _decoding(old, 8)
+    old.request("long", 4000, 4)
+    old.step()
+    assert old.step_seconds[-1] > 1.0
+
+
+def test_story_without_decodes_a_prompt_takes_the_whole_token_budget() -> None:
+    w = world(max_step_ms=150.0, max_num_batched_tokens=2048)
+    w.request("alone", 3000, 2)
+    out = w.step()
+    assert [x.num_new_tokens for x in out.prefills] == [2048]  # nobody's stream can stall
+
+
+def test_story_short_prompts_overtake_a_long_prompts_remaining_chunks() -> None:
+    w = world(max_step_ms=150.0, max_num_partial_prefills=1)
+    _decoding(w, 4)
+    long = w.request("long", 4000, 4)
+    w.step()
+    w.step()  # the long prompt is mid-prefill
+    assert 0 < long.num_computed_tokens < 4000
+    shorts = [w.request(f"short{i}", 40, 4) for i in range(3)]
+    w.step()
+    # Each short prompt fits in what is left of the step: all three finish their prefill now.
+    assert all(s.num_output_tokens == 1 for s in shorts)
+    assert long.num_computed_tokens < 4000
+    # A second long prompt waits: only one prompt may stay mid-prefill at a time.
+    second = w.request("long2", 3000, 4)
+    w.step()
+    assert second.status is SequenceStatus.WAITING
+    w.run()
+
+
+def test_story_without_the_partial_limit_chunks_go_in_order() -> None:
+    w = world(max_step_ms=150.0, max_num_partial_prefills=0)
+    _decoding(w, 4)
+    long = w.request("long", 4000, 4)
+    w.step()
+    short = w.request("short", 40, 4)
+    w.step()
+    # The long prompt, admitted first, takes the budget: the short one waits for it.
+    assert short.num_output_tokens == 0 and long.num_computed_tokens < 4000
+
+
+def test_story_a_passed_over_prompt_is_not_starved() -> None:
+    w = world(max_step_ms=150.0, max_num_partial_prefills=1)
+    _decoding(w, 2)
+    long = w.request("long", 2000, 2)
+    w.step()
+    for i in range(60):  # a steady stream of short prompts, each filling the step
+        w.request(f"s{i}", 200, 2)
+        w.step()
+    assert long.num_output_tokens >= 1  # it still got its chunks (at the latest every STARVE_STEPS)
+
+
+# ------------------------------------------------------------------------------------- priorities
+def test_story_priorities_order_admission() -> None:
+    w = world(max_num_seqs=1)
+    for rid, priority in (("batch", 5), ("urgent", -1), ("normal", 0), ("normal2", 0)):
+        w.request(rid, 20, 2, priority=priority)
+    w.run()
+    assert w.admitted == ["urgent", "normal", "normal2", "batch"]
+
+
+def test_story_legacy_admits_in_arrival_order() -> None:
+    w = world(max_num_seqs=1, scheduling_policy="legacy")
+    for rid, priority in (("batch", 5), ("urgent", -1), ("normal", 0)):
+        w.request(rid, 20, 2, priority=priority)
+    w.run()
+    assert w.admitted == ["batch", "urgent", "normal"]
+
+
+def test_story_preemption_takes_the_lowest_priority_then_the_latest() -> None:
+    # 6 blocks; three prompts of 31 tokens hold 2 blocks each. The 33rd token needs a third block.
+    w = world(num_blocks=6, preemption_mode="recompute")
+    x = w.request("x", 31, 8, priority=0)
+    y = w.request("y", 31, 8, priority=5)  # admitted before z, but the least important
+    z = w.request("z", 31, 8, priority=0)
+    while not w.steps or not w.steps[-1].preempted_seq_ids:
+        w.step()
+    assert w.steps[-1].preempted_seq_ids == [y.seq_id]
+    assert x.status is z.status is SequenceStatus.RUNNING
+    # With equal priorities the most recently admitted goes first (the legacy rule, too).
+    w2 = world(num_blocks=6, preemption_mode="recompute")
+    seqs = [w2.request(r, 31, 8) for r in "abc"]
+    while not w2.steps or not w2.steps[-1].preempted_seq_ids:
+        w2.step()
+    assert w2.steps[-1].preempted_seq_ids == [seqs[2].seq_id]
+    w.run()
+    w2.run()
+
+
+# ---------------------------------------------------------------------------------------- tenants
+def test_story_a_tenants_burst_leaves_slots_for_another_tenant() -> None:
+    w = world(max_num_seqs=4)
+    for i in range(12):
+        w.request(f"a{i}", 30, 20, tenant="A")  # a burst from tenant A
+    w.clock[0] += 0.001
+    for i in range(2):
+        w.request(f"b{i}", 30, 20, tenant="B")  # then two requests from B
+    w.step()
+    running = sorted(s.request_id for s in w.scheduler.running)
+    assert running == ["a0", "a1", "b0", "b1"]  # the slots are shared, not all A's
+
+    old = world(max_num_seqs=4, scheduling_policy="legacy")
+    for i in range(12):
+        old.request(f"a{i}", 30, 20, tenant="A")
+    for i in range(2):
+        old.request(f"b{i}", 30, 20, tenant="B")
+    old.run()
+    w.run()
+    # Under the legacy policy B waits behind the whole burst.
+    assert old.first_token_at["b0"] > 5 * w.first_token_at["b0"]
+
+
+def test_story_a_running_burst_gives_the_next_free_slot_to_the_other_tenant() -> None:
+    w = world(max_num_seqs=4)
+    for i in range(8):
+        w.request(f"a{i}", 30, 10 + i, tenant="A")
+    w.step()
+    assert len(w.scheduler.running) == 4  # alone, A may use every slot
+    w.request("b0", 30, 10, tenant="B")
+    w.run()
+    # The first slot A gave back went to B, ahead of A's fifth request.
+    assert w.admitted.index("b0") < w.admitted.index("a4")
+
+
+# ------------------------------------------------------------------------ admission by KV capacity
+def _flood(admission: KVAdmission | None) -> tuple[World, list[int]]:
+    """30 requests (40-token prompts, up to 120 new tokens: 10 blocks each) arrive 3 per step at a
+    64-block pool; ``admission`` decides each one. Returns the world and the Retry-After values."""
+    w = world(num_blocks=64, preemption_mode="recompute")
+    retries: list[int] = []
+    s = w.scheduler
+    for i in range(30):
+        if admission is not None:
+            verdict = admission.check(s.kv_demand_blocks(), 10)
+            if not verdict.admit:
+                retries.append(verdict.retry_after_s)
+                continue
+        w.request(f"r{i}", 40, 120)
+        if i % 3 == 2:
+            before = {q.request_id for q in s.running}
+            w.step()
+            if admission is not None:
+                left = before - {q.request_id for q in s.running} - {q.request_id for q in s.waiting}
+                admission.on_finished(10 * len(left))  # finished requests gave their blocks back
+    w.run()
+    return w, retries
+
+
+def test_story_admission_answers_503_before_preemptions_exceed_a_bound() -> None:
+    bound = 3
+    flooded, _ = _flood(None)
+    assert flooded.scheduler.num_preemptions > bound  # everything accepted: a preemption storm
+
+    clock = [0.0]
+    admission = KVAdmission(1.0, 64, clock=lambda: clock[0])
+    guarded, retries = _flood(admission)
+    assert guarded.scheduler.num_preemptions <= bound
+    assert retries and all(1 <= r <= 60 for r in retries)  # refused, each with a Retry-After
+
+
+def test_kv_need_counts_cached_prompt_blocks_and_admission_math() -> None:
+    w = world(num_blocks=64)
+    seq = w.request("warm", 64, 4)
+    w.run()  # its 3 full prompt blocks stay cached
+    s = w.scheduler
+    same = list(seq.token_ids[:64])
+    assert s.num_cached_device_blocks(same, ("m", "")) == 3
+    assert s.kv_need_for(same, ("m", ""), 64, 4096) == 8 - 3  # 128 tokens = 8 blocks, 3 cached
+    assert s.kv_need_for(same, ("other", ""), 64, 4096) == 8  # another tenant's salt: nothing cached
+    assert s.kv_need_for(same, ("m", ""), 64, 4096, n=3) == 5 + 2 * 4
+    # Without max_tokens a request counts as 1,024 more tokens, within max_model_len.
+    assert s.kv_need_for(same, ("m", ""), None, 4096) == (64 + 1024) // 16 - 3
+    assert s.kv_need_for(same, ("m", ""), None, 256) == 256 // 16 - 3
+
+    clock = [100.0]
+    a = KVAdmission(2.0, 64, clock=lambda: clock[0])
+    assert a.limit_blocks == 128
+    assert a.check(0, 500).admit  # an idle server takes anything that fits the model
+    v = a.check(100, 40)
+    assert not v.admit and v.retry_after_s == 5  # nothing has drained yet: the default
+    a.on_finished(4)
+    clock[0] += 2.0
+    v = a.check(100, 40)
+    assert v.retry_after_s == 6  # 12 blocks over at 2 blocks/s
+    assert KVAdmission(0.0, 64).check(10**6, 10**6).admit  # factor 0: off
