@@ -309,12 +309,16 @@ class EngineArgs:
     preemption_mode: PreemptionMode = field(
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
     )
-    # --- issue 14: smooth streaming under load (kvtier/scheduler/) ---
+    # --- smooth streaming under load (kvtier/scheduler/) ---
+    # legacy stays the default until stall_free's TTFT is fixed: on a quiet 2-core CPU (BENCHMARKS.md,
+    # `kvtier bench serve --compare`) stall_free cut ITL p99/p50 from 3.5x to 1.3x but raised TTFT p90
+    # 6-11x, because a decode step there takes about max_step_ms and leaves prefill almost no budget.
     scheduling_policy: SchedulingPolicy = field(
-        default="stall_free",
+        default="legacy",
         metadata={
-            "help": "stall_free: decodes first, prefill chunks fill a time budget, priorities and "
-            "per-tenant fair share; legacy: the fixed token budget in admission order (for comparison)"
+            "help": "legacy (default): the fixed token budget in admission order; stall_free: decodes "
+            "first, prefill chunks fill a time budget, priorities and per-tenant fair share (smoother "
+            "streams, but slower first tokens on slow CPUs: see BENCHMARKS.md)"
         },
     )
     max_step_ms: float = field(
