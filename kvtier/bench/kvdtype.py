@@ -3,10 +3,9 @@
 * **quality**: perplexity of a fixed text of ``--quality-tokens`` tokens (default 20,480), teacher-forced
   through the paged cache in chunks of ``--chunk`` tokens inside windows of ``--window`` tokens (every
   chunk after the first attends to the earlier chunks' stored, i.e. quantized, K/V, and to its own), and
-  top-1 next-token agreement with float32 KV at every position. The text is built offline and
-  deterministically from the Python installation itself: its ``LICENSE.txt``, the Zen of Python
-  (``this``), then the docstrings of a fixed list of standard-library modules and their public members
-  (sorted), cut to the token count. Same interpreter version, same text.
+  top-1 next-token agreement with float32 KV at every position. The text is shipped in the repository:
+  five verbatim licence texts (GPL-3, GPL-2, LGPL-2.1, MPL-2.0, Apache-2.0; 23,427 tokens; sources in
+  ``kvtier/bench/data/README.md``), cut to the token count.
 * **storage error**: relative RMS error of the stored K and V of one window (float32 K/V captured from
   the float32 run) under each granularity the module docstring of ``kvtier/models/kv_quant.py``
   discusses: per (token, KV head) vs per (block, KV head) scales, with and without the rotation.
@@ -23,14 +22,11 @@ Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, s
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import json
 import math
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,41 +34,9 @@ from typing import Any
 from kvtier.args import add_engine_args
 
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
-TEXT_MODULES = (  # docstrings of these (and their public members) extend the text, in this order
-    "argparse",
-    "collections",
-    "contextlib",
-    "dataclasses",
-    "datetime",
-    "decimal",
-    "difflib",
-    "email",
-    "fractions",
-    "functools",
-    "heapq",
-    "http.client",
-    "inspect",
-    "itertools",
-    "json",
-    "logging",
-    "os",
-    "pathlib",
-    "pickle",
-    "random",
-    "re",
-    "shutil",
-    "socket",
-    "statistics",
-    "string",
-    "subprocess",
-    "tarfile",
-    "textwrap",
-    "threading",
-    "typing",
-    "unittest",
-    "urllib.parse",
-    "zipfile",
-)
+# the fixed text: verbatim licence texts shipped in kvtier/bench/data/ (sources in its README.md)
+TEXT_FILES = ("GPL-3.txt", "GPL-2.txt", "LGPL-2.1.txt", "MPL-2.0.txt", "Apache-2.0.txt")
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -97,33 +61,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------ the text
 def fixed_text(tokenizer: Any, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` token ids of the deterministic offline text (see the module docstring)."""
-    parts: list[str] = []
-    license_path = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
-    if os.path.exists(license_path):
-        with open(license_path, encoding="utf-8") as f:
+    """The first ``num_tokens`` token ids of the fixed text (``TEXT_FILES`` in order, blank-line joined)."""
+    parts = []
+    for name in TEXT_FILES:
+        with open(os.path.join(DATA_DIR, name), encoding="utf-8") as f:
             parts.append(f.read())
-    import codecs
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):  # importing it prints the Zen
-        import this  # noqa: F401 - its text is rot13 in this.s
-
-    parts.append(codecs.decode(sys.modules["this"].s, "rot13"))
     ids: list[int] = tokenizer.encode("\n\n".join(parts), add_special_tokens=False)
-    for name in TEXT_MODULES:
-        if len(ids) >= num_tokens:
-            break
-        module = importlib.import_module(name)
-        docs = [inspect.getdoc(module) or ""]
-        for member_name in sorted(n for n in vars(module) if not n.startswith("_")):
-            member = getattr(module, member_name)
-            if (inspect.isclass(member) or inspect.isfunction(member)) and member.__module__ == name:
-                docs.append(f"{member_name}: {inspect.getdoc(member) or ''}")
-        ids += tokenizer.encode("\n\n" + "\n\n".join(d for d in docs if d), add_special_tokens=False)
     if len(ids) < num_tokens:
-        raise ValueError(f"the offline text has only {len(ids)} tokens, fewer than {num_tokens}")
+        raise ValueError(f"the fixed text has only {len(ids)} tokens, fewer than {num_tokens}")
     return ids[:num_tokens]
 
 

@@ -14,7 +14,9 @@ K/V only through block tables and writes new K/V only through slot mappings (blo
             (quantized per token and KV head on the way in with a compact KV dtype)
     read:   rows = kv_layer.index_select(0, block_table)  ->  [n_blocks, BS, 2, KVH, D]
                                                           ->  [ctx, 2, KVH, D]
-            (a view with ``auto``; dequantized, only the gathered blocks, with a compact KV dtype)
+            (a view with ``auto``; with a compact KV dtype only the gathered blocks are converted,
+             and decode folds each token's scale into its score and probability: see
+             ``decode_attention_scaled``; prefill chunks dequantize what they gather)
 
 Decode rows (one query token each) run as one batched group padded to the longest context with a
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
@@ -89,14 +91,17 @@ def paged_attention(
     if meta.decode is not None:
         d = meta.decode
         b = d.num_seqs
-        ctx = kv_cache.gather(layer, d.block_tables).view(
-            b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim
-        )
-        ctx = ctx[:, : d.max_context]
-        k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
-        v = ctx[:, :, 1].transpose(1, 2)
         qd = q[:b].view(b, num_kv_heads, group, head_dim)  # query heads sharing a KV head as rows
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
+        ctx_shape = (b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
+        ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables)
+        ctx = ctx.view(ctx_shape)[:, : d.max_context]  # [B, ctx, 2, KVH, D]
+        if ctx_scale is None:
+            k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
+            v = ctx[:, :, 1].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
+        else:
+            ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, : d.max_context]  # [B, ctx, 2, KVH]
+            o = decode_attention_scaled(qd, ctx, ctx_scale, d.mask, scale)
         outs.append(o.reshape(b, num_heads * head_dim))
 
     for p in meta.prefills:
@@ -117,3 +122,23 @@ def paged_attention(
 
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return kv_cache.unrotate_output(out, head_dim)
+
+
+def decode_attention_scaled(
+    qd: torch.Tensor,  # [B, KVH, G, D] one query token per sequence, its G heads per KV head as rows
+    ctx: torch.Tensor,  # [B, ctx, 2, KVH, D] stored compact K/V elements, before their scales
+    ctx_scale: torch.Tensor,  # [B, ctx, 2, KVH] float32: one scale per token, K or V, KV head
+    mask: torch.Tensor | None,  # [B, 1, 1, ctx] bool (True = attend)
+    scale: float,
+) -> torch.Tensor:  # [B, KVH, G, D]
+    """Decode attention over compact K/V without dequantizing it: q.(s k) = s (q.k) and
+    sum_t p_t (s_t v_t) = sum_t (p_t s_t) v_t, so a token's scale multiplies its G scores and G
+    probabilities (per KV head) instead of its 2 x D stored values: one pass over the context less."""
+    k = ctx[:, :, 0].permute(0, 2, 3, 1)  # [B, KVH, D, ctx]
+    v = ctx[:, :, 1].transpose(1, 2)  # [B, KVH, ctx, D]
+    s = ctx_scale.to(qd.dtype).permute(0, 2, 3, 1).unsqueeze(3)  # [B, 2, KVH, 1, ctx]
+    scores = torch.matmul(qd, k).mul_(s[:, 0] * scale)  # [B, KVH, G, ctx]
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).mul_(s[:, 1])  # [B, KVH, G, ctx]
+    return torch.matmul(probs, v)

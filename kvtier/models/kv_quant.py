@@ -52,8 +52,13 @@ _STORAGE = {
 }
 _QMAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "int8": 127.0}
 # Rotated before quantizing (a Walsh-Hadamard transform per KV head, undone on the query and output):
-# measured by `kvtier bench kvdtype` (its rotation table).
-ROTATED = {"fp8_e4m3": False, "fp8_e5m2": False, "int8": True}
+# measured by `kvtier bench kvdtype` and in BENCHMARKS.md (fp8 too: it halves fp8_e4m3's perplexity cost).
+ROTATED = {"fp8_e4m3": True, "fp8_e5m2": True, "int8": True}
+# fp8 scale candidates: amax / qmax times 2^(k/8), k = 0..7 (one binade in 8 steps); each (token, KV
+# head) keeps the one whose stored values are closest to its own (least squared error). A float
+# format's grid is relative, so where a value's mantissa lands decides its error; int8's grid is
+# uniform and amax / 127 is already its best.
+FP8_SCALE_STEPS = 8
 _TINY = 1e-12  # smallest scale: an all-zero head quantizes to zeros, not NaN
 
 
@@ -83,12 +88,19 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple
     ``scale_factor`` exists for the quality test's deliberately broken quantizer (2.0: scales off by 2x)."""
     x32 = x.float()
     scale = x32.abs().amax(-1).div_(fmt.qmax).clamp_min_(_TINY)  # [...]
-    y = x32 / (scale * scale_factor).unsqueeze(-1)
     if fmt.name == "int8":
-        q = y.round_().clamp_(-127, 127).to(torch.int8)
-    else:
-        q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)
-    return q, scale
+        y = x32 / (scale * scale_factor).unsqueeze(-1)
+        return y.round_().clamp_(-127, 127).to(torch.int8), scale
+    steps = (
+        torch.arange(FP8_SCALE_STEPS, dtype=torch.float32, device=x.device).div_(FP8_SCALE_STEPS).exp2_()
+    )  # [S]
+    cand = scale.unsqueeze(-1) * steps  # [..., S] every candidate keeps amax within the range
+    y = x32.unsqueeze(-2) / (cand * scale_factor).unsqueeze(-1)  # [..., S, D]
+    q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)  # [..., S, D]
+    back = to_compute(q, torch.float32).mul_((cand * scale_factor).unsqueeze(-1))  # [..., S, D]
+    best = back.sub_(x32.unsqueeze(-2)).square_().sum(-1).argmin(-1, keepdim=True)  # [..., 1]
+    codes = q.view(torch.uint8).gather(-2, best.unsqueeze(-1).expand(*best.shape, x.shape[-1]))
+    return codes.squeeze(-2).view(fmt.storage), cand.gather(-1, best).squeeze(-1)
 
 
 _FP8_TABLES: dict[tuple[torch.dtype, torch.dtype, torch.device], torch.Tensor] = {}
@@ -103,16 +115,19 @@ def _fp8_table(storage: torch.dtype, dtype: torch.dtype, device: torch.device) -
     return _FP8_TABLES[key]
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q [..., D], scale [...] -> [..., D] in ``dtype`` (one conversion and one multiply). fp8 is read
-    through a 256-entry table: bit for bit what ``q.to(dtype)`` gives, ~1.7x faster on CPU (where
-    torch converts fp8 one element at a time)."""
+def to_compute(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [...] stored elements -> [...] their values in ``dtype``, before any scale (a new tensor).
+    fp8 is read through a 256-entry table: bit for bit what ``q.to(dtype)`` gives, faster on CPU
+    (where torch converts fp8 one element at a time)."""
     if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = q.view(torch.uint8).reshape(-1).to(torch.int32)
-        x = _fp8_table(q.dtype, dtype, q.device).index_select(0, codes).view(q.shape)
-    else:
-        x = q.to(dtype)
-    return x.mul_(scale.to(dtype).unsqueeze(-1))
+        return _fp8_table(q.dtype, dtype, q.device).index_select(0, codes).view(q.shape)
+    return q.to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [..., D], scale [...] -> [..., D] in ``dtype`` (one conversion and one multiply)."""
+    return to_compute(q, dtype).mul_(scale.to(dtype).unsqueeze(-1))
 
 
 def hadamard(n: int) -> torch.Tensor | None:
@@ -177,16 +192,28 @@ class PagedKVCache:
 
     def gather(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
         """[n] block ids -> [n * BS, 2, KVH, D] in the compute dtype (one copy of just those blocks)."""
+        values, scale = self.gather_unscaled(layer, block_table)
+        if scale is None:
+            return values
+        return values.mul_(scale.to(values.dtype).unsqueeze(-1))  # = dequantize(), bit for bit
+
+    def gather_unscaled(
+        self, layer: int, block_table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n] block ids -> (values [n * BS, 2, KVH, D] in the compute dtype, scales [n * BS, 2, KVH]
+        float32), the stored elements before their scales, so that decode attention can apply a
+        token's scale to its one score and one probability instead of to its D values; scales None
+        (and the values a view when the dtypes match) when not quantized."""
         n = block_table.shape[0]
         rows = self.raw.select(1, layer)  # [NB, ...] one layer of every block
         flat = rows.reshape(rows.shape[0], -1).index_select(0, block_table)  # [n, layer elements]
         if self.scales is None:
             out = flat.view(n * self.block_size, *self.token_shape)
-            return out if out.dtype == self.fmt.compute else out.to(self.fmt.compute)
+            return (out if out.dtype == self.fmt.compute else out.to(self.fmt.compute)), None
         data = flat[:, : self.data_bytes].view(self.fmt.storage)  # [n, BS*2*KVH*D] (a view)
         scale = flat[:, self.data_bytes :].view(torch.float32)  # [n, BS*2*KVH] (a view)
-        kv = dequantize(data.unflatten(1, (-1, self.token_shape[-1])), scale, self.fmt.compute)
-        return kv.view(n * self.block_size, *self.token_shape)  # [n, BS*2*KVH, D] contiguous
+        values = to_compute(data, self.fmt.compute)  # [n, BS*2*KVH*D]
+        return values.view(n * self.block_size, *self.token_shape), scale.reshape(n * self.block_size, 2, -1)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] @ R as one 2-D mm (a batched matmul on a strided view is ~1000x slower on CPU)."""
