@@ -15,7 +15,7 @@ from kvtier.config import ConfigError, EngineArgs, ModelConfig, resolve_engine_c
 from kvtier.engine import LLMEngine
 from kvtier.llm import LLM
 from kvtier.models.attention import AttentionMetadata, PrefillGroup
-from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize, quantize
+from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize, quantize, to_compute
 from kvtier.planner import load_model_spec, plan, pool_of_flags
 from kvtier.sampling_params import SamplingParams
 
@@ -116,6 +116,64 @@ def test_what_a_write_returns_is_what_a_later_read_gathers_bit_for_bit(kd: str) 
     read = cache.gather(1, torch.tensor([5, 2]))[:7]
     assert torch.equal(seen, read) and not torch.equal(seen, kv_new)
     assert torch.equal(cache.gather(0, torch.tensor([5, 2])), torch.zeros(8, 2, 3, 64))  # layer 0 untouched
+
+
+@pytest.mark.parametrize("storage", (torch.float8_e4m3fn, torch.float8_e5m2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_fp8_read_path_is_torchs_own_conversion_for_every_finite_pattern(storage: Any, dtype: Any) -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(storage)  # every bit pattern
+    want = codes.to(dtype)
+    finite = want.isfinite()  # NaN/inf patterns are never written (writes clamp to +-qmax)
+    assert int((~finite).sum()) == (2 if storage == torch.float8_e4m3fn else 8)
+    assert torch.equal(to_compute(codes, dtype)[finite], want[finite])
+
+
+@pytest.mark.parametrize("kd", ("fp8_e4m3", "fp8_e5m2"))
+def test_fp8_scale_is_the_best_of_its_candidates_per_token_and_head(kd: str) -> None:
+    """The searched scale never stores a (token, KV head) worse than amax / qmax, and beats it overall."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 2, 3, 64) * torch.logspace(-2, 1, 64)  # outlier channels, like real K
+    fmt = KVFormat(kd, torch.float32)
+    q, scale = quantize(x, fmt)
+    err = (dequantize(q, scale, torch.float32) - x).square().sum(-1)  # [256, 2, 3]
+    plain = x.abs().amax(-1) / fmt.qmax  # the one-candidate scale
+    q1 = (x / plain.unsqueeze(-1)).to(fmt.storage)
+    err1 = (dequantize(q1, plain, torch.float32) - x).square().sum(-1)
+    assert bool((err <= err1 * (1 + 1e-6)).all())
+    assert err.sum() < 0.8 * err1.sum()  # measured ~0.6-0.7: the search is worth its write cost
+    ratio = scale / plain
+    assert bool(((ratio >= 1 - 1e-6) & (ratio < 2)).all())  # amax stays within the format's range
+
+
+@pytest.mark.parametrize("kd", COMPACT)
+def test_decode_folds_scales_into_scores_and_matches_attention_over_dequantized_kv(kd: str) -> None:
+    """Decode reads compact K/V unscaled and scales scores and probabilities; the result equals SDPA
+    over the dequantized K/V (a batch of 2 of different lengths: the padded one masked)."""
+    import torch.nn.functional as F
+
+    from kvtier.models.attention import decode_attention_scaled
+
+    cache = PagedKVCache(KVFormat(kd, torch.float32), 8, (1, 4, 2, 64), torch.device("cpu"))
+    pos = torch.arange(28)
+    cache.write(0, torch.randn(28, 2, 2, 64) * 3, pos // 4, pos % 4)  # blocks 0..6
+    tables = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 0, 0, 0])  # [2 x 7] (7: never written)
+    ctx, ctx_scale = cache.gather_unscaled(0, tables)
+    ctx, ctx_scale = ctx.view(2, 28, 2, 2, 64), ctx_scale.view(2, 28, 2, 2)
+    mask = (torch.arange(28) < torch.tensor([[27], [12]]))[:, None, None]  # [2, 1, 1, 28]
+    q = torch.randn(2, 2, 3, 64)  # [B, KVH, G, D]
+    got = decode_attention_scaled(q, ctx, ctx_scale, mask, 0.125)
+    kv = cache.gather(0, tables).view(2, 28, 2, 2, 64)
+    want = F.scaled_dot_product_attention(
+        q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=mask, scale=0.125
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # decode's reads reuse the cache's buffers: same values, no fresh multi-MB tensors per step
+    first, first_scale = cache.gather_unscaled(0, tables, reuse=True)
+    assert torch.equal(first.view(2, 28, 2, 2, 64), ctx) and torch.equal(
+        first_scale.view(2, 28, 2, 2), ctx_scale
+    )
+    again, _ = cache.gather_unscaled(0, tables[:7], reuse=True)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, ctx[0])
 
 
 def test_auto_pool_is_todays_tensor_and_write_stores_the_values_themselves() -> None:

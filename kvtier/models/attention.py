@@ -93,7 +93,7 @@ def paged_attention(
         b = d.num_seqs
         qd = q[:b].view(b, num_kv_heads, group, head_dim)  # query heads sharing a KV head as rows
         ctx_shape = (b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
-        ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables)
+        ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables, reuse=True)  # used before the next
         ctx = ctx.view(ctx_shape)[:, : d.max_context]  # [B, ctx, 2, KVH, D]
         if ctx_scale is None:
             k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]

@@ -17,15 +17,19 @@ and the scales travel with their data. Inside the block each layer is a contiguo
     one layer row:  [ data  BS x 2 x KVH x D  (1 byte each) | scales  BS x 2 x KVH  (float32) ]
 
 so attention gathers one layer of the blocks it reads with a single ``index_select`` of bytes and
-dequantizes only those (``x = q.float() * scale``, vectorized over the whole gather).
+converts only those (``q.float()``, vectorized over the whole gather): a prefill chunk then multiplies
+by the scales, a decode step folds each token's scale into its score and probability instead
+(``attention.decode_attention_scaled``).
 
-Writes quantize through the slot mapping: a new token's K (and V) of one KV head gets its own scale
-(``amax / qmax``: 448 for e4m3, 57344 for e5m2, 127 for int8, rounding to nearest), so a token's bytes
-are final when written and never rewritten when its block fills up. Per-(block, KV head) scales would
-cost 1/BS of the scale bytes, but a block is filled one token at a time in decode, so its scale would
-have to grow and its earlier tokens be requantized; and measured on SmolLM2's real K/V (``kvtier bench
-kvdtype``, "granularity" table) they reconstruct K and V worse: the first tokens of a text and a few
-outlier channels carry much larger magnitudes than the rest of their block.
+Writes quantize through the slot mapping, after rotating K and V by a Walsh-Hadamard matrix (every
+format: it spreads outlier channels over the head): a new token's K (and V) of one KV head gets its
+own scale (int8: ``amax / 127``, rounding to nearest; fp8: the best of ``amax / qmax * 2^(k/8)``, k
+= 0..7, qmax 448 for e4m3 and 57344 for e5m2), so a token's bytes are final when written and never
+rewritten when its block fills up. Per-(block, KV head) scales would cost 1/BS of the scale bytes,
+but a block is filled one token at a time in decode, so its scale would have to grow and its earlier
+tokens be requantized; and measured on SmolLM2's real K/V (``kvtier bench kvdtype``, "granularity"
+table) they reconstruct K and V worse: the first tokens of a text and a few outlier channels carry
+much larger magnitudes than the rest of their block.
 
 Every query attends to the quantized K/V, its own chunk included: ``write`` returns the dequantized
 values of the tokens it stored, and a first prefill chunk attends to those (bit for bit what a later
@@ -36,6 +40,7 @@ too. So a prompt's output does not depend on how it was chunked, cached or preem
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,26 +108,36 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple
     return codes.squeeze(-2).view(fmt.storage), cand.gather(-1, best).squeeze(-1)
 
 
-_FP8_TABLES: dict[tuple[torch.dtype, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _fp8_table(storage: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[256] the value of every fp8 bit pattern in ``dtype`` (NaN patterns as 0: never written)."""
-    key = (storage, dtype, device)
-    if key not in _FP8_TABLES:
-        values = torch.arange(256, dtype=torch.uint8).view(storage).float().nan_to_num(0.0, 0.0, 0.0)
-        _FP8_TABLES[key] = values.to(device=device, dtype=dtype)
-    return _FP8_TABLES[key]
-
-
 def to_compute(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q [...] stored elements -> [...] their values in ``dtype``, before any scale (a new tensor).
-    fp8 is read through a 256-entry table: bit for bit what ``q.to(dtype)`` gives, faster on CPU
-    (where torch converts fp8 one element at a time)."""
-    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        codes = q.view(torch.uint8).reshape(-1).to(torch.int32)
-        return _fp8_table(q.dtype, dtype, q.device).index_select(0, codes).view(q.shape)
-    return q.to(dtype)
+    """q [...] stored elements -> [...] their values in ``dtype``, before any scale (a new tensor)."""
+    values, factor = _to_compute_over(q, dtype)
+    return values if factor == 1.0 else values.mul_(factor)
+
+
+Alloc = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]  # (name, shape, dtype) -> buffer
+
+
+def _to_compute_over(
+    q: torch.Tensor, dtype: torch.dtype, alloc: Alloc | None = None
+) -> tuple[torch.Tensor, float]:
+    """q [...] -> (values [...] in ``dtype``, factor): the stored values are ``values * factor`` (a
+    power of two a reader folds into its scales, saving a pass). ``alloc`` gives the output buffers.
+
+    torch converts fp8 to float one element at a time on CPU, so fp8 goes through float16 (whose
+    conversion is vectorized) with integer ops on the 16-bit patterns, bit for bit what ``q.to(dtype)``
+    gives for every pattern a write stores (NaN patterns never are: writes clamp to +-qmax).
+    e5m2 is the top byte of a float16. e4m3 as a sign-extended int16 times 2^7 puts its exponent and
+    mantissa in bits 13..7 of a float16 of value / 2^8 (bias 15 vs 7, subnormals included) and sets
+    bits 14 and 15 exactly when negative: clearing bit 14 leaves the sign."""
+    if alloc is None:
+        alloc = lambda name, shape, dt: torch.empty(shape, dtype=dt, device=q.device)  # noqa: E731
+    out = alloc("values", q.shape, dtype)
+    if q.dtype not in (torch.float8_e5m2, torch.float8_e4m3fn):
+        return out.copy_(q), 1.0
+    bits = alloc("bits", q.shape, torch.int16).copy_(q.view(torch.int8))  # sign-extended
+    if q.dtype == torch.float8_e5m2:
+        return out.copy_(bits.mul_(256).view(torch.float16)), 1.0
+    return out.copy_(bits.mul_(128).bitwise_and_(~0x4000).view(torch.float16)), 256.0
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,6 +173,7 @@ class PagedKVCache:
         self.scale_factor = 1.0  # != 1 only in the quality test's broken quantizer
         nb, bs, kvh, d = num_blocks, block_size, num_kv_heads, head_dim
         self.rotation: torch.Tensor | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # gather_unscaled(reuse=True)'s, by name
         if not fmt.quantized:
             self.raw = torch.zeros((nb, num_layers, bs, 2, kvh, d), dtype=fmt.storage, device=device)
             self.data, self.scales = self.raw, None
@@ -198,22 +214,40 @@ class PagedKVCache:
         return values.mul_(scale.to(values.dtype).unsqueeze(-1))  # = dequantize(), bit for bit
 
     def gather_unscaled(
-        self, layer: int, block_table: torch.Tensor
+        self, layer: int, block_table: torch.Tensor, reuse: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[n] block ids -> (values [n * BS, 2, KVH, D] in the compute dtype, scales [n * BS, 2, KVH]
         float32), the stored elements before their scales, so that decode attention can apply a
         token's scale to its one score and one probability instead of to its D values; scales None
-        (and the values a view when the dtypes match) when not quantized."""
+        (and the values a view when the dtypes match) when not quantized.
+
+        ``reuse``: a compact read lands in buffers this cache keeps (grown as needed) instead of fresh
+        ones, and is overwritten by the next such read: decode reads the whole context every step,
+        and fresh multi-MB buffers cost page faults each time."""
         n = block_table.shape[0]
         rows = self.raw.select(1, layer)  # [NB, ...] one layer of every block
-        flat = rows.reshape(rows.shape[0], -1).index_select(0, block_table)  # [n, layer elements]
+        rows = rows.reshape(rows.shape[0], -1)
         if self.scales is None:
-            out = flat.view(n * self.block_size, *self.token_shape)
+            out = rows.index_select(0, block_table).view(n * self.block_size, *self.token_shape)
             return (out if out.dtype == self.fmt.compute else out.to(self.fmt.compute)), None
+        alloc = self._scratch if reuse else None
+        if alloc is None:
+            flat = rows.index_select(0, block_table)  # [n, layer bytes]
+        else:
+            flat = torch.index_select(rows, 0, block_table, out=alloc("rows", (n, rows.shape[1]), rows.dtype))
         data = flat[:, : self.data_bytes].view(self.fmt.storage)  # [n, BS*2*KVH*D] (a view)
         scale = flat[:, self.data_bytes :].view(torch.float32)  # [n, BS*2*KVH] (a view)
-        values = to_compute(data, self.fmt.compute)  # [n, BS*2*KVH*D]
-        return values.view(n * self.block_size, *self.token_shape), scale.reshape(n * self.block_size, 2, -1)
+        values, factor = _to_compute_over(data, self.fmt.compute, alloc)  # [n, BS*2*KVH*D]
+        scale = scale.reshape(n * self.block_size, 2, -1)  # [n*BS, 2, KVH]
+        return values.view(n * self.block_size, *self.token_shape), scale if factor == 1.0 else scale * factor
+
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` kept under ``name`` (reallocated only to grow)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self.raw.device)
+        return buf[:numel].view(shape)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] @ R as one 2-D mm (a batched matmul on a strided view is ~1000x slower on CPU)."""
