@@ -87,6 +87,17 @@ class KVFormat:
         return _QMAX[self.name]
 
 
+_SCALE_STEPS: dict[torch.device, torch.Tensor] = {}
+
+
+def _scale_steps(device: torch.device) -> torch.Tensor:
+    """[S] fp8 scale candidates' multipliers 2^(k/S), made once per device (decode writes one token)."""
+    if device not in _SCALE_STEPS:
+        k = torch.arange(FP8_SCALE_STEPS, dtype=torch.float32)
+        _SCALE_STEPS[device] = k.div_(FP8_SCALE_STEPS).exp2_().to(device)
+    return _SCALE_STEPS[device]
+
+
 def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (q [..., D] in ``fmt.storage``, scale [...] float32) with x ~= q * scale.
 
@@ -96,10 +107,9 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple
     if fmt.name == "int8":
         y = x32 / (scale * scale_factor).unsqueeze(-1)
         return y.round_().clamp_(-127, 127).to(torch.int8), scale
-    steps = (
-        torch.arange(FP8_SCALE_STEPS, dtype=torch.float32, device=x.device).div_(FP8_SCALE_STEPS).exp2_()
-    )  # [S]
-    cand = scale.unsqueeze(-1) * steps  # [..., S] every candidate keeps amax within the range
+    cand = scale.unsqueeze(-1) * _scale_steps(
+        x.device
+    )  # [..., S] every candidate keeps amax within the range
     y = x32.unsqueeze(-2) / (cand * scale_factor).unsqueeze(-1)  # [..., S, D]
     q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)  # [..., S, D]
     back = to_compute(q, torch.float32).mul_((cand * scale_factor).unsqueeze(-1))  # [..., S, D]
