@@ -483,6 +483,30 @@ def test_a_failure_before_the_first_byte_is_retried_once_elsewhere(cluster: dict
             broken.stop()
 
 
+def test_a_request_waiting_on_a_hung_replica_is_retried_elsewhere(cluster: dict[str, Any]) -> None:
+    """A replica hangs (SIGSTOP: it still accepts connections, it never answers). A returning
+    conversation sent home to it waits only until the health checks time out; nothing reached the
+    client yet, so the router retries it on the other replica. Then the replica wakes up and is back."""
+    router, (home, other) = cluster["router"], cluster["replicas"]
+    body = chat(long_system("hung"), "Are you still there?")
+    assert post(home.url, body).status_code == 200
+    wait_for(lambda: goes_to(router, body, home), 5)
+    assert home.proc is not None
+    home.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        r = post(router.url, body)
+        waited = time.monotonic() - start
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvtier-replica"] == other.url
+        assert not replica_state(router, home)["healthy"]
+        assert waited < 20, waited  # ~2 timed-out health checks, then the retry's own prefill
+    finally:
+        home.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: replica_state(router, home)["healthy"], 15)
+    assert replica_state(router, home)["in_flight"] == 0
+
+
 def generated(replica: Proc) -> int:
     text = httpx.get(replica.url + "/metrics", timeout=5).text
     return int(float(re.search(r"^kvtier:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M).group(1)))

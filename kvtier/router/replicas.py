@@ -68,6 +68,7 @@ class Replica:
     synced: bool = False  # its index reflects it (events or a recent snapshot)
     last_error: str | None = None
     timeouts: int = 0  # health checks timed out in a row
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while marked down
 
     @property
     def load(self) -> int:
@@ -131,6 +132,7 @@ class ReplicaSet:
         if replica.healthy:
             logger.warning("router: replica %s is down (%s); no more requests to it", replica.url, reason)
         replica.healthy = False
+        replica.down.set()  # requests waiting for its answer go elsewhere (kvtier.router.proxy)
         replica.following = replica.synced = False
         replica.last_error = reason
 
@@ -165,6 +167,7 @@ class ReplicaSet:
         if not replica.healthy:
             logger.warning("router: replica %s is up", replica.url)
             replica.healthy = True
+            replica.down.clear()
             replica.last_error = None
             self.changed.set()
 
