@@ -29,7 +29,7 @@ from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
 from kvtier.router.index import DEFAULT_MAX_BLOCKS, remote_run
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.prompt import Prompt, load_tokenizer, parse_prompt
+from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
 from kvtier.router.sync import IndexSync
 from kvtier.router.tokens import PieceEncoder
@@ -106,6 +106,10 @@ class Router:
 
             self.fingerprint = fingerprint
             self.encoder = PieceEncoder(tokenizer)
+            warm_up = {
+                "messages": [{"role": "user", "content": "Hi"}]
+            }  # the template compiled, pydantic built
+            parse_prompt(tokenizer, CHAT_PATH, warm_up, "", self.settings.prefix_cache_scope, self.encoder)
             self.tokenizer = tokenizer
 
         thread = threading.Thread(target=load, name="kvtier-router-tokenizer", daemon=True)
