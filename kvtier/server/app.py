@@ -544,8 +544,8 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
     if engine.ready:
         return JSONResponse({"status": "ok", **_load(engine)})
-    if engine.load_error is not None:
-        return JSONResponse({"status": "error", "message": str(engine.load_error)}, status_code=503)
+    if engine.load_error is not None or engine.dead_error is not None:
+        return JSONResponse({"status": "error", "message": engine.not_ready_reason()}, status_code=503)
     status = "loading" if engine.loading else "stopped"
     return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
