@@ -70,8 +70,11 @@ def write_kv(
     kv_cache: PagedKVCache, layer: int, kv_new: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
     """Store the step's new K/V (``kv_new``: [T, 2, KVH, D]) into their slots; returns them as a read
-    of the cache would ([T, 2, KVH, D]: ``kv_new`` itself with ``auto``, else dequantized)."""
-    return kv_cache.write(layer, kv_new, meta.slot_block_ids, meta.slot_offsets)
+    of the cache would ([T, 2, KVH, D]: ``kv_new`` itself with ``auto``, else dequantized). Only a
+    fresh prefill chunk (nothing cached) attends to these values; without one, ``kv_new`` comes back
+    as it is (its shape is all attention reads), sparing a compact decode step the dequantize."""
+    fresh = any(p.block_table is None for p in meta.prefills)
+    return kv_cache.write(layer, kv_new, meta.slot_block_ids, meta.slot_offsets, stored_values=fresh)
 
 
 def paged_attention(

@@ -201,10 +201,16 @@ class PagedKVCache:
         return self.raw[0].numel() * self.raw.element_size() // self.block_size
 
     def write(
-        self, layer: int, kv_new: torch.Tensor, slot_block_ids: torch.Tensor, slot_offsets: torch.Tensor
+        self,
+        layer: int,
+        kv_new: torch.Tensor,
+        slot_block_ids: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        stored_values: bool = True,
     ) -> torch.Tensor:
         """Store kv_new [T, 2, KVH, D] into its slots; returns [T, 2, KVH, D] in the compute dtype: the
-        values a later read of those slots returns (``kv_new`` itself when stored as it is)."""
+        values a later read of those slots returns (``kv_new`` itself when stored as it is, or when
+        ``stored_values`` is False: the caller reads only its shape)."""
         if self.scales is None:
             stored = kv_new.to(self.fmt.storage)  # kv_new itself when the dtypes match
             self.data[slot_block_ids, layer, slot_offsets] = stored
@@ -214,7 +220,7 @@ class PagedKVCache:
         q, scale = quantize(kv_new, self.fmt, self.scale_factor)  # [T, 2, KVH, D], [T, 2, KVH]
         self.data[slot_block_ids, layer, slot_offsets] = q
         self.scales[slot_block_ids, layer, slot_offsets] = scale
-        return dequantize(q, scale, kv_new.dtype)
+        return dequantize(q, scale, kv_new.dtype) if stored_values else kv_new
 
     def gather(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
         """[n] block ids -> [n * BS, 2, KVH, D] in the compute dtype (one copy of just those blocks)."""
