@@ -64,6 +64,7 @@ ROTATED = {"fp8_e4m3": True, "fp8_e5m2": True, "int8": True}
 # format's grid is relative, so where a value's mantissa lands decides its error; int8's grid is
 # uniform and amax / 127 is already its best.
 FP8_SCALE_STEPS = 8
+_NATIVE_FP8_MAX = 1 << 14  # fewer elements convert faster natively (1 op) than through float16 (5)
 _TINY = 1e-12  # smallest scale: an all-zero head quantizes to zeros, not NaN
 
 
@@ -107,12 +108,11 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple
     if fmt.name == "int8":
         y = x32 / (scale * scale_factor).unsqueeze(-1)
         return y.round_().clamp_(-127, 127).to(torch.int8), scale
-    cand = scale.unsqueeze(-1) * _scale_steps(
-        x.device
-    )  # [..., S] every candidate keeps amax within the range
-    y = x32.unsqueeze(-2) / (cand * scale_factor).unsqueeze(-1)  # [..., S, D]
-    q = y.clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)  # [..., S, D]
-    back = to_compute(q, torch.float32).mul_((cand * scale_factor).unsqueeze(-1))  # [..., S, D]
+    cand = scale.unsqueeze(-1) * _scale_steps(x.device)  # [..., S] each keeps amax within range
+    trial = (cand * scale_factor).unsqueeze(-1)  # [..., S, 1]
+    q = (x32.unsqueeze(-2) / trial).clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)  # [..., S, D]
+    small = q.numel() <= _NATIVE_FP8_MAX  # a decode write: torch's own conversion, one op
+    back = (q.float() if small else to_compute(q, torch.float32)).mul_(trial)  # [..., S, D]
     best = back.sub_(x32.unsqueeze(-2)).square_().sum(-1).argmin(-1, keepdim=True)  # [..., 1]
     codes = q.view(torch.uint8).gather(-2, best.unsqueeze(-1).expand(*best.shape, x.shape[-1]))
     return codes.squeeze(-2).view(fmt.storage), cand.gather(-1, best).squeeze(-1)
