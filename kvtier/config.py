@@ -138,7 +138,8 @@ class SchedulerConfig:
     disk_load_timeout_s: float = 1.0
     # --- issue 14: smooth streaming (kvtier/scheduler/budget.py, fairness.py) ---
     scheduling_policy: SchedulingPolicy = "stall_free"
-    max_step_ms: float = 150.0  # target step latency; 0: the fixed max_num_batched_tokens budget
+    max_step_ms: float = 100.0  # the least target step time; 0: the fixed max_num_batched_tokens budget
+    step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
     max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
 
@@ -217,6 +218,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             args.preemption_mode,
             scheduling_policy=args.scheduling_policy,
             max_step_ms=args.max_step_ms,
+            step_time_factor=args.step_time_factor,
             max_num_partial_prefills=args.max_num_partial_prefills,
             kv_admission_factor=args.kv_admission_factor,
         ),
@@ -322,10 +324,18 @@ class EngineArgs:
         },
     )
     max_step_ms: float = field(
-        default=150.0,
+        default=100.0,
         metadata={
-            "help": "target step latency in ms: prefill chunks get what the measured cost model says "
-            "fits beside the decodes (capped by --max-num-batched-tokens; 0: the fixed token budget)"
+            "help": "the least target step time in ms (stall_free): prefill chunks get what the measured "
+            "cost model says fits beside the decodes in max(this, --step-time-factor decode-only steps), "
+            "capped by --max-num-batched-tokens (0: the fixed token budget)"
+        },
+    )
+    step_time_factor: float = field(
+        default=2.5,
+        metadata={
+            "help": "stall_free: a step with prompt tokens lasts up to this many measured decode-only "
+            "steps (widened while the oldest prompt waits); 2.5 keeps ITL p99/p50 under 3"
         },
     )
     max_num_partial_prefills: int = field(
@@ -417,6 +427,8 @@ class EngineArgs:
     def _validate_scheduling(self) -> None:
         if self.max_step_ms < 0:
             raise ConfigError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.step_time_factor != 0 and self.step_time_factor < 1:
+            raise ConfigError(f"step_time_factor must be 0 or >= 1, got {self.step_time_factor}")
         if self.max_num_partial_prefills < 0:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
         if self.kv_admission_factor < 0:
