@@ -261,9 +261,13 @@ class LLMEngine:
             self._move_blocks(out.swap)
         if out.is_empty:
             return []
+        t0 = time.perf_counter()
         logits = self._execute(out)
-        samples = self._sample(out, logits)
-        return self._update(samples)
+        outputs = self._update(self._sample(out, logits))
+        # The whole step (forward, sampling, outputs) is what a stream waits between tokens.
+        prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
+        self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
+        return outputs
 
     def _poll_tiers(self) -> None:
         """Reads from disk that finished become host hits; finished writes become held blocks."""
@@ -293,10 +297,7 @@ class LLMEngine:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
-        t0 = time.perf_counter()
         logits = self.runner.execute(out)
-        prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
-        self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
         self.scheduler.advance(out)
         return logits
 

@@ -2,11 +2,12 @@
 
 ::
 
-    step time ≈ decode_step_s + prefill_tokens / prefill_tokens_per_s      (CostModel, measured)
+    step time ≈ decode_step_s + prefill_tokens / prefill_tokens_per_s      (CostModel, measured:
+                the engine's whole step, forward + sampling + outputs)
 
     target    = max(max_step_ms, factor * decode_step_s)
-    factor    = step_time_factor, grown by AGE_GROWTH per second the oldest waiting request has
-                queued beyond AGE_GRACE_S, at most MAX_FACTOR_GROWTH * step_time_factor
+    factor    = step_time_factor, grown by AGE_GROWTH per decode step the oldest waiting request
+                has queued beyond AGE_GRACE_STEPS target steps, at most MAX_FACTOR_GROWTH times
     prefill budget = (target - decode_step_s) * prefill_tokens_per_s
                      capped by max_num_batched_tokens - num_decodes
 
@@ -25,9 +26,9 @@ from kvtier.config import SchedulerConfig
 from kvtier.scheduler.preemption import CostModel
 
 MIN_PREFILL_TOKENS = 16
-AGE_GRACE_S = 1.0  # a prompt waiting this long is normal under load: no growth yet
-AGE_GROWTH = 0.5  # factor added per second of waiting beyond the grace
-MAX_FACTOR_GROWTH = 1.6  # the factor grows to at most this many times step_time_factor
+AGE_GRACE_STEPS = 2.0  # waiting this many target steps is normal under load: no growth yet
+AGE_GROWTH = 0.25  # factor added per decode step of waiting beyond the grace
+MAX_FACTOR_GROWTH = 2.0  # the factor grows to at most this many times step_time_factor
 
 
 class StepBudget:
@@ -36,10 +37,12 @@ class StepBudget:
         self.cost_model = cost_model
 
     def factor(self, oldest_wait_s: float = 0.0) -> float:
-        """The step-time factor over a decode-only step, grown by the oldest waiting request's queue time."""
+        """The step-time factor over a decode-only step, grown by the oldest waiting request's queue
+        time (counted in decode steps, so a loaded machine's slower steps do not look like a backlog)."""
         base = self.config.step_time_factor
-        grown = base + AGE_GROWTH * max(0.0, oldest_wait_s - AGE_GRACE_S)
-        return min(grown, MAX_FACTOR_GROWTH * base)
+        step_s = max(self.cost_model.decode_step_s, 1e-6)
+        beyond = oldest_wait_s / step_s - AGE_GRACE_STEPS * base
+        return min(base + AGE_GROWTH * max(0.0, beyond), MAX_FACTOR_GROWTH * base)
 
     def target_s(self, oldest_wait_s: float = 0.0) -> float:
         """The step time prefill may fill up to, beside the decodes."""
