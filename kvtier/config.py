@@ -312,9 +312,9 @@ class EngineArgs:
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
     )
     # --- smooth streaming under load (kvtier/scheduler/) ---
-    # legacy stays the default until stall_free's TTFT is fixed: on a quiet 2-core CPU (BENCHMARKS.md,
-    # `kvtier bench serve --compare`) stall_free cut ITL p99/p50 from 3.5x to 1.3x but raised TTFT p90
-    # 6-11x, because a decode step there takes about max_step_ms and leaves prefill almost no budget.
+    # legacy stays the default: on this 2-core CPU a decode step costs as much as only ~25-50 prompt
+    # tokens, so stall_free's smooth streams (ITL p99/p50 2.4x vs 4.7x) cost first tokens (TTFT p90
+    # 2.4x legacy's at the TTFT-2 s rate; BENCHMARKS.md, `kvtier bench serve --compare`).
     scheduling_policy: SchedulingPolicy = field(
         default="legacy",
         metadata={
