@@ -335,7 +335,7 @@ class EngineArgs:
         default=2.5,
         metadata={
             "help": "stall_free: a step with prompt tokens lasts up to this many measured decode-only "
-            "steps (widened while the oldest prompt waits); 2.5 keeps ITL p99/p50 under 3"
+            "steps (widened while the oldest waiting request queues); 2.5 keeps ITL p99/p50 under 3"
         },
     )
     max_num_partial_prefills: int = field(
