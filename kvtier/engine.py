@@ -111,7 +111,7 @@ class LLMEngine:
         self.insight.canary.on_mismatch = self._quarantine
         self.kv.observer = self.insight
         if self.tiers is not None:
-            self.tiers.on_stored = self.insight.on_stored
+            self.insight.attach(self.tiers)  # per-tier simulations, told of the blocks offered
         self._mrc: dict[tuple[str, float], float] = {}
         self._mrc_time = float("-inf")
         self.outputs = OutputProcessor(self.tokenizer)

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.insight.minisim import SimSnapshot
 from kvtier.insight.mrc import TrackerSnapshot
 
 SIZE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -44,7 +45,7 @@ class TierSize:
     medium: str  # "device", "host", "disk"
     capacity_blocks: int
     load_seconds_per_block: float  # measured (0: unknown, use the transfer rate)
-    snap: TrackerSnapshot | None = None  # the tier's own stream: blocks asked of it, blocks stored in it
+    snap: TrackerSnapshot | SimSnapshot | None = None  # the tier's own stream: blocks asked of it, offered
     num_asked: int = 0  # blocks looked up in this tier (the faster ones missed)
     num_served: int = 0  # of those, blocks it served (measured)
 
