@@ -40,6 +40,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--canary-requests", type=int, default=400, help="requests per engine in the canary cost run"
     )
+    p.add_argument(
+        "--canary-budget", type=float, default=0.0, help="seconds: start no new round after (0: none)"
+    )
     p.add_argument("--quick", action="store_true", help="4 conversations x 3 turns, small texts (smoke run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
     add_engine_args(p, ["num_threads"])
@@ -152,6 +155,7 @@ class CanaryRun:
     recomputed: int = 0  # tokens the checks ran through the model
     computed: int = 0  # tokens the engine computed for the requests (prompt not from cache + decode)
     canary_seconds: float = 0.0  # measured inside the engine: captures and checks
+    requests: int = 0
 
 
 def canary_cost(
@@ -160,10 +164,12 @@ def canary_cost(
     engine_kwargs: dict[str, Any],
     num_requests: int,
     rates: tuple[float, float] = CANARY_RATES,
+    budget_s: float = 0.0,
 ) -> list[CanaryRun]:
     """The workload's requests, cycled to ``num_requests``, on two engines (``rates``: 0 and 0.01)
     interleaved request by request, which engine goes first alternating (the machine's load hits them
-    alike). Each engine runs its pending checks after each request, and that time counts."""
+    alike). Each engine runs its pending checks after each request, and that time counts. No new round
+    starts after ``budget_s`` seconds (0: no limit)."""
     from kvtier.config import EngineArgs
     from kvtier.engine import LLMEngine
     from kvtier.sampling_params import SamplingParams
@@ -175,9 +181,12 @@ def canary_cost(
     runs = [CanaryRun(r, []) for r in rates]
     params = SamplingParams(temperature=0.0, max_tokens=work.answer_tokens, ignore_eos=True)
     order = [(c, t) for t in range(work.num_turns) for c in range(work.num_convs)]
+    t_start = time.perf_counter()
     try:
         for i in range(num_requests):
             if i % len(order) == 0:
+                if budget_s and time.perf_counter() - t_start > budget_s:
+                    break  # whole rounds only, both engines alike
                 if i:
                     print(
                         f"  round {i // len(order)}: "
@@ -195,6 +204,7 @@ def canary_cost(
                     pass
                 runs[j].seconds[-1] += time.perf_counter() - t0
                 runs[j].computed += len(prompt) - out.num_cached_tokens + work.answer_tokens
+                runs[j].requests += 1
         for run, engine in zip(runs, engines, strict=True):
             stats = engine.insight.canary.stats
             run.blocks, run.recomputed = stats.match + stats.mismatch, stats.recomputed_tokens
@@ -251,7 +261,7 @@ def main(ns: argparse.Namespace) -> int:
         print("  canary cost: two engines, interleaved ...", file=sys.stderr, flush=True)
         host_gb = {"kv_host_gb": host * block_bytes / 2**30}
         print_canary_cost(
-            canary_cost(loaded, work, {**base, **host_gb}, ns.canary_requests), ns.canary_requests
+            canary_cost(loaded, work, {**base, **host_gb}, ns.canary_requests, budget_s=ns.canary_budget)
         )
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s (a shared, loaded machine: times are noisy)")
     return 0
@@ -294,11 +304,11 @@ def print_curve_tables(trace: Trace, advice: dict[str, Any], snap: Any, device: 
     print("advice:", *([f"  - {s}" for s in advice["advice"]] or ["  (none)"]), sep="\n")
 
 
-def print_canary_cost(runs: list[CanaryRun], num_requests: int) -> None:
+def print_canary_cost(runs: list[CanaryRun]) -> None:
     off, on = runs
     per_round = sorted(b / a - 1 for a, b in zip(off.seconds, on.seconds, strict=True) if a > 0)
     print(
-        f"\ncanary cost: {num_requests} requests per engine, interleaved (who goes first alternating), "
+        f"\ncanary cost: {on.requests} requests per engine, interleaved (who goes first alternating), "
         f"{len(per_round)} rounds"
     )
     print(

@@ -1,8 +1,9 @@
 """Sizing advice: the miss-ratio curve turned into per-tier curves and sentences an operator can act on.
 
-Each tier is an LRU over its own access stream (``CacheInsight``): the device pool over every prompt
-lookup, block computed and sequence freed; the host tier over the blocks asked of it (the device
-missed them) and the blocks stored into it (device evictions); the disk tier likewise one level down.
+Each tier has its own access stream (``CacheInsight``): the device pool, an LRU over every prompt
+lookup, block computed and sequence freed (reuse distances, ``mrc``); the host tier over the blocks
+asked of it (the device missed them) and the blocks offered to it (device evictions), simulated with
+its admission rules (``minisim``); the disk tier likewise one level down.
 Growing or shrinking one tier leaves the stream of the tiers above it unchanged, so its own curve says
 how many of the blocks asked of it it would serve; the faster tiers serve what they serve now, and the
 slower ones the same share of its misses as now. The curve of tier ``t`` at size factor ``f`` is then
