@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quick", action="store_true", help="4 conversations x 3 turns, small texts (smoke run)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated texts")
+    p.add_argument("--trace-out", default=None, help="also write the recorded trace to this JSON file")
     add_engine_args(p, ["num_threads"])
     p.set_defaults(func=main)
 
@@ -256,6 +258,12 @@ def main(ns: argparse.Namespace) -> int:
     )
     print("  recording on a real engine ...", file=sys.stderr, flush=True)
     trace, advice, snap = record(loaded, work, {**base, "kv_host_gb": host * block_bytes / 2**30})
+    if ns.trace_out:
+        with open(ns.trace_out, "w") as f:
+            json.dump(
+                {"requests": trace.requests, "block_size": trace.block_size, "device": device, "host": host},
+                f,
+            )
     print_curve_tables(trace, advice, snap, device, host)
     if ns.canary_cost:
         print("  canary cost: two engines, interleaved ...", file=sys.stderr, flush=True)

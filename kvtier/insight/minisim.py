@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from kvtier.insight.mrc import MODULUS, key_hash
@@ -81,17 +81,26 @@ class _MiniCache:
     def limit(self, rate: float) -> int:
         return max(0, round(self.size * rate))
 
-    def insert(self, key: bytes, rate: float, pinned: frozenset[bytes] = frozenset()) -> None:
-        """Store ``key`` unless held, evicting the least recently used block that is not ``pinned``."""
+    def insert(self, key: bytes, rate: float, pinned: Set[bytes] = frozenset()) -> bool:
+        """Store ``key`` unless held, evicting the least recently used block that is not ``pinned``;
+        False if every other block is pinned (the store is dropped)."""
         if key in self.held:
-            return
+            return False
         self.held[key] = None
         while len(self.held) > self.limit(rate):
-            victim = next((k for k in self.held if k not in pinned), None)
-            if victim is None or victim == key:
-                del self.held[key]  # everything else is pinned: the store is dropped
-                return
+            victim = next((k for k in self.held if k not in pinned and k != key), None)
+            if victim is None:
+                del self.held[key]
+                return False
             del self.held[victim]
+        return True
+
+    def insert_all(self, keys: Sequence[bytes], rate: float, pinned: set[bytes]) -> None:
+        """One step's stores: blocks stored earlier in the step are reserved (not evictable) until the
+        step's copies complete, like ``pinned`` (the step's hits, being loaded)."""
+        for key in keys:
+            if self.insert(key, rate, pinned):
+                pinned.add(key)
 
 
 class TierSimulator:
@@ -131,9 +140,7 @@ class TierSimulator:
             n = 0  # leading sampled hits: a block hits only if the ones before it did
             while n < len(sampled) and sampled[n][1] in cache.held:
                 n += 1
-            hits = frozenset(k for _, k in sampled[:n])
-            for key in offered:
-                cache.insert(key, self.rate, hits)
+            cache.insert_all(offered, self.rate, {k for _, k in sampled[:n]})
             for _, key in sampled[:n]:
                 cache.held.move_to_end(key)
             cache.hits += n / self.rate
@@ -145,8 +152,7 @@ class TierSimulator:
         """Blocks the tier above hands down (write-back or write-through): stored iff not held."""
         sampled = [k for k in keys if self._sample(k)]
         for cache in self.caches:
-            for key in sampled:
-                cache.insert(key, self.rate)
+            cache.insert_all(sampled, self.rate, set())
 
     def snapshot(self) -> SimSnapshot:
         return SimSnapshot(
