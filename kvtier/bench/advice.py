@@ -102,9 +102,12 @@ def _measured(engine: Any) -> float:
 
 
 # ------------------------------------------------------------------------------ replay
-def replay(trace: Trace, device_blocks: int, host_blocks: int, keep: bool = False) -> tuple[float, Any]:
+def replay(
+    trace: Trace, device_blocks: int, host_blocks: int, keep: bool = False, canary: Any = None
+) -> tuple[float, Any]:
     """The trace against the real bookkeeping of a device pool (and a host tier): its block hit ratio,
-    and the snapshots of the trackers fed the replay's accesses (``keep``: their ``CacheInsight``)."""
+    and the snapshots of the trackers fed the replay's accesses (``keep``: their ``CacheInsight``).
+    ``canary``: a ``CanaryProxy`` told each request's computed tokens and the canary's picks."""
     from kvtier.insight.hub import CacheInsight
     from kvtier.kv.manager import KVCacheManager
     from kvtier.stats import Medium
@@ -114,7 +117,8 @@ def replay(trace: Trace, device_blocks: int, host_blocks: int, keep: bool = Fals
     bs = trace.block_size
     tiers = TierCoordinator(HostTier(host_blocks)) if host_blocks > 0 else None
     kv = KVCacheManager(device_blocks, bs, True, tiers=tiers)
-    insight = CacheInsight(0.0, bs, "float32", lower=[Medium.HOST] if tiers else [])
+    rate = canary.rate if canary is not None else 0.0
+    insight = CacheInsight(rate, bs, "float32", seed=1, lower=[Medium.HOST] if tiers else [])
     kv.observer = insight
     if tiers is not None:
         insight.attach(tiers)
@@ -132,10 +136,31 @@ def replay(trace: Trace, device_blocks: int, host_blocks: int, keep: bool = Fals
             _complete(kv, tiers)
             kv.cache_blocks(seq, tokens, t + 1)
         kv.free(seq)
+        if canary is not None:
+            canary.add(len(prompt) - n + len(answer), insight.canary)
     device = kv.device_counters
     hits = device.hit_blocks + (sum(t.counters.hit_blocks for t in tiers.tiers) if tiers else 0)
     ratio = hits / device.lookups if device.lookups else 0.0
     return ratio, insight if keep else {m: t.snapshot() for m, t in insight.trackers.items()}
+
+
+@dataclass
+class CanaryProxy:
+    """The canary's work at ``rate`` over a replay, in tokens: what it would recompute (its own
+    sampling and picks, no model) against what the engine computes (prompt not from cache, decode)."""
+
+    rate: float
+    requests: int = 0
+    checks: int = 0
+    recomputed: int = 0
+    computed: int = 0
+
+    def add(self, computed: int, canary: Any) -> None:
+        self.requests += 1
+        self.computed += computed
+        picked = canary.take_picked()
+        self.checks += len(picked)
+        self.recomputed += sum(len(c.token_ids) for c in picked)
 
 
 def _complete(kv: Any, tiers: Any) -> None:
@@ -266,6 +291,7 @@ def main(ns: argparse.Namespace) -> int:
             )
     print_curve_tables(trace, advice, snap, device, host)
     if ns.canary_cost:
+        print_canary_proxy(trace, device, host)
         print("  canary cost: two engines, interleaved ...", file=sys.stderr, flush=True)
         host_gb = {"kv_host_gb": host * block_bytes / 2**30}
         print_canary_cost(
@@ -339,3 +365,18 @@ def print_canary_cost(runs: list[CanaryRun]) -> None:
         f"work proxy (recomputed / computed tokens): {on.recomputed / max(on.computed, 1):.2%}; "
         f"target <= 2%"
     )
+
+
+def print_canary_proxy(trace: Trace, device: int, host: int, rounds: int = 20) -> None:
+    """The canary's work at the default rate (and at 1.0) over the recorded trace replayed ``rounds``
+    times on the real bookkeeping: deterministic, no model, no clock."""
+    long = Trace(trace.requests * rounds, trace.extra_keys, trace.block_size)
+    print(f"\ncanary work proxy: the recorded trace replayed {rounds}x ({len(long.requests)} requests)")
+    print(
+        f"{'canary_rate':>11} {'checks':>7} {'recomputed':>11} {'computed':>10} {'recomputed/computed':>20}"
+    )
+    for rate in (0.01, 1.0):
+        proxy = CanaryProxy(rate)
+        replay(long, device, host, canary=proxy)
+        share = proxy.recomputed / proxy.computed if proxy.computed else 0.0
+        print(f"{rate:>11g} {proxy.checks:>7} {proxy.recomputed:>11} {proxy.computed:>10} {share:>19.2%}")

@@ -178,6 +178,11 @@ class Canary:
             )
         )
 
+    def take_picked(self) -> list[_Candidate]:
+        """Sampled requests' picks not captured yet, removed (a replay without a model has no bytes)."""
+        picked, self._capturing = self._capturing, []
+        return picked
+
     def capture(self, cache: PagedKVCache) -> None:
         """Copy out the bytes the sampled requests were served (call after the step's loads ran)."""
         self._cache, kv_cache = cache, cache.raw
