@@ -9,7 +9,15 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.advice import canary_cost, print_canary_cost, print_curve_tables, record, replay
+from kvtier.bench.advice import (
+    CanaryProxy,
+    Trace,
+    canary_cost,
+    print_canary_cost,
+    print_curve_tables,
+    record,
+    replay,
+)
 from kvtier.bench.multiturn import Workload
 from kvtier.models.loader import load_model
 
@@ -52,3 +60,9 @@ def test_story_bench_advice_on_a_tiny_model(tiny_llama_dir: Any, capsys: pytest.
     assert 0 < on.canary_seconds < sum(on.seconds)
     print_canary_cost(runs)
     assert "recomputed / computed tokens" in capsys.readouterr().out
+
+    # The work proxy (no model: the replay's own canary sampling and picks) is the engine's work.
+    proxy = CanaryProxy(1.0)
+    replay(Trace(trace.requests * 2, trace.extra_keys, trace.block_size), 12, host, canary=proxy)
+    assert (proxy.requests, proxy.checks) == (24, on.checks)
+    assert (proxy.recomputed, proxy.computed) == (on.recomputed, on.computed)
