@@ -1,16 +1,20 @@
 """``kvtier bench advice``: are the miss-ratio curves right, and what does the canary cost?
 
 1. **Curves vs replay.** The ``bench multiturn`` workload (conversations served round-robin, one request
-   at a time) runs once on a real engine with a device pool and a host tier; its sampled tracker gives
+   at a time) runs once on a real engine with a device pool and a host tier; its trackers (the host
+   tier's: miniature simulations of its admission rules) give
    the predicted hit ratios (``LLMEngine.kv_advice``, what ``GET /v1/kv/advice`` serves). The recorded
    trace (every prompt and answer, in order) is then replayed against the real tier bookkeeping
    (``KVCacheManager`` over a ``TierCoordinator`` with a ``HostTier``) of ¼, ½, 1 and 2× the host size,
    and of 1, 2 and 4× the device pool with no host tier; the table compares predicted and replayed
    prompt-block hit ratios (target: within 5 points). The replay's own tracker, fed the same trace,
    must give the same curve as the engine's (deterministic for a recorded trace).
-2. **Canary cost** (``--canary-cost``): the same workload on engines with ``canary_rate`` 0, 0.01 (the
-   default) and 1.0, interleaved request by request so the machine's load hits them alike; the time
-   includes running every pending check (in a server they run when it is idle).
+2. **Canary cost** (``--canary-cost``): (a) the work proxy, deterministic: the recorded trace replayed
+   20 times on the real bookkeeping with the canary's own sampling and picks at rate 0.01 (and 1.0),
+   tokens it would recompute over tokens the engine computes; (b) time: the workload's requests cycled
+   on two engines with ``canary_rate`` 0 and 0.01, interleaved request by request (which goes first
+   alternating), each running its pending checks after each request (in a server they run when it is
+   idle), plus the time the 0.01 engine spent inside the canary.
 """
 
 from __future__ import annotations
