@@ -69,9 +69,10 @@ def read_bandwidth_gbs() -> float:
 
 
 def weight_bytes_per_decode_step(model) -> int:  # noqa: ANN001 - kvtier.models.llama.LlamaModel
-    total = model.lm_head.numel() * model.lm_head.element_size()
+    total = model.lm_head.nbytes
     for layer in model.layers:
-        for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down, layer.input_norm, layer.post_norm):
+        total += sum(lin.nbytes for lin in layer.linears)
+        for w in (layer.input_norm, layer.post_norm):
             total += w.numel() * w.element_size()
     return total
 
