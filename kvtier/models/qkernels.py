@@ -113,7 +113,9 @@ def kernels() -> ctypes.CDLL | None:
             raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
         lib = _bind(ctypes.CDLL(str(build())))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("kvtier: quantized-weight kernels unavailable (%s); using dequantized fp32 weights", exc)
+        logger.warning(
+            "kvtier: quantized-weight kernels unavailable (%s); using dequantized fp32 weights", exc
+        )
     _state["lib"] = lib
     return lib
 

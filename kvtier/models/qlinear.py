@@ -33,6 +33,8 @@ PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", 1 << 22))
 def _threads(work: int) -> int:
     """OpenMP threads for a kernel call over ``work`` weight-rows: torch's thread count when big enough."""
     return torch.get_num_threads() if work >= PARALLEL_MIN else 1
+
+
 _scratch = threading.local()
 
 
@@ -83,7 +85,12 @@ class QuantLinear:
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, K] float32
         out = torch.empty(self.N, self.K, dtype=torch.float32) if out is None else out
         self.lib.kv_dequantize(
-            self.qid, self.data.data_ptr(), self._scale_ptr, out.data_ptr(), self.N, self.K,
+            self.qid,
+            self.data.data_ptr(),
+            self._scale_ptr,
+            out.data_ptr(),
+            self.N,
+            self.K,
             torch.get_num_threads(),
         )
         return out
@@ -99,8 +106,16 @@ class QuantLinear:
                 torch.matmul(x, w.t(), out=y)
             return
         self.lib.kv_qmatmul(
-            self.qid, self.data.data_ptr(), self._scale_ptr, x.data_ptr(), y.data_ptr(), T, self.N, self.K,
-            accumulate, _threads(T * self.N * self.K),
+            self.qid,
+            self.data.data_ptr(),
+            self._scale_ptr,
+            x.data_ptr(),
+            y.data_ptr(),
+            T,
+            self.N,
+            self.K,
+            accumulate,
+            _threads(T * self.N * self.K),
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]

@@ -165,7 +165,11 @@ def _read(target: Path) -> dict[str, Rows]:
         meta = f.metadata() or {}
         keys = set(f.keys())
         return {
-            g: (qtype, f.get_tensor(f"{g}.data"), f.get_tensor(f"{g}.scale") if f"{g}.scale" in keys else None)
+            g: (
+                qtype,
+                f.get_tensor(f"{g}.data"),
+                f.get_tensor(f"{g}.scale") if f"{g}.scale" in keys else None,
+            )
             for g, qtype in meta.items()
         }
 
@@ -181,10 +185,7 @@ def packed_weights(loaded: LoadedModel, mode: str) -> dict[str, Rows]:
     with contextlib.suppress(Exception):
         if target.is_file():
             return _read(target)
-    if source is not None:
-        rows_of = gguf_rows(source, loaded.config)
-    else:
-        rows_of = int8_rows(loaded.weights)
+    rows_of = gguf_rows(source, loaded.config) if source is not None else int8_rows(loaded.weights)
     packed = pack_groups(loaded.config, rows_of, _head_name(loaded))
     if not packed:
         raise ConfigError(f"weight_dtype={mode}: no weight of this model has a Q8_0/Q4_0/Q4_1 kernel")
