@@ -49,6 +49,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not for reporting)")
     p.add_argument("--skip-hf", action="store_true", help="kvtier rows only")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument(
+        "--weight-dtypes",
+        default="",
+        help="also compare these weight dtypes side by side (e.g. auto,gguf,int8): decode 1 and 16 streams, "
+        "bytes read per step; plus llama.cpp on the same GGUF when llama_cpp is importable",
+    )
+    p.add_argument("--weights-only", action="store_true", help="only the --weight-dtypes rows")
     p.set_defaults(func=main)
 
 
@@ -160,6 +167,78 @@ def startup_first_token_s(threads: int) -> float:
     return first
 
 
+def batched_decode_tok_s(llm, vocab: int, streams: int, n: int) -> float:  # noqa: ANN001
+    """Decode tokens/s of ``streams`` sequences generating together (prefill time subtracted)."""
+    from kvtier import SamplingParams
+
+    rng = random.Random(5)
+    prompts = [_random_prompt(rng, 32, vocab) for _ in range(streams)]
+
+    def run(k: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        return _best(lambda: llm.generate(prompts, params), 2)
+
+    return streams * (n - 1) / (run(n) - run(1))
+
+
+def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None:
+    """llama.cpp's single-stream decode ms/token on the default GGUF (None when llama_cpp is missing)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from kvtier.models.loader import default_model_path
+
+    model = Llama(str(default_model_path()), n_threads=threads, n_ctx=512, verbose=False)
+
+    def run(k: int) -> float:
+        def once() -> None:
+            model.reset()
+            for i, _ in enumerate(model.generate(prompt, temp=0.0)):
+                if i + 1 >= k:
+                    break
+
+        return _best(once, 2)
+
+    return (run(n) - run(1)) / (n - 1) * 1e3
+
+
+def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None]) -> None:
+    """Decode side by side for each ``--weight-dtypes`` mode, ratios against ``auto`` from this run."""
+    from kvtier import LLM
+
+    modes = [m.strip() for m in ns.weight_dtypes.split(",") if m.strip()]
+    bw = read_bandwidth_gbs()
+    base: dict[str, float] = {}
+    for mode in modes:
+        llm = LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=mode)
+        vocab = llm.engine.model_config.vocab_size
+        prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+        ms = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
+        nbytes = weight_bytes_per_decode_step(llm.engine.model)
+        base.setdefault("ms", ms)
+        row(f"decode 1 stream, weights {mode}", ms, base["ms"], "ms/token", False, None, "vs auto")
+        floor = nbytes / (bw * 1e9) * 1e3
+        row(
+            f"  {mode}: {nbytes / 1e6:.0f} MB/step, {nbytes / ms / 1e6:.1f} GB/s",
+            ms,
+            floor,
+            "ms/token",
+            False,
+            0.85 if mode == "auto" else None,
+            f"floor at {bw:.1f} GB/s read",
+        )
+        tok_s = batched_decode_tok_s(llm, vocab, 16, max(8, ns.decode_tokens // 4))
+        base.setdefault("tok_s", tok_s)
+        row(f"decode 16 streams, weights {mode}", tok_s, base["tok_s"], "tok/s", True, None, "vs auto")
+        del llm
+    ms = llama_cpp_decode_ms(prompt, ns.decode_tokens, ns.num_threads)
+    if ms is None:
+        print("  llama.cpp row skipped: llama_cpp is not importable", file=sys.stderr, flush=True)
+    else:
+        row("decode 1 stream, llama.cpp", ms, base["ms"], "ms/token", False, None, "vs auto")
+
+
 # --------------------------------------------------------------------------------------- HF
 def load_hf(threads: int):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
@@ -253,6 +332,11 @@ def main(ns: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if ns.weight_dtypes:
+        weight_dtype_rows(ns, row)
+    if ns.weights_only:
+        print_table(rows, ns)
+        return 0
     print("loading kvtier (float32) ...", file=sys.stderr, flush=True)
     llm = LLM(dtype="float32", num_threads=ns.num_threads)
     vocab = llm.engine.model_config.vocab_size
