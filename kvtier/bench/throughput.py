@@ -228,7 +228,7 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None]) -> None:
             0.85 if mode == "auto" else None,
             f"floor at {bw:.1f} GB/s read",
         )
-        tok_s = batched_decode_tok_s(llm, vocab, 16, max(8, ns.decode_tokens // 4))
+        tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
         base.setdefault("tok_s", tok_s)
         row(f"decode 16 streams, weights {mode}", tok_s, base["tok_s"], "tok/s", True, None, "vs auto")
         del llm
