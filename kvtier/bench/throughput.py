@@ -181,6 +181,26 @@ def batched_decode_tok_s(llm, vocab: int, streams: int, n: int) -> float:  # noq
     return streams * (n - 1) / (run(n) - run(1))
 
 
+def linears_pass_ms(model, repeat: int = 7) -> float:  # noqa: ANN001 - kvtier.models.llama.LlamaModel
+    """Best-of-``repeat`` ms for one token through every linear layer (the weight reads of a decode step,
+    without attention and the small ops): robust to a busy machine, where whole steps are not."""
+    c = model.config
+    x = torch.randn(1, c.hidden_size)
+    inter = torch.randn(1, c.intermediate_size)
+    attn = torch.randn(1, c.num_heads * c.head_dim)
+
+    def one_pass() -> None:
+        for layer in model.layers:
+            layer.qkv(x)
+            layer.o.residual(x.clone(), attn)
+            layer.gate_up(x)
+            layer.down.residual(x.clone(), inter)
+        model.lm_head(x)
+
+    one_pass()
+    return _best(one_pass, repeat) * 1e3
+
+
 def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None:
     """llama.cpp's single-stream decode ms/token on the default GGUF (None when llama_cpp is missing)."""
     try:
@@ -227,6 +247,17 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None]) -> None:
             False,
             0.85 if mode == "auto" else None,
             f"floor at {bw:.1f} GB/s read",
+        )
+        lin_ms = linears_pass_ms(llm.engine.model)
+        base.setdefault("lin_ms", lin_ms)
+        row(
+            f"  {mode}: all linears, 1 token, best of 7 ({nbytes / lin_ms / 1e6:.1f} GB/s)",
+            lin_ms,
+            base["lin_ms"],
+            "ms",
+            False,
+            None,
+            "vs auto",
         )
         tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
         base.setdefault("tok_s", tok_s)

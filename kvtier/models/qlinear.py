@@ -19,15 +19,18 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 
 import torch
 
 from kvtier.models.qkernels import BLOCK_BYTES, QTYPES
 
 PREFILL_ROWS = 32  # from this many rows on, dequantize-then-matmul beats the kernel (measured)
-# Weights (x rows) below which a kernel call stays on the calling thread: an OpenMP fork/join costs more
-# than it saves for one layer's GEMV on a busy machine. $KVTIER_KERNEL_PARALLEL_MIN overrides.
-PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", 1 << 22))
+# Weights x rows below which a kernel call stays on the calling thread: on a busy machine an OpenMP
+# fork/join costs more than it saves for one layer's GEMV (measured ~35x slower), on a quiet one two threads
+# halve it. ``calibrate`` picks one of the two at load time; $KVTIER_KERNEL_PARALLEL_MIN fixes it.
+SERIAL_LAYERS, PARALLEL_LAYERS = 1 << 22, 1 << 18
+PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", SERIAL_LAYERS))
 
 
 def _threads(work: int) -> int:
@@ -44,6 +47,32 @@ def _scratch_matrix(n: int, k: int) -> torch.Tensor:
     if buf is None or buf.numel() < n * k:
         buf = _scratch.buf = torch.empty(n * k, dtype=torch.float32)
     return buf[: n * k].view(n, k)
+
+
+def calibrate(linear: QuantLinear, repeat: int = 5) -> int:
+    """Time one row through ``linear`` ``repeat`` times on one thread and on torch's threads (total time,
+    stalls included); set and return ``PARALLEL_MIN``: layer-sized calls go parallel only when that was
+    clearly faster here."""
+    global PARALLEL_MIN
+    if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ or torch.get_num_threads() < 2:
+        return PARALLEL_MIN
+    x = torch.randn(1, linear.K)
+    y = torch.empty(1, linear.N)
+    lin, times = linear, {}
+
+    def call(threads: int) -> None:
+        args = (lin.qid, lin.data.data_ptr(), lin._scale_ptr, x.data_ptr(), y.data_ptr(), 1, lin.N, lin.K)
+        lin.lib.kv_qmatmul(*args, 0, threads)
+
+    for threads in (1, torch.get_num_threads()):  # ~1 ms each
+        call(threads)  # warm-up (starts the OpenMP pool)
+        t = time.perf_counter()
+        for _ in range(repeat):
+            call(threads)
+        times[threads] = time.perf_counter() - t
+    many = torch.get_num_threads()
+    PARALLEL_MIN = PARALLEL_LAYERS if times[many] < 0.8 * times[1] else SERIAL_LAYERS
+    return PARALLEL_MIN
 
 
 class DenseLinear:
