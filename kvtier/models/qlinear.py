@@ -26,11 +26,11 @@ import torch
 from kvtier.models.qkernels import BLOCK_BYTES, QTYPES
 
 PREFILL_ROWS = 32  # from this many rows on, dequantize-then-matmul beats the kernel (measured)
-# Weights x rows below which a kernel call stays on the calling thread: on a busy machine an OpenMP
-# fork/join costs more than it saves for one layer's GEMV (measured ~35x slower), on a quiet one two threads
-# halve it. ``calibrate`` picks one of the two at load time; $KVTIER_KERNEL_PARALLEL_MIN fixes it.
-SERIAL_LAYERS, PARALLEL_LAYERS = 1 << 22, 1 << 18
-PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", SERIAL_LAYERS))
+# Weights x rows from which a kernel call forks OpenMP threads: on a busy machine a fork/join costs more
+# than it saves (a layer's GEMV measured ~35x slower), on a quiet one two threads halve it.
+# ``calibrate`` picks one of the two at load time; $KVTIER_KERNEL_PARALLEL_MIN fixes it.
+SERIAL, PARALLEL = 1 << 62, 1 << 18
+PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", SERIAL))
 
 
 def _threads(work: int) -> int:
@@ -51,8 +51,8 @@ def _scratch_matrix(n: int, k: int) -> torch.Tensor:
 
 def calibrate(linear: QuantLinear, repeat: int = 5) -> int:
     """Time one row through ``linear`` ``repeat`` times on one thread and on torch's threads (total time,
-    stalls included); set and return ``PARALLEL_MIN``: layer-sized calls go parallel only when that was
-    clearly faster here."""
+    stalls included); set and return ``PARALLEL_MIN``: calls go parallel only when that was clearly
+    faster here."""
     global PARALLEL_MIN
     if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ or torch.get_num_threads() < 2:
         return PARALLEL_MIN
@@ -71,7 +71,7 @@ def calibrate(linear: QuantLinear, repeat: int = 5) -> int:
             call(threads)
         times[threads] = time.perf_counter() - t
     many = torch.get_num_threads()
-    PARALLEL_MIN = PARALLEL_LAYERS if times[many] < 0.8 * times[1] else SERIAL_LAYERS
+    PARALLEL_MIN = PARALLEL if times[many] < 0.8 * times[1] else SERIAL
     return PARALLEL_MIN
 
 
