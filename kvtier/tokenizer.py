@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -186,18 +186,22 @@ class Tokenizer:
         return frozenset(roles)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        encode: Callable[[str], list[int]] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered conversation and its token ids, message contents tokenized as plain text.
 
-        No BOS is added (the template writes the special tokens it wants). When a content spells a
+        No BOS is added (the template writes the special tokens it wants); ``encode`` may stand in for
+        ``encode(text, add_special_tokens=False)`` (the router's cached pieces). When a content spells a
         special token, the contents' exact places in the text are found by rendering the conversation
         again with a marker for each content; a template that changes contents (so they cannot be found)
         is refused then (``ConfigError``) rather than let the text through as markup."""
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         contents = [m.get("content") for m in messages if isinstance(m, dict)]
         if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
-            return text, self.encode(text, add_special_tokens=False)
+            return text, encode(text) if encode is not None else self.encode(text, add_special_tokens=False)
         spans = self._content_spans(messages, add_generation_prompt, text)
         if spans is None:
             raise ConfigError(

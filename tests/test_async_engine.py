@@ -160,6 +160,29 @@ def test_a_failed_step_fails_its_requests_and_the_engine_keeps_serving() -> None
     assert run(go, fake) == ["0", "01"]
 
 
+def test_a_failure_outside_a_step_ends_every_stream_and_refuses_new_requests() -> None:
+    """A bug in the engine thread's own bookkeeping (here: the stats after a step raise) must not leave
+    streams waiting forever: they end with EngineDeadError, and new requests get EngineNotReady (503)."""
+    fake = FakeEngine()
+
+    async def go(ae: AsyncEngine) -> None:
+        stream = await ae.add("p", SamplingParams(max_tokens=1000))
+        await ae.call(lambda e: setattr(e, "stats", _raise))
+        with pytest.raises(EngineDeadError, match="engine failed: RuntimeError: stats broke"):
+            async for _ in stream:
+                pass
+        assert not ae.ready
+        with pytest.raises(EngineNotReady, match="engine failed"):
+            await ae.add("p", SamplingParams(max_tokens=2))
+
+    run(go, fake)
+    assert fake.closed
+
+
+def _raise() -> None:
+    raise RuntimeError("stats broke")
+
+
 def test_queue_limit_and_stopped_engine() -> None:
     async def go(ae: AsyncEngine) -> None:
         assert ae.queue_depth() == 0

@@ -354,6 +354,25 @@ def test_an_outage_during_a_lookup_is_a_miss_not_a_load_of_forgotten_keys(
     assert all(r.ok for r in results)
 
 
+def test_a_store_restarted_between_two_commands_is_noticed_and_its_blocks_forgotten(
+    server: RedisServer, replica: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarts (empty) while this tier sends it nothing: no command failed, so no breaker opened,
+    yet the blocks it knew are gone. Its next lookup (or the snapshot a router reads) sees the new
+    ``run_id`` and forgets them, instead of promising blocks that a load would not find."""
+    monkeypatch.setattr("kvtier.tiers.remote.INSTANCE_CHECK_S", 0.0)
+    replica.put("AB")
+    assert replica.tier.lookup([K("A"), K("B")]) == 2
+    assert replica.tier.held_keys() == [K("A"), K("B")]
+    server.kill()
+    server.start()
+    assert replica.store.breaker.allow()  # nothing noticed the outage
+    assert replica.tier.held_keys() == []
+    assert replica.tier.lookup([K("A"), K("B")]) == 0
+    assert all(r.ok for r in replica.put("A"))
+    assert replica.tier.lookup([K("A"), K("B")]) == 1  # the same instance: known blocks stay known
+
+
 def test_store_unreachable_at_start_up_is_one_line_and_no_cost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -335,6 +335,28 @@ def test_a_restarted_router_routes_by_cache_within_5_s(cluster: dict[str, Any]) 
     wait_for(lambda: all(r["indexed_blocks"]["remote"] > 0 for r in state(router)["replicas"]), 5)
 
 
+def test_story_a_restarted_redis_is_empty_and_the_router_knows(cluster: dict[str, Any]) -> None:
+    """Redis dies and comes back empty. A prefix whose blocks only the shared tier held is no longer a
+    cheap hit everywhere: the router forgets the remote blocks, and sends the conversation home."""
+    router, replicas, redis = cluster["router"], cluster["replicas"], cluster["redis"]
+    body = chat(long_system("outage"), "Where do I live?")
+    assert post(replicas[1].url, body).status_code == 200
+    wait_for(lambda: explain(router, body)["cached_tokens"] > 0, 5)
+    wait_for(lambda: replica_state(router, replicas[1])["indexed_blocks"]["remote"] > 0, 5)
+    redis.kill()
+    redis.start()
+    wait_for(
+        lambda: (
+            state(router)["redis_ok"]
+            and all(r["index_source"] == "events" for r in state(router)["replicas"])
+        ),
+        20,
+    )
+    wait_for(lambda: all(r["indexed_blocks"]["remote"] == 0 for r in state(router)["replicas"]), 5)
+    assert goes_to(router, body, replicas[1])  # its own tiers hold it; nobody else does now
+    assert post(router.url, body).headers["x-kvtier-replica"] == replicas[1].url
+
+
 @contextlib.contextmanager
 def stream_on(router: Proc, replica: Proc) -> Iterator[tuple[bytes, Iterator[bytes]]]:
     """A long stream through the router that landed on ``replica`` (others are opened and dropped until
@@ -459,6 +481,30 @@ def test_a_failure_before_the_first_byte_is_retried_once_elsewhere(cluster: dict
         finally:
             httpx.request("DELETE", router.url + "/admin/replicas", json={"url": broken.url}, headers=AUTH)
             broken.stop()
+
+
+def test_a_request_waiting_on_a_hung_replica_is_retried_elsewhere(cluster: dict[str, Any]) -> None:
+    """A replica hangs (SIGSTOP: it still accepts connections, it never answers). A returning
+    conversation sent home to it waits only until the health checks time out; nothing reached the
+    client yet, so the router retries it on the other replica. Then the replica wakes up and is back."""
+    router, (home, other) = cluster["router"], cluster["replicas"]
+    body = chat(long_system("hung"), "Are you still there?")
+    assert post(home.url, body).status_code == 200
+    wait_for(lambda: goes_to(router, body, home), 5)
+    assert home.proc is not None
+    home.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        r = post(router.url, body)
+        waited = time.monotonic() - start
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvtier-replica"] == other.url
+        assert not replica_state(router, home)["healthy"]
+        assert waited < 20, waited  # ~2 timed-out health checks, then the retry's own prefill
+    finally:
+        home.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: replica_state(router, home)["healthy"], 15)
+    assert replica_state(router, home)["in_flight"] == 0
 
 
 def generated(replica: Proc) -> int:

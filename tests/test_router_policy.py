@@ -233,6 +233,22 @@ def test_a_replica_with_another_hash_spec_or_model_is_routed_by_load_only() -> N
             normalize_url(bad)
 
 
+def test_a_replicas_load_comes_with_its_health_answer() -> None:
+    """``kvtier serve`` answers /health with its queue (tests/test_server.py pins that); the router takes
+    the load from there, and only an answer without it sends the router to the replica's /metrics."""
+    import httpx
+
+    from kvtier.router.index import ReplicaIndex
+    from kvtier.router.replicas import Replica, _load_from_health
+
+    replica = Replica("http://r:1", ReplicaIndex())
+    ok = {"status": "ok", "num_requests_running": 3, "num_requests_waiting": 2}
+    assert _load_from_health(replica, httpx.Response(200, json=ok))
+    assert (replica.running, replica.waiting, replica.load) == (3, 2, 5)
+    assert not _load_from_health(replica, httpx.Response(200, json={"status": "ok"}))  # an older replica
+    assert replica.load == 5
+
+
 def test_the_default_models_tokenizer_is_the_engines(converted_default_model) -> None:  # noqa: ANN001
     """The router's torch-free tokenizer of the embedded GGUF (through the conversion cache) has the
     engine's fingerprint and renders and tokenizes a chat exactly as the engine's tokenizer does."""

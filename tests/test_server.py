@@ -67,7 +67,8 @@ def engine_idle_check(server: BackgroundServer) -> tuple[float, bool]:
 
 
 def test_health_models_metrics(server: BackgroundServer, client: OpenAI) -> None:
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health").json()
+    assert health == {"status": "ok", "num_requests_running": 0, "num_requests_waiting": 0}
     assert [m.id for m in client.models.list().data] == [MODEL]
     card = client.models.retrieve(MODEL)
     assert card.model_extra["max_model_len"] == 4096

@@ -70,7 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scenarios", default="abcdef", help="which of a-f to run (default abcdef)")
     g.add_argument("--replicas", type=int, default=2, help="replicas at the start (default 2)")
     g.add_argument("--users", type=int, default=8, help="users, one conversation each (default 8)")
-    g.add_argument("--rounds", type=int, default=4, help="rounds per user (default 4)")
+    g.add_argument("--rounds", type=int, default=6, help="rounds per user (default 6)")
     g.add_argument("--concurrency", type=int, default=4, help="requests in flight at most (default 4)")
     g.add_argument("--system-tokens", type=int, default=300, help="shared system prompt (~tokens)")
     g.add_argument("--doc-tokens", type=int, default=700, help="each user's document (~tokens)")
@@ -85,7 +85,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--threads", type=int, default=1, help="torch threads per replica (default 1)")
     g.add_argument("--outage-s", type=float, default=4.0, help="(e), (f): seconds a killed process is down")
-    g.add_argument("--kill-at", type=float, default=0.3, help="(e), (f): kill after this share of requests")
+    g.add_argument("--kill-at", type=float, default=0.2, help="(e), (f): kill after this share of requests")
     g.add_argument(
         "--recovery-wait-s", type=float, default=10.0, help="(e), (f): compare TTFT from this long after"
     )

@@ -146,7 +146,8 @@ def _json_or_none(body: bytes) -> Any:
 async def _generate(request: Request, path: str) -> Response:
     router: Router = request.app.state.router
     body = await read_body(request)
-    route = await router.choose(path, _json_or_none(body), request.headers.get("authorization", ""))
+    authorization = request.headers.get("authorization", "")
+    route = await router.choose(path, _json_or_none(body), authorization, body_bytes=len(body))
     return await forward(router, request, route, path, body)
 
 

@@ -29,12 +29,17 @@ from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
 from kvtier.router.index import DEFAULT_MAX_BLOCKS, remote_run
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.prompt import Prompt, load_tokenizer, parse_prompt
+from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
 from kvtier.router.sync import IndexSync
+from kvtier.router.tokens import PieceEncoder
 from kvtier.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvtier.router")
+
+# A body this small (a short chat) is parsed and tokenized on the event loop: well under a millisecond,
+# less than handing it to the tokenizer pool and back.
+INLINE_BODY_BYTES = 2048
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Router:
         self.sync = IndexSync(self.replicas, settings.kv_remote_url, settings.poll_interval)
         self.metrics = RouterMetrics(lambda: list(self.replicas.replicas.values()), lambda: self.sync.mode)
         self.tokenizer: Tokenizer | None = None
+        self.encoder: PieceEncoder | None = None
         self.fingerprint: str | None = None
         self.tokenizer_error: str | None = None
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-router-tokenize")
@@ -99,6 +105,11 @@ class Router:
             import kvtier.server.protocol  # noqa: F401  the request models parse_prompt uses, loaded now
 
             self.fingerprint = fingerprint
+            self.encoder = PieceEncoder(tokenizer)
+            warm_up = {
+                "messages": [{"role": "user", "content": "Hi"}]
+            }  # the template compiled, pydantic built
+            parse_prompt(tokenizer, CHAT_PATH, warm_up, "", self.settings.prefix_cache_scope, self.encoder)
             self.tokenizer = tokenizer
 
         thread = threading.Thread(target=load, name="kvtier-router-tokenizer", daemon=True)
@@ -113,8 +124,9 @@ class Router:
         return tasks
 
     # ------------------------------------------------------------------------------ the decision
-    async def choose(self, path: str, body: Any, authorization: str = "") -> Route:
-        """The replicas for this request, best first; NoReplica when none is healthy."""
+    async def choose(self, path: str, body: Any, authorization: str = "", body_bytes: int = 0) -> Route:
+        """The replicas for this request, best first; NoReplica when none is healthy. ``body_bytes``:
+        the body's size (a small one is tokenized on the event loop: a thread hop costs more)."""
         start = time.perf_counter()
         if not self.replicas.healthy():
             raise NoReplica("no healthy replica")
@@ -123,7 +135,7 @@ class Router:
             if not self._identity_checked:  # the replicas seen before the tokenizer loaded
                 self._identity_checked = True
                 self.replicas.recheck_identity()
-            prompt = await self.prompt(path, body, authorization)
+            prompt = await self.prompt(path, body, authorization, inline=body_bytes <= INLINE_BODY_BYTES)
         healthy = self.replicas.healthy()  # again: one may have gone while the prompt was tokenized
         if not healthy:
             raise NoReplica("no healthy replica")
@@ -137,15 +149,15 @@ class Router:
         work = tuple(decision.work[i] for i in decision.ranking) if decision.work else ()
         return Route([healthy[i] for i in decision.ranking], decision, work)
 
-    async def prompt(self, path: str, body: Any, authorization: str) -> Prompt | None:
-        """The request's token ids and salt (on the tokenizer pool); None without a tokenizer or for a
-        body the replica would refuse."""
+    async def prompt(self, path: str, body: Any, authorization: str, inline: bool = False) -> Prompt | None:
+        """The request's token ids and salt (on the tokenizer pool, or here when ``inline``); None
+        without a tokenizer or for a body the replica would refuse."""
         if self.tokenizer is None:
             return None
-        scope = self.settings.prefix_cache_scope
-        return await asyncio.get_running_loop().run_in_executor(
-            self.pool, parse_prompt, self.tokenizer, path, body, authorization, scope
-        )
+        args = (self.tokenizer, path, body, authorization, self.settings.prefix_cache_scope, self.encoder)
+        if inline:
+            return parse_prompt(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, parse_prompt, *args)
 
     def any_replicas(self) -> list[Replica]:
         """Healthy replicas in turn, for a request that is not a completion (``/v1/models``)."""

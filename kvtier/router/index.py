@@ -112,11 +112,12 @@ class ReplicaIndex:
                 continue
             for event in batch.events:
                 if event.type == "cleared":
-                    self._drop_remote()
+                    self.drop_remote()
                 elif event.medium == Medium.REMOTE:
                     self._apply_event(event)
 
-    def _drop_remote(self) -> None:
+    def drop_remote(self) -> None:
+        """Forget every block's remote-tier bit (the shared store was emptied or restarted)."""
         for h in [h for h, bits in self.held.items() if bits & REMOTE_BIT]:
             bits = self.held[h] & ~REMOTE_BIT
             if bits:

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvtier.config import ConfigError
 from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
+from kvtier.router.tokens import PieceEncoder
 from kvtier.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
@@ -74,10 +75,16 @@ def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, sc
 
 
 def parse_prompt(
-    tokenizer: Tokenizer, path: str, body: Any, authorization: str = "", scope: str = "shared"
+    tokenizer: Tokenizer,
+    path: str,
+    body: Any,
+    authorization: str = "",
+    scope: str = "shared",
+    encoder: PieceEncoder | None = None,
 ) -> Prompt | None:
     """The request's (first) prompt as token ids, or None when the body is not one the replica would
-    run (the replica then answers its own 400; the router routes such a request by load)."""
+    run (the replica then answers its own 400; the router routes such a request by load). ``encoder``
+    tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
     from pydantic import ValidationError
 
     from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -85,7 +92,10 @@ def parse_prompt(
     try:
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(body)
-            _, token_ids = tokenizer.encode_chat(chat.conversation(), add_generation_prompt=True)
+            encode = encoder.encode if encoder is not None else None
+            _, token_ids = tokenizer.encode_chat(
+                chat.conversation(), add_generation_prompt=True, encode=encode
+            )
             request: Any = chat
         elif path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)

@@ -3,7 +3,8 @@
 ::
 
     forward(route)   attempt 1 on route.replicas[0]
-                       connection refused / reset before the status line, or 500/502/503/504:
+                       connection refused / reset before the status line, 500/502/503/504, or the
+                       replica marked down (hung: its health checks time out) while we wait for it:
                        nothing reached the client yet -> attempt 2 on route.replicas[1] (once)
                      the status line came: stream the body back as it arrives (SSE chunk by chunk),
                      with the replica's status and headers (+ ``x-kvtier-replica``)
@@ -99,15 +100,20 @@ async def _send(router: Router, request: Request, replica: Replica, method: str,
     )
     send = asyncio.ensure_future(router.client.send(upstream, stream=True))
     watch = asyncio.ensure_future(_until_disconnected(request))
+    gone = asyncio.ensure_future(replica.down.wait())
     try:
-        await asyncio.wait({send, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({send, watch, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watch.cancel()
+        for task in (watch, gone):
+            task.cancel()
         if not send.done():
-            send.cancel()  # the client left (or we are cancelled): closes the connection to the replica
-        await asyncio.gather(watch, send, return_exceptions=True)
+            send.cancel()  # the client left, the replica was marked down, or we are cancelled
+        await asyncio.gather(watch, gone, send, return_exceptions=True)
     if send.cancelled():
-        return None
+        if watch.done() and not watch.cancelled():
+            return None
+        # a hung replica (its health checks timed out): nothing reached the client, so try the next
+        raise httpx.ReadTimeout(f"{replica.url} was marked down before it answered", request=upstream)
     return send.result()
 
 

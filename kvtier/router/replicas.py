@@ -8,12 +8,13 @@ checks in a row, so that one slow answer on a loaded machine does not empty the 
 stops receiving requests within ``HEALTH_INTERVAL_S`` (0.5 s) of dying; a hung one within ~3 s.
 
 When it answers 200 again (or a new one is added) the router reads its ``GET /v1/kv/info`` (block
-size, cache identity, hash spec version, event stream) and from then on its ``GET /metrics``
-(``num_requests_running``/``waiting``) with every health check.
+size, cache identity, hash spec version, event stream). Its load comes with every health check:
+``kvtier serve`` puts ``num_requests_running``/``waiting`` in its ``/health`` answer (an older replica's
+are read from its ``GET /metrics``).
 
 A replica's *load* is what is queued on it: ``max(in_flight, running + waiting)``, where ``in_flight``
 counts the requests this router has open on it (exact and immediate) and ``running + waiting`` comes
-from its last ``/metrics`` (includes other clients, up to one interval old).
+from its last health check (includes other clients, up to one interval old).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Replica:
     synced: bool = False  # its index reflects it (events or a recent snapshot)
     last_error: str | None = None
     timeouts: int = 0  # health checks timed out in a row
+    down: asyncio.Event = field(default_factory=asyncio.Event)  # set while marked down
 
     @property
     def load(self) -> int:
@@ -130,6 +132,7 @@ class ReplicaSet:
         if replica.healthy:
             logger.warning("router: replica %s is down (%s); no more requests to it", replica.url, reason)
         replica.healthy = False
+        replica.down.set()  # requests waiting for its answer go elsewhere (kvtier.router.proxy)
         replica.following = replica.synced = False
         replica.last_error = reason
 
@@ -159,10 +162,12 @@ class ReplicaSet:
             self.mark_down(replica, f"/v1/kv/info: {type(exc).__name__}: {exc}")
             return
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            await self._read_load(replica)
+            if not _load_from_health(replica, r):  # an older replica: its /metrics
+                await self._read_load(replica)
         if not replica.healthy:
             logger.warning("router: replica %s is up", replica.url)
             replica.healthy = True
+            replica.down.clear()
             replica.last_error = None
             self.changed.set()
 
@@ -210,3 +215,14 @@ class ReplicaSet:
             replicas = list(self.replicas.values())
             await asyncio.gather(*(self.check(r) for r in replicas))
             await asyncio.sleep(interval)
+
+
+def _load_from_health(replica: Replica, answer: httpx.Response) -> bool:
+    """Take the load from a ``/health`` answer that carries it (``kvtier serve`` does: one small JSON
+    body instead of rendering its whole ``/metrics`` twice a second); False when it does not."""
+    body = answer.json()
+    running, waiting = body.get("num_requests_running"), body.get("num_requests_waiting")
+    if not isinstance(running, int) or not isinstance(waiting, int):
+        return False
+    replica.running, replica.waiting = running, waiting
+    return True

@@ -7,6 +7,8 @@ Two sources (``docs/kv-events.md``), chosen per replica, never a silent guess::
                                 a gap (lost batches) or a new instance not at seq 1: resync again
     polling  (no Redis, a replica without events, or Redis down)
                                 GET /v1/kv/blocks every POLL_INTERVAL_S, seed
+    Redis restarted  (its run_id changed, seen at a resync)
+                                forget every remote-tier block: the restarted store is empty
 
 A router that restarts has nothing: it resyncs every healthy replica from a snapshot as soon as the
 replica's health check passes (well under a second), so cache-aware decisions resume at once. When
@@ -41,6 +43,7 @@ class IndexSync:
         self.redis_url = redis_url
         self.poll_interval = poll_interval
         self.redis_ok = redis_url is not None
+        self.redis_run_id: str | None = None  # the Redis server instance the remote-tier index describes
 
     @property
     def mode(self) -> str:
@@ -99,13 +102,15 @@ class IndexSync:
 
     async def _follow(self, client: Any) -> None:
         """One round: resync the replicas not followed yet, then one XREAD over every followed stream."""
-        for replica in self.replicas.healthy():
-            if replica.stream and not replica.following and replica.problem is None:
-                newest = await client.xrevrange(replica.stream, count=1)
-                last_id = _text(newest[0][0]) if newest else "0"
-                if await self.snapshot(replica, last_id):
-                    await self._replay_remote(client, replica, last_id)
-                    replica.following = True
+        todo = [r for r in self.replicas.healthy() if r.stream and not r.following and r.problem is None]
+        if todo:
+            await self._check_restart(client)
+        for replica in todo:
+            newest = await client.xrevrange(replica.stream, count=1)
+            last_id = _text(newest[0][0]) if newest else "0"
+            if await self.snapshot(replica, last_id):
+                await self._replay_remote(client, replica, last_id)
+                replica.following = True
         followed = {r.stream: r for r in self.replicas.healthy() if r.following and r.stream}
         if not followed:
             await asyncio.sleep(XREAD_BLOCK_MS / 1000)
@@ -121,6 +126,17 @@ class IndexSync:
                     logger.info("router: missed KV events of %s; resyncing", replica.url)
                     replica.following = False
                     break
+
+    async def _check_restart(self, client: Any) -> None:
+        """A Redis that restarted (a new ``run_id``) is empty: forget every remote-tier block the index
+        holds. A snapshot cannot list them, so without this the router would go on counting a returning
+        prefix as a cheap remote hit on every replica, and route it by load to one that must recompute it."""
+        run_id = (await client.info("server")).get("run_id")
+        if self.redis_run_id is not None and run_id != self.redis_run_id:
+            logger.warning("router: Redis restarted (a new run_id): forgetting the remote-tier blocks")
+            for replica in self.replicas.replicas.values():
+                replica.index.drop_remote()
+        self.redis_run_id = run_id
 
     async def _replay_remote(self, client: Any, replica: Replica, last_id: str) -> None:
         """The remote-tier blocks the replica announced (its stream up to ``last_id``, at most

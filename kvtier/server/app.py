@@ -543,11 +543,19 @@ async def health(request: Request) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse({"status": "draining"}, status_code=503, headers=headers)
     if engine.ready:
-        return JSONResponse({"status": "ok"})
-    if engine.load_error is not None:
-        return JSONResponse({"status": "error", "message": str(engine.load_error)}, status_code=503)
+        return JSONResponse({"status": "ok", **_load(engine)})
+    if engine.load_error is not None or engine.dead_error is not None:
+        return JSONResponse({"status": "error", "message": engine.not_ready_reason()}, status_code=503)
     status = "loading" if engine.loading else "stopped"
     return JSONResponse({"status": status}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _load(engine: AsyncEngine) -> dict[str, int]:
+    """What a router weighs a replica by, cheaper to read than ``/metrics``: the running batch and the
+    queue (as ``kvtier:num_requests_running`` / ``_waiting``, plus requests not handed to the engine yet)."""
+    stats = engine.stats
+    running = stats.num_requests_running if stats is not None else 0
+    return {"num_requests_running": running, "num_requests_waiting": engine.queue_depth()}
 
 
 @root.get("/metrics")

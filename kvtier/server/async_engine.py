@@ -158,6 +158,7 @@ class AsyncEngine:
     ):
         self.max_queue = max_queue
         self.load_error: BaseException | None = None
+        self.dead_error: BaseException | None = None  # what ended the engine thread outside a step
         # Set from the engine when the model has loaded (fixed from then on; read from any thread).
         self.tokenizer: Tokenizer | None = None
         self.max_model_len: int | None = None
@@ -294,6 +295,8 @@ class AsyncEngine:
     def not_ready_reason(self) -> str:
         if self.load_error is not None:
             return f"the model failed to load: {self.load_error}"
+        if self.dead_error is not None:
+            return f"the engine failed: {type(self.dead_error).__name__}: {self.dead_error}"
         return "the engine has stopped" if self._stopped else "the model is loading"
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -348,6 +351,11 @@ class AsyncEngine:
             self._on_ready(engine)
         try:
             self._serve(engine)
+        except BaseException as exc:  # a bug outside a step: end every stream, answer 503 from now on
+            logger.exception("the engine thread failed; its requests are aborted and new ones refused")
+            self.dead_error = exc
+            self._stopped = True
+            self._stop_all(EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}"))
         finally:
             engine.close()
 
@@ -362,7 +370,7 @@ class AsyncEngine:
                     break
             for cmd in commands:
                 if cmd is _STOP:
-                    self._stop_all()
+                    self._stop_all(EngineNotReady("the engine has stopped"))
                     return
                 self._handle(engine, cmd)
             outputs: list[RequestOutput] = []
@@ -391,8 +399,7 @@ class AsyncEngine:
             elif stats.num_requests_running == 0 and engine.has_unfinished_requests():
                 time.sleep(0.001)  # nothing schedulable this step: don't spin at full speed
 
-    def _stop_all(self) -> None:
-        stopped = EngineNotReady("the engine has stopped")
+    def _stop_all(self, stopped: BaseException) -> None:
         self._post(self._fail, None, stopped)
         while True:  # commands sent after the stop: answer them instead of leaving them waiting
             try:

@@ -41,6 +41,7 @@ def uvicorn_config(
     return uvicorn.Config(
         app,
         http=timed_h11_protocol(timeout_header) if timeout_header > 0 else "h11",  # 0: no header timeout
+        loop="asyncio",  # the one the server is tested on (uvloop, installed for the router, is not)
         log_level=log_level,
         timeout_keep_alive=max(1, round(timeout_keep_alive)),
         timeout_graceful_shutdown=5,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import urllib.parse
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.redis_bulk import BulkReader
 
 logger = logging.getLogger("kvtier.tiers.remote")
+INSTANCE_CHECK_S = 1.0  # how often a lookup may ask the store whether it restarted (one INFO round trip)
 
 KEY_PREFIX = b"kvtier:v1:"
 URL_SCHEMES = ("redis", "rediss", "unix")
@@ -143,6 +145,9 @@ class RemoteStore:
         self.errors: Counter[str] = Counter({kind: 0 for kind in ERROR_KINDS})
         self._lock = threading.Lock()
         self.generation = 0  # bumped at each outage: what was known to be there may be gone
+        self._run_id: str | None = None  # the server instance last seen (a new one started empty)
+        self._instance_checked = 0.0  # time.monotonic() of the last check_instance round trip
+        self._instance_checks = True  # off when the server refuses INFO (an ACL without it)
         self.breaker = CircuitBreaker(f"remote tier {self.url}", self._probe, on_open=self._outage)
         self.rejected_reason: str | None = None  # a refusal that retrying cannot fix (authentication)
         self._delete_if_same = self.io.register_script(_DELETE_IF_SAME)
@@ -167,6 +172,33 @@ class RemoteStore:
 
     def _probe(self) -> None:
         self.lookup.ping()
+
+    def check_instance(self) -> None:
+        """Notice a store that restarted between two of our commands (nothing failed, yet it came back
+        empty): at most every ``INSTANCE_CHECK_S``, compare its ``run_id`` with the last one seen; a new
+        one counts as an outage, so the keys known to be there are forgotten."""
+        now = time.monotonic()
+        if not self._instance_checks or now - self._instance_checked < INSTANCE_CHECK_S:
+            return
+        self._instance_checked = now
+        if not self.breaker.allow():
+            return
+        try:
+            run_id = self.lookup.info("server").get("run_id")
+        except redis.ResponseError as exc:
+            self._instance_checks = False
+            logger.info(
+                "remote tier %s: INFO refused (%s): a restart is noticed at its next failure", self.url, exc
+            )
+            return
+        except Exception as exc:  # noqa: BLE001 (a check never fails a request)
+            self.failed(exc)
+            return
+        if self._run_id is not None and run_id != self._run_id:
+            logger.warning("remote tier %s restarted (a new run_id): forgetting the blocks it held", self.url)
+            with self._lock:
+                self.generation += 1
+        self._run_id = run_id
 
     def _outage(self) -> None:
         with self._lock:
@@ -396,6 +428,7 @@ class RemoteTier(ExternalTier):
         return self.available
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
+        self.store.check_instance()
         if not self.available:
             return 0
         n = 0
@@ -413,6 +446,8 @@ class RemoteTier(ExternalTier):
 
     def held_keys(self) -> list[BlockKey]:
         """The keys known to be in the store (announced as KV events), oldest first."""
+        self.store.check_instance()
+        self._forget_after_outage()
         return list(self._known)
 
     def _remember(self, key: BlockKey) -> None:
