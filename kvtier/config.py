@@ -38,6 +38,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5
 # A quantized KV dtype stores one float32 scale per (token, layer, K or V, KV head) next to the data.
 KV_SCALE_BYTES = 4
 SchedulingPolicy = Literal["stall_free", "legacy"]
+# Weight precision (docs/weight-dtype.md): "auto" dense as loaded; "gguf" the GGUF's own quantized blocks;
+# "int8" per-channel weight-only int8. gguf/int8 run fp32 activations through kvtier/models/qmatmul.c.
+WeightDType = Literal["auto", "gguf", "int8"]
 DEFAULT_KV_DEVICE_GB = 1.0
 
 
@@ -260,6 +263,13 @@ class EngineArgs:
             "fp8_e5m2 or int8 (per-token scales; 2-4x the blocks in every tier, docs/kv-dtype.md)"
         },
     )
+    weight_dtype: WeightDType = field(
+        default="auto",
+        metadata={
+            "help": "weight precision: auto (dense as loaded; a GGUF dequantized to fp32, exact), gguf (run "
+            "the GGUF's own Q8_0/Q4_0/Q4_1 blocks), int8 (per-channel weight-only int8); docs/weight-dtype.md"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     kv_device_blocks: int | None = field(default=None, metadata={"help": "device KV pool size in blocks"})
     kv_device_gb: float | None = field(
@@ -423,6 +433,14 @@ class EngineArgs:
             except ValueError as exc:
                 raise ConfigError(f"kv_replica_id: {exc}") from None
         self._validate_remote()
+        self._validate_weight_dtype()
+
+    def _validate_weight_dtype(self) -> None:
+        if self.weight_dtype != "auto" and self.dtype not in ("auto", "float32"):
+            raise ConfigError(
+                f"weight_dtype={self.weight_dtype} computes in float32 (its kernels take fp32 activations); "
+                f"use dtype=auto or float32, not {self.dtype}"
+            )
 
     def _validate_scheduling(self) -> None:
         if self.max_step_ms < 0:
