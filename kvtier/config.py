@@ -38,6 +38,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5
 # A quantized KV dtype stores one float32 scale per (token, layer, K or V, KV head) next to the data.
 KV_SCALE_BYTES = 4
 SchedulingPolicy = Literal["stall_free", "legacy"]
+# Weight precision (docs/weight-dtype.md): "auto" dense as loaded; "gguf" the GGUF's own quantized blocks;
+# "int8" per-channel weight-only int8. gguf/int8 run fp32 activations through kvtier/models/qmatmul.c.
+WeightDType = Literal["auto", "gguf", "int8"]
 DEFAULT_KV_DEVICE_GB = 1.0
 
 
@@ -138,7 +141,8 @@ class SchedulerConfig:
     disk_load_timeout_s: float = 1.0
     # --- issue 14: smooth streaming (kvtier/scheduler/budget.py, fairness.py) ---
     scheduling_policy: SchedulingPolicy = "stall_free"
-    max_step_ms: float = 150.0  # target step latency; 0: the fixed max_num_batched_tokens budget
+    max_step_ms: float = 100.0  # the least target step time; 0: the fixed max_num_batched_tokens budget
+    step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
     max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
 
@@ -217,6 +221,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             args.preemption_mode,
             scheduling_policy=args.scheduling_policy,
             max_step_ms=args.max_step_ms,
+            step_time_factor=args.step_time_factor,
             max_num_partial_prefills=args.max_num_partial_prefills,
             kv_admission_factor=args.kv_admission_factor,
         ),
@@ -256,6 +261,13 @@ class EngineArgs:
         metadata={
             "help": "KV cache precision: auto (the compute dtype, exact), bfloat16, fp8_e4m3 (alias fp8), "
             "fp8_e5m2 or int8 (per-token scales; 2-4x the blocks in every tier, docs/kv-dtype.md)"
+        },
+    )
+    weight_dtype: WeightDType = field(
+        default="auto",
+        metadata={
+            "help": "weight precision: auto (dense as loaded; a GGUF dequantized to fp32, exact), gguf (run "
+            "the GGUF's own Q8_0/Q4_0/Q4_1 blocks), int8 (per-channel weight-only int8); docs/weight-dtype.md"
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
@@ -310,9 +322,9 @@ class EngineArgs:
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
     )
     # --- smooth streaming under load (kvtier/scheduler/) ---
-    # legacy stays the default until stall_free's TTFT is fixed: on a quiet 2-core CPU (BENCHMARKS.md,
-    # `kvtier bench serve --compare`) stall_free cut ITL p99/p50 from 3.5x to 1.3x but raised TTFT p90
-    # 6-11x, because a decode step there takes about max_step_ms and leaves prefill almost no budget.
+    # legacy stays the default: on this 2-core CPU a decode step costs as much as only ~25-50 prompt
+    # tokens, so stall_free's smooth streams (ITL p99/p50 2.4x vs 4.7x) cost first tokens (TTFT p90
+    # 2.4x legacy's at the TTFT-2 s rate; BENCHMARKS.md, `kvtier bench serve --compare`).
     scheduling_policy: SchedulingPolicy = field(
         default="legacy",
         metadata={
@@ -322,10 +334,18 @@ class EngineArgs:
         },
     )
     max_step_ms: float = field(
-        default=150.0,
+        default=100.0,
         metadata={
-            "help": "target step latency in ms: prefill chunks get what the measured cost model says "
-            "fits beside the decodes (capped by --max-num-batched-tokens; 0: the fixed token budget)"
+            "help": "the least target step time in ms (stall_free): prefill chunks get what the measured "
+            "cost model says fits beside the decodes in max(this, --step-time-factor decode-only steps), "
+            "capped by --max-num-batched-tokens (0: the fixed token budget)"
+        },
+    )
+    step_time_factor: float = field(
+        default=2.5,
+        metadata={
+            "help": "stall_free: a step with prompt tokens lasts up to this many measured decode-only "
+            "steps (widened while the oldest waiting request queues); 2.5 keeps ITL p99/p50 under 3"
         },
     )
     max_num_partial_prefills: int = field(
@@ -413,10 +433,20 @@ class EngineArgs:
             except ValueError as exc:
                 raise ConfigError(f"kv_replica_id: {exc}") from None
         self._validate_remote()
+        self._validate_weight_dtype()
+
+    def _validate_weight_dtype(self) -> None:
+        if self.weight_dtype != "auto" and self.dtype not in ("auto", "float32"):
+            raise ConfigError(
+                f"weight_dtype={self.weight_dtype} computes in float32 (its kernels take fp32 activations); "
+                f"use dtype=auto or float32, not {self.dtype}"
+            )
 
     def _validate_scheduling(self) -> None:
         if self.max_step_ms < 0:
             raise ConfigError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
+        if self.step_time_factor != 0 and self.step_time_factor < 1:
+            raise ConfigError(f"step_time_factor must be 0 or >= 1, got {self.step_time_factor}")
         if self.max_num_partial_prefills < 0:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
         if self.kv_admission_factor < 0:

@@ -48,6 +48,7 @@ from kvtier.kv_events import (
 )
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel, load_model
+from kvtier.models.qpack import load_packed
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -82,7 +83,10 @@ class LLMEngine:
         self.model_config = config.model
         self.dtype = _DTYPES[config.dtype]
         self.device = _device()
-        self.model = LlamaModel(config.model, self.loaded.weights, self.dtype, config.max_model_len)
+        packed, kernels = load_packed(self.loaded, args.weight_dtype, config.dtype, self.device.type)
+        self.model = LlamaModel(
+            config.model, self.loaded.weights, self.dtype, config.max_model_len, packed, kernels
+        )
         cache = config.cache
         self.runner = ModelRunner(
             self.model, cache.num_device_blocks, cache.block_size, self.device, cache.kv_dtype
@@ -111,7 +115,7 @@ class LLMEngine:
         self.insight.canary.on_mismatch = self._quarantine
         self.kv.observer = self.insight
         if self.tiers is not None:
-            self.tiers.on_stored = self.insight.on_stored
+            self.insight.attach(self.tiers)  # per-tier simulations, told of the blocks offered
         self._mrc: dict[tuple[str, float], float] = {}
         self._mrc_time = float("-inf")
         self.outputs = OutputProcessor(self.tokenizer)
@@ -261,9 +265,13 @@ class LLMEngine:
             self._move_blocks(out.swap)
         if out.is_empty:
             return []
+        t0 = time.perf_counter()
         logits = self._execute(out)
-        samples = self._sample(out, logits)
-        return self._update(samples)
+        outputs = self._update(self._sample(out, logits))
+        # The whole step (forward, sampling, outputs) is what a stream waits between tokens.
+        prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
+        self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
+        return outputs
 
     def _poll_tiers(self) -> None:
         """Reads from disk that finished become host hits; finished writes become held blocks."""
@@ -293,10 +301,7 @@ class LLMEngine:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
-        t0 = time.perf_counter()
         logits = self.runner.execute(out)
-        prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
-        self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
         self.scheduler.advance(out)
         return logits
 

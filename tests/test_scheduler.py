@@ -162,6 +162,55 @@ def test_story_a_passed_over_prompt_is_not_starved() -> None:
     assert long.num_output_tokens >= 1  # it still got its chunks (at the latest every STARVE_STEPS)
 
 
+def test_story_on_a_slow_cpu_a_short_prompt_still_goes_in_one_step() -> None:
+    # A decode step of 8 streams takes 150 ms, about max_step_ms: the target follows the measured
+    # decode step (2.5 of them), so prefill keeps 1.5 decode steps' worth of every step.
+    w = world(max_step_ms=150.0)
+    w.scheduler.cost_model.decode_step_s = 0.150
+    w.scheduler.cost_model.prefill_tokens_per_s = 1000.0
+    streams = _decoding(w, 8)
+    chat = w.request("chat", 200, 4)
+    out = w.step()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.prefills] == [("chat", 200)]
+    assert chat.num_output_tokens == 1  # its first token after one step
+    assert {x.seq.request_id for x in out.decodes} == {s.request_id for s in streams}
+    assert w.step_seconds[-1] <= 2.5 * 0.150 + 1e-9  # ITL p99 stays under 3 decode steps
+
+
+def test_story_a_backed_up_queue_widens_the_step_within_a_bound() -> None:
+    w = world(max_step_ms=0.001)  # the target is the decode-step factor alone
+    _decoding(w, 8)
+    calm = w.scheduler.budget.prefill_tokens(8, w.scheduler.oldest_wait_s())
+    assert calm == int(1.5 * DECODE_STEP_S * PREFILL_TOKENS_PER_S)
+    backlog = [w.request(f"q{i}", 250, 4) for i in range(6)]
+    w.clock[0] += 0.5  # they have queued 10 decode steps, beyond the grace of 2 target steps (5)
+    wide = w.scheduler.budget.prefill_tokens(8, w.scheduler.oldest_wait_s())
+    assert wide > calm
+    out = w.step()
+    # At most 2 x 2.5 = 5 decode steps, however long the queue has waited.
+    assert w.step_seconds[-1] <= 5 * DECODE_STEP_S + 1e-9
+    assert sum(x.num_new_tokens for x in out.prefills) == wide  # a whole prompt and a chunk, not 150
+    w.clock[0] += 100.0
+    assert w.scheduler.budget.factor(w.scheduler.oldest_wait_s()) == 5.0
+    while any(s.num_output_tokens == 0 for s in backlog):
+        w.step()
+        assert w.step_seconds[-1] <= 5 * DECODE_STEP_S + 1e-9
+
+
+def test_cost_model_learns_the_marginal_prefill_rate() -> None:
+    # A CPU where every step costs 100 ms of fixed work plus 2 ms per decode and 1 ms per prompt
+    # token: beside decodes, a prompt token costs 1 ms (1,000 tokens/s), not its share of the fixed.
+    cost = CostModel(block_bytes=1)
+    rng = random.Random(1)
+    for _ in range(200):
+        n, p = rng.randrange(4, 12), rng.choice([0, 0, 0, 24, 64, 128, 200])
+        noise = rng.uniform(-0.01, 0.01)
+        cost.observe_step(n, p, 0.100 + 0.002 * n + 0.001 * p + noise)
+        cost.observe_step(0, 40, 0.100 + 0.040)  # small prefill-only steps: mostly the fixed cost
+    assert 800 < cost.prefill_tokens_per_s < 1250
+    assert 0.10 < cost.decode_step_s < 0.13
+
+
 # ------------------------------------------------------------------------------------- priorities
 def test_story_priorities_order_admission() -> None:
     w = world(max_num_seqs=1)

@@ -148,7 +148,7 @@ def print_compare(out: dict[str, Any], ns: argparse.Namespace) -> None:
     print(
         f"\nkvtier bench serve --compare: {out['model']}, {ns.num_requests} requests per rate, prompts "
         f"{ns.prompt_len[0]}-{ns.prompt_len[1]} tokens, outputs {ns.output_len[0]}-{ns.output_len[1]} "
-        f"tokens (streaming), max_step_ms {ns.max_step_ms:g}\n"
+        f"tokens (streaming), max_step_ms {ns.max_step_ms:g}, step_time_factor {ns.step_time_factor:g}\n"
     )
     head = "| policy | rate req/s | errors | tok/s | TTFT p50 | TTFT p90 "
     head += "| ITL p50 | ITL p90 | ITL p99 | p99/p50 |"

@@ -49,6 +49,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, not for reporting)")
     p.add_argument("--skip-hf", action="store_true", help="kvtier rows only")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument(
+        "--weight-dtypes",
+        default="",
+        help="also compare these weight dtypes side by side (e.g. auto,gguf,int8): decode 1 and 16 streams, "
+        "bytes read per step; plus llama.cpp on the same GGUF when llama_cpp is importable",
+    )
+    p.add_argument("--weights-only", action="store_true", help="only the --weight-dtypes rows")
     p.set_defaults(func=main)
 
 
@@ -69,9 +76,10 @@ def read_bandwidth_gbs() -> float:
 
 
 def weight_bytes_per_decode_step(model) -> int:  # noqa: ANN001 - kvtier.models.llama.LlamaModel
-    total = model.lm_head.numel() * model.lm_head.element_size()
+    total = model.lm_head.nbytes
     for layer in model.layers:
-        for w in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down, layer.input_norm, layer.post_norm):
+        total += sum(lin.nbytes for lin in layer.linears)
+        for w in (layer.input_norm, layer.post_norm):
             total += w.numel() * w.element_size()
     return total
 
@@ -136,8 +144,9 @@ def kvtier_cached_ttft(llm, vocab: int, n: int) -> tuple[float, float]:  # noqa:
     return uncached, cached
 
 
-def startup_first_token_s(threads: int) -> float:
-    """Seconds from launching ``kvtier generate`` until its first output byte (second launch)."""
+def startup_first_token_s(threads: int, *extra: str) -> float:
+    """Seconds from launching ``kvtier generate`` (+ ``extra`` flags) until its first output byte (second
+    launch)."""
     cmd = [
         sys.executable,
         "-m",
@@ -148,6 +157,7 @@ def startup_first_token_s(threads: int) -> float:
         "4",
         "--num-threads",
         str(threads),
+        *extra,
     ]
     subprocess.run(cmd, capture_output=True, check=True)  # first launch: converts the model if needed
     t = time.perf_counter()
@@ -157,6 +167,112 @@ def startup_first_token_s(threads: int) -> float:
     first = time.perf_counter() - t
     proc.wait()
     return first
+
+
+def batched_decode_tok_s(llm, vocab: int, streams: int, n: int) -> float:  # noqa: ANN001
+    """Decode tokens/s of ``streams`` sequences generating together (prefill time subtracted)."""
+    from kvtier import SamplingParams
+
+    rng = random.Random(5)
+    prompts = [_random_prompt(rng, 32, vocab) for _ in range(streams)]
+
+    def run(k: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        return _best(lambda: llm.generate(prompts, params), 2)
+
+    return streams * (n - 1) / (run(n) - run(1))
+
+
+def linears_pass_ms(model, repeat: int = 7) -> float:  # noqa: ANN001 - kvtier.models.llama.LlamaModel
+    """Best-of-``repeat`` ms for one token through every linear layer (the weight reads of a decode step,
+    without attention and the small ops): robust to a busy machine, where whole steps are not."""
+    c = model.config
+    x = torch.randn(1, c.hidden_size)
+    inter = torch.randn(1, c.intermediate_size)
+    attn = torch.randn(1, c.num_heads * c.head_dim)
+
+    def one_pass() -> None:
+        for layer in model.layers:
+            layer.qkv(x)
+            layer.o.residual(x.clone(), attn)
+            layer.gate_up(x)
+            layer.down.residual(x.clone(), inter)
+        model.lm_head(x)
+
+    one_pass()
+    return _best(one_pass, repeat) * 1e3
+
+
+def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None:
+    """llama.cpp's single-stream decode ms/token on the default GGUF (None when llama_cpp is missing)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from kvtier.models.loader import default_model_path
+
+    model = Llama(str(default_model_path()), n_threads=threads, n_ctx=512, verbose=False)
+
+    def run(k: int) -> float:
+        def once() -> None:
+            model.reset()
+            for i, _ in enumerate(model.generate(prompt, temp=0.0)):
+                if i + 1 >= k:
+                    break
+
+        return _best(once, 2)
+
+    return (run(n) - run(1)) / (n - 1) * 1e3
+
+
+def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: list[Row]) -> None:
+    """Decode side by side for each ``--weight-dtypes`` mode, ratios against ``auto`` from this run."""
+    from kvtier import LLM
+
+    modes = [m.strip() for m in ns.weight_dtypes.split(",") if m.strip()]
+    bw = read_bandwidth_gbs()
+    base: dict[str, float] = {}
+    for mode in modes:
+        llm = LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=mode)
+        vocab = llm.engine.model_config.vocab_size
+        prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+        ms = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
+        nbytes = weight_bytes_per_decode_step(llm.engine.model)
+        base.setdefault("ms", ms)
+        row(f"decode 1 stream, weights {mode}", ms, base["ms"], "ms/token", False, None, "vs auto")
+        floor = nbytes / (bw * 1e9) * 1e3
+        row(
+            f"  {mode}: {nbytes / 1e6:.0f} MB/step, {nbytes / ms / 1e6:.1f} GB/s",
+            ms,
+            floor,
+            "ms/token",
+            False,
+            0.85 if mode == "auto" else None,
+            f"floor at {bw:.1f} GB/s read",
+        )
+        lin_ms = linears_pass_ms(llm.engine.model)
+        base.setdefault("lin_ms", lin_ms)
+        row(
+            f"  {mode}: all linears, 1 token, best of 7 ({nbytes / lin_ms / 1e6:.1f} GB/s)",
+            lin_ms,
+            base["lin_ms"],
+            "ms",
+            False,
+            None,
+            "vs auto",
+        )
+        tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
+        base.setdefault("tok_s", tok_s)
+        row(f"decode 16 streams, weights {mode}", tok_s, base["tok_s"], "tok/s", True, None, "vs auto")
+        del llm
+        start = startup_first_token_s(ns.num_threads, "--weight-dtype", mode)
+        row(f"  {mode}: start-up to first token (2nd launch)", start, None, "s", False, None, "<= 3 s")
+        rows[-1].met = start <= 3.0
+    ms = llama_cpp_decode_ms(prompt, ns.decode_tokens, ns.num_threads)
+    if ms is None:
+        print("  llama.cpp row skipped: llama_cpp is not importable", file=sys.stderr, flush=True)
+    else:
+        row("decode 1 stream, llama.cpp", ms, base["ms"], "ms/token", False, None, "vs auto")
 
 
 # --------------------------------------------------------------------------------------- HF
@@ -252,6 +368,11 @@ def main(ns: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if ns.weight_dtypes:
+        weight_dtype_rows(ns, row, rows)
+    if ns.weights_only:
+        print_table(rows, ns)
+        return 0
     print("loading kvtier (float32) ...", file=sys.stderr, flush=True)
     llm = LLM(dtype="float32", num_threads=ns.num_threads)
     vocab = llm.engine.model_config.vocab_size

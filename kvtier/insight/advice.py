@@ -1,8 +1,9 @@
 """Sizing advice: the miss-ratio curve turned into per-tier curves and sentences an operator can act on.
 
-Each tier is an LRU over its own access stream (``CacheInsight``): the device pool over every prompt
-lookup, block computed and sequence freed; the host tier over the blocks asked of it (the device
-missed them) and the blocks stored into it (device evictions); the disk tier likewise one level down.
+Each tier has its own access stream (``CacheInsight``): the device pool, an LRU over every prompt
+lookup, block computed and sequence freed (reuse distances, ``mrc``); the host tier over the blocks
+asked of it (the device missed them) and the blocks offered to it (device evictions), simulated with
+its admission rules (``minisim``); the disk tier likewise one level down.
 Growing or shrinking one tier leaves the stream of the tiers above it unchanged, so its own curve says
 how many of the blocks asked of it it would serve; the faster tiers serve what they serve now, and the
 slower ones the same share of its misses as now. The curve of tier ``t`` at size factor ``f`` is then
@@ -30,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.insight.minisim import SimSnapshot
 from kvtier.insight.mrc import TrackerSnapshot
 
 SIZE_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
@@ -44,7 +46,7 @@ class TierSize:
     medium: str  # "device", "host", "disk"
     capacity_blocks: int
     load_seconds_per_block: float  # measured (0: unknown, use the transfer rate)
-    snap: TrackerSnapshot | None = None  # the tier's own stream: blocks asked of it, blocks stored in it
+    snap: TrackerSnapshot | SimSnapshot | None = None  # the tier's own stream: blocks asked of it, offered
     num_asked: int = 0  # blocks looked up in this tier (the faster ones missed)
     num_served: int = 0  # of those, blocks it served (measured)
 

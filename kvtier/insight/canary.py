@@ -87,6 +87,9 @@ class CanaryStats:
     match: int = 0
     mismatch: int = 0
     skipped: int = 0  # sampled, but the queue was full
+    checks_run: int = 0  # sampled requests checked
+    recomputed_tokens: int = 0  # tokens the checks ran through the model (the canary's work)
+    seconds: float = 0.0  # spent capturing served bytes and running checks
     by_tier: dict[Medium, dict[str, int]] = field(default_factory=dict)
     last_mismatch: Mismatch | None = None
 
@@ -175,15 +178,23 @@ class Canary:
             )
         )
 
+    def take_picked(self) -> list[_Candidate]:
+        """Sampled requests' picks not captured yet, removed (a replay without a model has no bytes)."""
+        picked, self._capturing = self._capturing, []
+        return picked
+
     def capture(self, cache: PagedKVCache) -> None:
         """Copy out the bytes the sampled requests were served (call after the step's loads ran)."""
         self._cache, kv_cache = cache, cache.raw
+        t0 = time.perf_counter() if self._capturing else 0.0
         for cand in self._capturing:
             if len(self._pending) >= self.max_pending:
                 self.stats.skipped += 1
                 continue
             ids = torch.tensor(cand.block_ids, dtype=torch.long, device=kv_cache.device)
             self._pending.append(_Check(cand, kv_cache.index_select(0, ids)))  # a copy
+        if self._capturing:
+            self.stats.seconds += time.perf_counter() - t0
         self._capturing.clear()
 
     # ------------------------------------------------------------------------------ checking
@@ -191,10 +202,13 @@ class Canary:
         """Run the oldest pending check; False if there was none."""
         if not self._pending:
             return False
+        t0 = time.perf_counter()
         check = self._pending.popleft()
         cand = check.candidate
         assert self._cache is not None  # set by the capture that queued this check
         scratch = recompute_kv(model, cand.token_ids, self.block_size, self._cache.fmt)
+        self.stats.checks_run += 1
+        self.stats.recomputed_tokens += len(cand.token_ids)
         bad: dict[Medium, list[tuple[BlockHash, float]]] = {}
         for j, (index, tier) in enumerate(zip(cand.indices, cand.tiers, strict=True)):
             served = block_values(self._cache, check.served[j])
@@ -204,6 +218,7 @@ class Canary:
                 bad.setdefault(tier, []).append((cand.keys[j], diff))
         for tier, blocks in bad.items():
             self._mismatch(tier, blocks)
+        self.stats.seconds += time.perf_counter() - t0
         return True
 
     def _count(self, tier: Medium, ok: bool) -> None:
@@ -240,6 +255,7 @@ class Canary:
         return {
             "rate": self.rate,
             "checks": {"match": s.match, "mismatch": s.mismatch, "skipped": s.skipped},
+            "recomputed_tokens": s.recomputed_tokens,
             "pending": len(self._pending),
             "tolerance": self.tolerance,
             "by_tier": {str(t): dict(c) for t, c in s.by_tier.items()},

@@ -3,16 +3,21 @@
 ::
 
     KVCacheManager.observer ──on_adopt(seq, tokens, AdoptedPrefix)──► device tracker: lookup (every block)
-                                                                   ├► host, disk trackers: the blocks
+                                                                   ├► host, disk simulators: the blocks
                                                                    │  asked of them (faster tiers missed)
                                                                    └► Canary.on_adopt (sampled)
                             ──on_cached / on_freed(keys)────────────► device tracker: insert
-    TierCoordinator.on_stored(medium, keys) ─────────────────────────► that tier's tracker: insert
+    TierCoordinator.on_offered(medium, keys) ────────────────────────► that tier's simulator: offer
+                            (held back until the lookup of the same step: the real lookup comes first)
     LLMEngine._execute      ──canary.capture(kv_cache)     LLMEngine.run_idle_work ──canary.run_one(model)
     GET /v1/kv/advice       ──advice(sizes, costs)         GET /v1/kv/canary       ──canary.report(...)
 
-The tracker sees every adopted lookup (sampling is its own business); the counters of blocks served
-per tier are exact, for the measured hit ratio next to the estimated one.
+The device pool is an LRU over one stream (every lookup, computed and freed block): a reuse-distance
+tracker (``mrc.ReuseTracker``) gives its curve. The host and disk tiers admit blocks by their own rules
+(a store of a block they hold is no refresh, a miss is not stored): once ``attach`` has their sizes,
+each gets miniature simulations of those rules (``minisim.TierSimulator``). The trackers see every
+adopted lookup (sampling is their own business); the counters of blocks served per tier are exact, for
+the measured hit ratio next to the estimated one.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.insight.advice import Advisor, Costs, TierSize
 from kvtier.insight.canary import Canary
+from kvtier.insight.minisim import TierSimulator
 from kvtier.insight.mrc import ReuseTracker
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.manager import AdoptedPrefix
 from kvtier.stats import Medium
+
+
+class _Coordinator(Protocol):  # kvtier.tiers.coordinator.TierCoordinator, as attach uses it
+    tiers: Any
+    on_stored: Any
+    on_offered: Any
 
 
 class CacheInsight:
@@ -42,8 +54,10 @@ class CacheInsight:
     ):
         # One tracker per tier with a capacity: the device pool, and the lower tiers in order.
         self.lower = [m for m in lower if m != Medium.REMOTE]
-        self.trackers = {m: ReuseTracker(max_keys) for m in [Medium.DEVICE, *self.lower]}
+        self.max_keys = max_keys
+        self.trackers: dict[Medium, Any] = {m: ReuseTracker(max_keys) for m in [Medium.DEVICE, *self.lower]}
         self.tracker = self.trackers[Medium.DEVICE]
+        self._offers: list[tuple[Medium, Sequence[BlockHash]]] = []  # not yet told to the simulators
         self.canary = Canary(canary_rate, block_size, dtype, seed)
         self.num_requests = 0  # adopted lookups (one per admitted prompt)
         self.asked: Counter[Medium] = Counter()  # blocks looked up in each tier
@@ -59,26 +73,63 @@ class CacheInsight:
         sources = served[len(keys) - len(asked) :]
         for medium in self.lower:  # each tier is asked what the faster ones did not serve
             self.asked[medium] += len(asked)
-            self.trackers[medium].lookup(asked, [m == medium for m in sources])
+            tracker = self.trackers[medium]
+            if isinstance(tracker, TierSimulator):  # host: blocks read up from below are stored in it
+                below = medium == Medium.HOST
+                promoted = [below and m not in (Medium.HOST, Medium.DEVICE) for m in sources]
+                tracker.lookup(asked, promoted, self._take_offers(medium))
+            else:
+                tracker.lookup(asked, [m == medium for m in sources])
             kept = [i for i in range(len(asked)) if i >= len(sources) or sources[i] != medium]
             asked = [asked[i] for i in kept]
             sources = tuple(sources[i] for i in kept if i < len(sources))
+        self._flush_offers()
         self.canary.on_adopt(token_ids, adopted)
 
     def on_cached(self, keys: Sequence[BlockHash]) -> None:
+        self._flush_offers()
         self.tracker.insert(keys)
 
     def on_freed(self, keys: Sequence[BlockHash]) -> None:
+        self._flush_offers()
         self.tracker.insert(keys[::-1])  # the pool evicts a freed sequence's tail first
 
+    def attach(self, coordinator: _Coordinator) -> None:
+        """Follow the lower tiers of ``coordinator``: one simulator per tier with a capacity, told of
+        the blocks offered to it."""
+        for tier in coordinator.tiers:
+            if tier.medium in self.trackers and tier.medium != Medium.DEVICE:
+                self.trackers[tier.medium] = TierSimulator(tier.capacity_blocks, self.max_keys)
+        coordinator.on_stored = self.on_stored
+        coordinator.on_offered = self.on_offered
+
+    def on_offered(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        """The tier above offered ``keys`` to ``medium`` (stored unless held); told to its simulator
+        after the step's lookup (which, in the tiers, ran before the allocation that evicted them)."""
+        if isinstance(self.trackers.get(medium), TierSimulator):
+            self._offers.append((medium, list(keys)))
+
+    def _take_offers(self, medium: Medium) -> list[BlockHash]:
+        """The pending offers to ``medium`` (this step's allocation's), in order; the others stay."""
+        taken = [k for m, keys in self._offers if m == medium for k in keys]
+        self._offers = [(m, keys) for m, keys in self._offers if m != medium]
+        return taken
+
+    def _flush_offers(self) -> None:
+        for medium, keys in self._offers:
+            self.trackers[medium].offer(keys)
+        self._offers.clear()
+
     def on_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
-        """A lower tier stored ``keys`` (from the tier above): references in its stream."""
+        """A lower tier stored ``keys`` (from the tier above): references in a reuse tracker's stream
+        (a simulator decides what is stored itself, from the offers)."""
         tracker = self.trackers.get(medium)
-        if tracker is not None:
+        if isinstance(tracker, ReuseTracker):
             tracker.insert(keys)
 
     def advice(self, sizes: list[TierSize], costs: Costs, sentences: bool = True) -> dict[str, Any]:
         """``GET /v1/kv/advice``'s body: per-tier curves, measured ratios and sentences."""
+        self._flush_offers()
         sizes = [
             replace(
                 t,

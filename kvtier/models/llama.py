@@ -13,6 +13,7 @@ unchanged; only the cached K rows are stored in the interleaved order.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
 from kvtier.models.kv_quant import PagedKVCache
+from kvtier.models.qlinear import DenseLinear, QuantLinear
+
+Packed = dict  # group name -> (block type, uint8 rows, scale | None): kvtier/models/qpack.py
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -62,17 +66,6 @@ def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Te
     return w.view(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-def _linear(x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ w_t [in, out] (+ b). Weights are stored transposed: MKL's sgemm on a [in, out]
-    operand is up to 4x faster than F.linear's [out, in] for the small batches of decode steps."""
-    return torch.matmul(x, w_t) if b is None else torch.addmm(b, x, w_t)
-
-
-def _residual(x: torch.Tensor, a: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """x + a @ w_t (+ b) as one addmm when there is no bias."""
-    return torch.addmm(x, a, w_t) if b is None else x + torch.addmm(b, a, w_t)
-
-
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm, bit for bit in fp32: w * (x * rsqrt(mean(x^2) + eps)). On CPU this is ~5x faster
     than ``F.rms_norm`` for long inputs (which decomposes into more ops, with dtype round trips)."""
@@ -86,12 +79,35 @@ def _transposed(*ws: torch.Tensor) -> torch.Tensor:
     return torch.cat([w.t() for w in ws], dim=1).contiguous()
 
 
-class LlamaLayer:
-    """One decoder layer's fused, transposed weights (plain tensors: no nn.Module on the hot path)."""
+def _make_linear(
+    packed: Packed, lib: object, group: str, dense: Callable[[], torch.Tensor], b: torch.Tensor | None
+) -> DenseLinear | QuantLinear:
+    """The packed quantized group when there is one, else the dense transposed weight ``dense()``.
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype):
+    Dense weights are stored transposed ([in, out]): MKL's sgemm on that operand is up to 4x faster than
+    F.linear's [out, in] for the small batches of decode steps."""
+    if group in packed:
+        qtype, data, scale = packed[group]
+        return QuantLinear(lib, qtype, data, scale, None if b is None else b.float())
+    return DenseLinear(dense(), b)
+
+
+class LlamaLayer:
+    """One decoder layer's fused weights (plain objects: no nn.Module on the hot path). ``packed``
+    (weight_dtype gguf / int8) replaces the dense fused matrices it holds by quantized ones."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        w: dict[str, torch.Tensor],
+        prefix: str,
+        dtype: torch.dtype,
+        packed: Packed | None = None,
+        lib: object = None,
+    ):
         c = config
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        packed, g = packed or {}, "layers." + prefix.split(".")[2] + "."
 
         def get(name: str) -> torch.Tensor:
             return w[prefix + name].to(dtype)
@@ -103,24 +119,36 @@ class LlamaLayer:
 
         self.input_norm = get("input_layernorm.weight")  # [hidden]
         self.post_norm = get("post_attention_layernorm.weight")  # [hidden]
-        self.w_qkv = _transposed(*qkv("weight"))  # [hidden, (H + 2*KVH) * D]
-        self.b_qkv = torch.cat(qkv("bias")) if c.attention_bias else None
-        self.w_o = _transposed(get("self_attn.o_proj.weight"))  # [H*D, hidden]
+        b_qkv = torch.cat(qkv("bias")) if c.attention_bias else None
+        # [hidden, (H + 2*KVH) * D]
+        self.qkv = _make_linear(packed, lib, g + "qkv", lambda: _transposed(*qkv("weight")), b_qkv)
         has_o_bias = c.attention_bias and prefix + "self_attn.o_proj.bias" in w
-        self.b_o = get("self_attn.o_proj.bias") if has_o_bias else None
-        self.w_gate_up = _transposed(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))  # [hidden, 2*I]
-        self.b_gate_up = (
-            torch.cat([get("mlp.gate_proj.bias"), get("mlp.up_proj.bias")]) if c.mlp_bias else None
-        )
-        self.w_down = _transposed(get("mlp.down_proj.weight"))  # [I, hidden]
-        self.b_down = get("mlp.down_proj.bias") if c.mlp_bias else None
+        b_o = get("self_attn.o_proj.bias") if has_o_bias else None
+        o_dense = lambda: _transposed(get("self_attn.o_proj.weight"))  # noqa: E731 -- [H*D, hidden]
+        self.o = _make_linear(packed, lib, g + "o", o_dense, b_o)
+        b_gate_up = torch.cat([get("mlp.gate_proj.bias"), get("mlp.up_proj.bias")]) if c.mlp_bias else None
+        gu_dense = lambda: _transposed(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))  # noqa: E731
+        self.gate_up = _make_linear(packed, lib, g + "gate_up", gu_dense, b_gate_up)  # [hidden, 2*I]
+        b_down = get("mlp.down_proj.bias") if c.mlp_bias else None
+        down_dense = lambda: _transposed(get("mlp.down_proj.weight"))  # noqa: E731 -- [I, hidden]
+        self.down = _make_linear(packed, lib, g + "down", down_dense, b_down)
+
+    @property
+    def linears(self) -> list[DenseLinear | QuantLinear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class LlamaModel:
     """Forward pass over a step's flattened tokens. Stateless apart from its weights."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_positions: int
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_positions: int,
+        packed: Packed | None = None,  # weight_dtype gguf / int8: kvtier/models/qpack.py
+        lib: object = None,  # the kernel library (kvtier/models/qkernels.py) when packed
     ):
         self.config = config
         self.dtype = dtype
@@ -129,9 +157,12 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         tied = head is None or c.tie_word_embeddings
         # [hidden, V]: a transposed copy even when tied (+V*hidden elements) for the faster matmul
-        self.lm_head = _transposed(self.embed if tied else head.to(dtype))
+        head_dense = lambda: _transposed(self.embed if tied else head.to(dtype))  # noqa: E731
+        self.lm_head = _make_linear(packed or {}, lib, "lm_head", head_dense, None)
         self.final_norm = weights["model.norm.weight"].to(dtype)
-        self.layers = [LlamaLayer(c, weights, f"model.layers.{i}.", dtype) for i in range(c.num_layers)]
+        self.layers = [
+            LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib) for i in range(c.num_layers)
+        ]
         self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
@@ -152,21 +183,21 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, eps)
-            qkv = _linear(h, layer.w_qkv, layer.b_qkv)  # [T, (H + 2*KVH) * D]
+            qkv = layer.qkv(h)  # [T, (H + 2*KVH) * D]
             _apply_rope(qkv[:, : self.q_size + self.k_size], freqs, H + KVH, D)
             q = qkv[:, : self.q_size].view(T, H, D)
             kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
             kv_new = write_kv(kv_cache, i, kv_new, meta)  # as stored (dequantized when compact)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
-            x = _residual(x, attn, layer.w_o, layer.b_o)
+            x = layer.o.residual(x, attn)  # x + attn @ W_o
             h = _rms_norm(x, layer.post_norm, eps)
-            gate_up = _linear(h, layer.w_gate_up, layer.b_gate_up)  # [T, 2 * I]
+            gate_up = layer.gate_up(h)  # [T, 2 * I]
             inter = gate_up.shape[1] // 2
-            x = _residual(x, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]), layer.w_down, layer.b_down)
+            x = layer.down.residual(x, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
         return _rms_norm(x, self.final_norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
-        return torch.matmul(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 def _apply_rope(qk: torch.Tensor, freqs: torch.Tensor, num_heads: int, head_dim: int) -> None:

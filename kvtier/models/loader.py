@@ -60,6 +60,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str  # hex content digest: same files => same string, in every process
     path: Path  # what the user named (after resolving the default)
+    converted: Path | None = None  # a GGUF's conversion directory (packed weights are kept there too)
 
 
 def default_model_path() -> Path:
@@ -336,7 +337,9 @@ def converted_dir(
 def _load_gguf(path: Path, *, cache_dir: Path | str | None, progress: bool) -> LoadedModel:
     """Load a GGUF through its conversion (made first when missing or damaged)."""
     target, fingerprint = converted_dir(path, cache_dir=cache_dir, progress=progress)
-    return _load_hf_dir(target, fingerprint=fingerprint, user_path=path)
+    loaded = _load_hf_dir(target, fingerprint=fingerprint, user_path=path)
+    loaded.converted = target
+    return loaded
 
 
 def load_model(

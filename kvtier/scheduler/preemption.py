@@ -12,18 +12,27 @@ The step-time budget (``budget.py``) predicts a step from the same model::
 
 All rates are measured by the engine as it runs (exponential moving averages, seeded with
 conservative guesses until the first measurements arrive): a decode-only step updates
-``decode_step_s``, a prefill-only step the prefill rate, and a mixed step the prefill rate from what
-is left after the decodes' share. Torch-free.
+``decode_step_s``; the prefill rate is the *marginal* one, what prompt tokens add to a step::
+
+    prefill_tokens_per_s = EMA(prefill tokens) / EMA(seconds they added)
+        mixed step (decodes + at least MIN_PREFILL_TOKENS):  added = step - decode_step_s
+        prefill-only step (at least MIN_ALONE_TOKENS):       added = step  (includes the fixed
+                                                             per-step cost: a conservative rate)
+
+A ratio of averages weights each step by its tokens, so small chunks' noisy excess times do not
+swing the rate; charging a small prefill-only step's fixed cost (reading every weight once) to its
+tokens would make prefill look several times slower than it is beside decodes. Torch-free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.config import PreemptionMode
 
 MIN_PREFILL_TOKENS = 16  # smaller chunks are too noisy to measure a rate from
+MIN_ALONE_TOKENS = 256  # a prefill-only step shorter than this is mostly its fixed cost
 
 
 @dataclass
@@ -33,14 +42,23 @@ class CostModel:
     prefill_tokens_per_s: float = 500.0  # replaced by measurements of prefill steps
     decode_step_s: float = 0.02  # one step of decodes alone; replaced by measurements
     smoothing: float = 0.2
+    _prefill_tokens: float = field(default=0.0, repr=False)  # EMAs behind prefill_tokens_per_s
+    _prefill_s: float = field(default=0.0, repr=False)
 
     def observe_transfer(self, num_bytes: int, seconds: float) -> None:
         if num_bytes >= self.block_bytes and seconds > 0:
             self.transfer_bytes_per_s += self.smoothing * (num_bytes / seconds - self.transfer_bytes_per_s)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens >= MIN_PREFILL_TOKENS and seconds > 0:
-            self.prefill_tokens_per_s += self.smoothing * (num_tokens / seconds - self.prefill_tokens_per_s)
+        """``num_tokens`` prompt tokens added ``seconds`` to a step."""
+        if num_tokens < MIN_PREFILL_TOKENS or seconds <= 0:
+            return
+        if self._prefill_s == 0.0:  # the first measurement replaces the seed
+            self._prefill_tokens, self._prefill_s = float(num_tokens), seconds
+        else:
+            self._prefill_tokens += self.smoothing * (num_tokens - self._prefill_tokens)
+            self._prefill_s += self.smoothing * (seconds - self._prefill_s)
+        self.prefill_tokens_per_s = self._prefill_tokens / self._prefill_s
 
     def observe_step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """One forward pass of ``num_decodes`` one-token rows and ``num_prefill_tokens`` prompt tokens."""
@@ -50,9 +68,11 @@ class CostModel:
             if num_decodes:
                 self.decode_step_s += self.smoothing * (seconds - self.decode_step_s)
             return
-        prefill_s = seconds - (self.decode_step_s if num_decodes else 0.0)
-        if prefill_s > 0.25 * seconds:  # else the decodes' estimate dominates: too noisy
-            self.observe_prefill(num_prefill_tokens, prefill_s)
+        if num_decodes:
+            # Noise can make a small chunk's excess negative: counted as ~0, not dropped (unbiased).
+            self.observe_prefill(num_prefill_tokens, max(seconds - self.decode_step_s, 1e-4))
+        elif num_prefill_tokens >= MIN_ALONE_TOKENS:
+            self.observe_prefill(num_prefill_tokens, seconds)
 
     def step_seconds(self, num_decodes: int, num_prefill_tokens: int) -> float:
         """The predicted duration of a step."""

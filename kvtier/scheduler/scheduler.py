@@ -2,13 +2,15 @@
 
 Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
 
-**stall_free** (the default; Sarathi-Serve's stall-free batching, vLLM's chunked prefill)::
+**stall_free** (Sarathi-Serve's stall-free batching, vLLM's chunked prefill)::
 
     1. decodes      every running sequence that decodes gets its 1 token, first, always (best
                     priority, then oldest admission first); if the pool cannot grow one, the worst
                     running sequence (largest priority value, then the latest admitted) is preempted
     2. budget       prefill tokens = what the measured cost model says fits beside those decodes in
-                    ``max_step_ms`` (``budget.py``), capped by ``max_num_batched_tokens``
+                    a target step time: ``step_time_factor`` decode-only steps (at least
+                    ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
+                    ``max_num_batched_tokens``
     3. prefills     with ``max_num_partial_prefills`` = P > 0:
                       a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk
                       b. *finishers*: prompts whose whole rest fits in what is left of the budget,
@@ -18,9 +20,9 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
                          them at once (those already mid-prefill first)
                     with P = 0: running prompts first, then waiting ones, each takes what is left
 
-**legacy** (the scheduler before issue 14, kept to compare against): one fixed token budget;
-running sequences in admission order take 1 token or their next chunk (a long prompt's 2,048-token
-chunk shares the step with every decode), then waiting ones in arrival order.
+**legacy** (the scheduler before issue 14): one fixed token budget; running sequences in admission
+order take 1 token or their next chunk (a long prompt's 2,048-token chunk shares the step with
+every decode), then waiting ones in arrival order.
 
 In both, preemption either *swaps* the sequence's KV to the host tier (loaded back when it resumes)
 or drops its blocks to be *recomputed* later (usually mostly from the prefix cache);
@@ -209,13 +211,18 @@ class Scheduler:
             scheduled = self._schedule_legacy(out)
         else:
             scheduled = self._schedule_decodes(out)
-            budget = self.budget.prefill_tokens(len(scheduled))
+            budget = self.budget.prefill_tokens(len(scheduled), self.oldest_wait_s())
             scheduled += self._schedule_prefills(out, budget, {s.seq.seq_id for s in scheduled})
         for s in scheduled:
             (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
         out.block_copies = self.kv.take_block_copies()
         out.swap = self.kv.end_schedule_step()
         return out
+
+    def oldest_wait_s(self) -> float:
+        """How long the oldest waiting (not yet admitted) request has queued; 0 when none."""
+        arrivals = [s.arrival_time for s in self.waiting]
+        return max(0.0, self.clock() - min(arrivals)) if arrivals else 0.0
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[ScheduledSeq]:
         """Every decoding sequence's token, best first; growing one may preempt the worst others."""

@@ -111,6 +111,8 @@ class TierCoordinator:
         self.quarantined: set[Medium] = set()
         # Told of the blocks each tier stores (from the tier above), for its miss-ratio curve.
         self.on_stored: Callable[[Medium, Sequence[BlockKey]], None] | None = None
+        # Told of the blocks offered to each tier (stored unless held): what a simulation of it admits.
+        self.on_offered: Callable[[Medium, Sequence[BlockKey]], None] | None = None
 
     # ------------------------------------------------------------------------------ quarantine
     def quarantine(self, medium: Medium) -> None:
@@ -283,6 +285,8 @@ class TierCoordinator:
 
     def store(self, block_id: int, key: BlockKey) -> bool:
         """Plan a device → host store of one block unless the host tier has (or is getting) it."""
+        if self.on_offered is not None:
+            self.on_offered(Medium.HOST, [key])
         if self.host.host_block_of(key) is not None:
             return False
         spec = self.host.prepare_store([key])
@@ -379,6 +383,8 @@ class TierCoordinator:
     ) -> None:
         """Write host blocks ``keys`` to an external tier unless it holds (or is getting) them."""
         assert self.host_bytes is not None
+        if self.on_offered is not None and keys:
+            self.on_offered(level.tier.medium, keys)
         keys = [k for k in keys if k not in level.storing and not level.tier.contains(k)]
         if not keys:
             return

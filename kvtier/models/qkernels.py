@@ -1,0 +1,124 @@
+"""The quantized-weight kernels (``qmatmul.c``): compiled with gcc at first use, loaded with ctypes.
+
+The shared library is built into ``<kvtier cache>/kernels/qmatmul-<source hash>.so`` under a file lock
+(``make setup`` builds it too), so every later process just loads it. Where there is no compiler, or
+the CPU lacks AVX2/FMA/F16C, or the build fails, ``kernels()`` logs one line and returns None: callers
+then keep the dequantized fp32 weights (``weight_dtype="auto"`` never needs the kernels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qmatmul.c")
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "INT8": 100}  # kernel ids (GGML type numbers for GGUF ones)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "INT8": 32}  # bytes per 32 weights
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+_state: dict[str, ctypes.CDLL | None] = {}
+
+
+def kernel_dir() -> Path:
+    """Where built kernels live: ``$KVTIER_CACHE_DIR/kernels`` or ``~/.cache/kvtier/models/kernels``."""
+    from kvtier.models.loader import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def library_path() -> Path:
+    """The shared library for the current source (its name carries the source's and flags' digest)."""
+    digest = hashlib.blake2b(SOURCE.read_bytes() + " ".join(CFLAGS).encode(), digest_size=8).hexdigest()
+    return kernel_dir() / f"qmatmul-{digest}.so"
+
+
+def _cpu_ok() -> bool:
+    """Whether the CPU has the instructions the kernels use (Linux: /proc/cpuinfo; else assume yes)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """An exclusive inter-process lock on ``path`` (no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build(target: Path | None = None) -> Path:
+    """Compile ``qmatmul.c`` into ``target`` (default ``library_path()``) unless it is there already."""
+    target = target or library_path()
+    if target.is_file():
+        return target
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (gcc) found")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(target.parent / ".build.lock"):
+        if target.is_file():  # another process built it meanwhile
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            cmd = [compiler, *CFLAGS, str(SOURCE), "-o", tmp]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the argument types of the exported functions."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kv_qmatmul.argtypes = [i32, p, p, p, p, i64, i64, i64, i32, i32]
+    lib.kv_qmatmul.restype = None
+    lib.kv_dequantize.argtypes = [i32, p, p, p, i64, i64, i32]
+    lib.kv_dequantize.restype = None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernel library, building it first when needed; None (logged once) when unavailable."""
+    if "lib" in _state:
+        return _state["lib"]
+    lib = None
+    try:
+        if os.environ.get("KVTIER_NO_KERNELS"):
+            raise RuntimeError("disabled by KVTIER_NO_KERNELS")
+        if not _cpu_ok():
+            raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
+        lib = _bind(ctypes.CDLL(str(build())))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning(
+            "kvtier: quantized-weight kernels unavailable (%s); using dequantized fp32 weights", exc
+        )
+    _state["lib"] = lib
+    return lib
+
+
+if __name__ == "__main__":  # `python -m kvtier.models.qkernels`: build now (make setup)
+    print(f"kvtier: weight kernels {'ready' if kernels() else 'not built'}: {library_path()}")

@@ -1,0 +1,160 @@
+"""Linear layers over quantized weights, run by the C kernels of ``qmatmul.c``.
+
+A ``QuantLinear`` holds one (possibly fused) weight ``W [N, K]`` as rows of quantized blocks — GGUF's own
+Q8_0 / Q4_0 / Q4_1 blocks (``weight_dtype="gguf"``) or per-channel int8 with one fp32 scale per output row
+(``weight_dtype="int8"``) — and computes ``x @ W^T`` without ever holding ``W`` in fp32:
+
+* few rows (decode, small batches): the GEMV/small-M kernel decodes each block in registers to the exact
+  fp32 weights of the dequantized model and multiplies by FMA, so the output equals the fp32 path up to
+  fp32 summation order;
+* many rows (prefill): the weight is dequantized into a reused fp32 scratch matrix and multiplied by
+  ``torch.matmul`` (the work is compute-bound there, and MKL is faster than the kernel).
+
+``DenseLinear`` is the same interface over a transposed fp32/bf16 matrix (``weight_dtype="auto"``), with
+exactly the ops the model always used, so the default path stays bit for bit what it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+
+import torch
+
+from kvtier.models.qkernels import BLOCK_BYTES, QTYPES
+
+PREFILL_ROWS = 32  # from this many rows on, dequantize-then-matmul beats the kernel (measured)
+# Weights x rows from which a kernel call forks OpenMP threads: on a busy machine a fork/join costs more
+# than it saves (a layer's GEMV measured ~35x slower), on a quiet one two threads halve it.
+# ``calibrate`` picks one of the two at load time; $KVTIER_KERNEL_PARALLEL_MIN fixes it.
+SERIAL, PARALLEL = 1 << 62, 1 << 18
+PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", SERIAL))
+
+
+def _threads(work: int) -> int:
+    """OpenMP threads for a kernel call over ``work`` weight-rows: torch's thread count when big enough."""
+    return torch.get_num_threads() if work >= PARALLEL_MIN else 1
+
+
+_scratch = threading.local()
+
+
+def _scratch_matrix(n: int, k: int) -> torch.Tensor:
+    """A reusable per-thread fp32 buffer viewed as ``[n, k]`` (grown on demand, never shrunk)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n * k:
+        buf = _scratch.buf = torch.empty(n * k, dtype=torch.float32)
+    return buf[: n * k].view(n, k)
+
+
+def calibrate(linear: QuantLinear, repeat: int = 5) -> int:
+    """Time one row through ``linear`` ``repeat`` times on one thread and on torch's threads (total time,
+    stalls included); set and return ``PARALLEL_MIN``: calls go parallel only when that was clearly
+    faster here."""
+    global PARALLEL_MIN
+    if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ or torch.get_num_threads() < 2:
+        return PARALLEL_MIN
+    x = torch.randn(1, linear.K)
+    y = torch.empty(1, linear.N)
+    lin, times = linear, {}
+
+    def call(threads: int) -> None:
+        args = (lin.qid, lin.data.data_ptr(), lin._scale_ptr, x.data_ptr(), y.data_ptr(), 1, lin.N, lin.K)
+        lin.lib.kv_qmatmul(*args, 0, threads)
+
+    for threads in (1, torch.get_num_threads()):  # ~1 ms each
+        call(threads)  # warm-up (starts the OpenMP pool)
+        t = time.perf_counter()
+        for _ in range(repeat):
+            call(threads)
+        times[threads] = time.perf_counter() - t
+    many = torch.get_num_threads()
+    PARALLEL_MIN = PARALLEL if times[many] < 0.8 * times[1] else SERIAL
+    return PARALLEL_MIN
+
+
+class DenseLinear:
+    """``x @ w_t (+ b)`` over a transposed weight ``w_t [K, N]`` (the model's ops, unchanged)."""
+
+    def __init__(self, w_t: torch.Tensor, b: torch.Tensor | None):
+        self.w_t, self.b = w_t, b  # [K, N], [N] or None
+        self.nbytes = w_t.numel() * w_t.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        return torch.matmul(x, self.w_t) if self.b is None else torch.addmm(self.b, x, self.w_t)
+
+    def residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # x [T, N] + a [T, K] @ w_t
+        return torch.addmm(x, a, self.w_t) if self.b is None else x + torch.addmm(self.b, a, self.w_t)
+
+
+class QuantLinear:
+    """``x @ W^T (+ b)`` with ``W [N, K]`` stored as quantized blocks (``qtype``: a key of ``QTYPES``)."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        qtype: str,
+        data: torch.Tensor,  # [N, K / 32 * BLOCK_BYTES[qtype]] uint8
+        scale: torch.Tensor | None,  # [N] float32 (INT8 only)
+        bias: torch.Tensor | None,  # [N] float32
+    ):
+        if qtype not in QTYPES:
+            raise ValueError(f"no kernel for weight type {qtype}")
+        self.lib, self.qtype, self.qid = lib, qtype, QTYPES[qtype]
+        self.data = data.contiguous()
+        self.scale = None if scale is None else scale.float().contiguous()
+        self.bias = bias
+        self.N = data.shape[0]
+        self.K = data.shape[1] // BLOCK_BYTES[qtype] * 32
+        self._scale_ptr = None if self.scale is None else self.scale.data_ptr()
+        self.nbytes = data.numel() + (0 if scale is None else 4 * self.N)
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, K] float32
+        out = torch.empty(self.N, self.K, dtype=torch.float32) if out is None else out
+        self.lib.kv_dequantize(
+            self.qid,
+            self.data.data_ptr(),
+            self._scale_ptr,
+            out.data_ptr(),
+            self.N,
+            self.K,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def _run(self, x: torch.Tensor, y: torch.Tensor, accumulate: int) -> None:
+        """y [T, N] (+)= x [T, K] @ W^T: the kernel for few rows, dequantize + matmul for many."""
+        T = x.shape[0]
+        if T >= PREFILL_ROWS:
+            w = self.dequantize(_scratch_matrix(self.N, self.K))
+            if accumulate:
+                y.addmm_(x, w.t())
+            else:
+                torch.matmul(x, w.t(), out=y)
+            return
+        self.lib.kv_qmatmul(
+            self.qid,
+            self.data.data_ptr(),
+            self._scale_ptr,
+            x.data_ptr(),
+            y.data_ptr(),
+            T,
+            self.N,
+            self.K,
+            accumulate,
+            _threads(T * self.N * self.K),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        self._run(x, y, 0)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # x [T, N] += a [T, K] @ W^T
+        if self.bias is not None or not x.is_contiguous():
+            return x + self(a)
+        self._run(a.contiguous(), x, 1)
+        return x

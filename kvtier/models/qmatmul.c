@@ -1,0 +1,155 @@
+/* kvtier weight kernels: y[M, N] (+)= x[M, K] @ W[N, K]^T with W stored quantized.
+ *
+ * W formats (one row = K/32 blocks of 32 weights, GGUF's own layouts, little-endian):
+ *   Q8_0 (qtype 8):  {fp16 d; int8 q[32]}             w = d * q            (34 bytes)
+ *   Q4_0 (qtype 2):  {fp16 d; uint8 qs[16]}           w = d * (q - 8)      (18 bytes)
+ *   Q4_1 (qtype 3):  {fp16 d; fp16 m; uint8 qs[16]}   w = d * q + m        (20 bytes)
+ *     (4-bit: weight j < 16 is the low nibble of qs[j], weight j >= 16 the high nibble of qs[j-16])
+ *   INT8 (qtype 100): int8 q[K] per row, fp32 scale[N]: w = q * scale[n]  (per-channel weight-only)
+ *
+ * Every weight is dequantized in registers to the same fp32 value the dequantized model holds, then
+ * multiplied with fp32 activations by FMA: the result equals the fp32 path up to summation order.
+ * Rows of W are split over OpenMP threads; x rows are taken four at a time so a decoded block is reused.
+ * AVX2 + FMA + F16C. No torch headers: called through ctypes with raw pointers.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QK 32
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, INT8 = 100 };
+
+static inline __attribute__((always_inline)) float fp16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m256 i8x8(const int8_t *p) { /* 8 int8 -> 8 fp32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+static inline __m256 u8x8(__m128i v) { /* low 8 uint8 of v -> 8 fp32 */
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+}
+
+/* Decode one block into w[0..3] (32 fp32 weights). */
+static inline __attribute__((always_inline)) void decode(int qtype, const uint8_t *b, float s, __m256 w[4]) {
+    if (qtype == Q8_0 || qtype == INT8) {
+        const int8_t *q = (const int8_t *)(qtype == Q8_0 ? b + 2 : b);
+        __m256 d = _mm256_set1_ps(qtype == Q8_0 ? fp16(b) : s);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i8x8(q + 8 * i));
+        return;
+    }
+    const uint8_t *qs = b + (qtype == Q4_1 ? 4 : 2);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(raw, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m256 d = _mm256_set1_ps(fp16(b));
+    __m256 q[4] = {u8x8(lo), u8x8(_mm_srli_si128(lo, 8)), u8x8(hi), u8x8(_mm_srli_si128(hi, 8))};
+    if (qtype == Q4_1) {
+        __m256 m = _mm256_set1_ps(fp16(b + 2));
+        for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, q[i], m);
+    } else {
+        __m256 eight = _mm256_set1_ps(8.0f);
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(q[i], eight));
+    }
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+int64_t kv_block_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case INT8: return 32;
+    default: return -1;
+    }
+}
+
+/* One row n of W against ROWS (1..4, a compile-time constant after inlining) rows of x:
+ * out[r] = x[r] . W[n]. Two accumulators per x row keep the FMA chains short. */
+static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *wrow, float s,
+                                                          const float *x, int64_t ldx, const int ROWS,
+                                                          int64_t K, float *out) {
+    int64_t bsz = kv_block_bytes(qtype), nb = K / QK;
+    __m256 acc[4][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 w[4];
+        decode(qtype, wrow + b * bsz, s, w);
+        for (int r = 0; r < ROWS; r++) {
+            const float *xb = x + r * ldx + b * QK;
+            acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][1]);
+            acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* The row-dot of one W row for one block type (a constant: the decoder is inlined per type). */
+static inline __attribute__((always_inline)) void rows_dot(int qtype, const uint8_t *wrow, float s,
+                                                           const float *x, int64_t K, int rows,
+                                                           float *out) {
+    switch (rows) {
+    case 1: row_dot(qtype, wrow, s, x, K, 1, K, out); break;
+    case 2: row_dot(qtype, wrow, s, x, K, 2, K, out); break;
+    case 3: row_dot(qtype, wrow, s, x, K, 3, K, out); break;
+    default: row_dot(qtype, wrow, s, x, K, 4, K, out); break;
+    }
+}
+
+static void qmatmul_rows(int qtype, const uint8_t *w, const float *scale, const float *x, float *y,
+                         int64_t M, int64_t N, int64_t K, int accumulate, int threads) {
+    int64_t row_bytes = kv_block_bytes(qtype) * (K / QK);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *wrow = w + n * row_bytes;
+        float s = scale ? scale[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int rows = M - m0 < 4 ? (int)(M - m0) : 4;
+            float out[4];
+            switch (qtype) {
+            case Q8_0: rows_dot(Q8_0, wrow, s, x + m0 * K, K, rows, out); break;
+            case Q4_0: rows_dot(Q4_0, wrow, s, x + m0 * K, K, rows, out); break;
+            case Q4_1: rows_dot(Q4_1, wrow, s, x + m0 * K, K, rows, out); break;
+            default: rows_dot(INT8, wrow, s, x + m0 * K, K, rows, out); break;
+            }
+            for (int r = 0; r < rows; r++) {
+                float *dst = y + (m0 + r) * N + n;
+                *dst = accumulate ? *dst + out[r] : out[r];
+            }
+        }
+    }
+}
+
+/* y[M, N] = x[M, K] @ W^T (accumulate != 0: y += ...). scale: [N] for INT8, else NULL. K % 32 == 0.
+ * threads: OpenMP threads over the rows of W (1: run on the calling thread, no fork/join). */
+void kv_qmatmul(int qtype, const uint8_t *w, const float *scale, const float *x, float *y, int64_t M,
+                int64_t N, int64_t K, int accumulate, int threads) {
+    qmatmul_rows(qtype, w, scale, x, y, M, N, K, accumulate, threads);
+}
+
+/* out[N, K] = W dequantized to fp32 (the weights the kernel above multiplies with). */
+void kv_dequantize(int qtype, const uint8_t *w, const float *scale, float *out, int64_t N, int64_t K,
+                   int threads) {
+    int64_t bsz = kv_block_bytes(qtype), nb = K / QK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t n = 0; n < N; n++) {
+        float s = scale ? scale[n] : 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 v[4];
+            decode(qtype, w + (n * nb + b) * bsz, s, v);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + n * K + b * QK + 8 * i, v[i]);
+        }
+    }
+}

@@ -1,0 +1,230 @@
+"""Packed weights for ``weight_dtype`` gguf / int8: built once, kept in the conversion cache.
+
+A model's linear layers are packed into fused groups, in the row order ``LlamaModel`` computes in::
+
+    layers.{i}.qkv      q_proj | k_proj | v_proj   (q, k rows in the interleaved RoPE order)
+    layers.{i}.o        o_proj
+    layers.{i}.gate_up  gate_proj | up_proj
+    layers.{i}.down     down_proj
+    lm_head             lm_head (or the tied embedding)
+
+Each group is ``{group}.data`` (uint8 ``[N, K/32 * block bytes]``) plus, for int8, ``{group}.scale``
+(fp32 ``[N]``); the safetensors metadata maps each group to its block type. ``gguf`` copies the GGUF
+file's own blocks (no requantization: the weights are bit for bit the file's); a group whose tensors are
+of a type without a kernel (or of mixed types) is left out and runs dense from the fp32 conversion.
+``int8`` quantizes the fp weights per output channel: ``scale = max|w_row| / 127``, ``q = round(w / scale)``.
+
+The packed file lives next to the conversion: ``<cache>/<fingerprint>/packed-<mode>-v<N>.safetensors``,
+written to a temp file and renamed, under the conversion lock; a second start memory-maps it and packs
+nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvtier.config import ConfigError, ModelConfig
+from kvtier.models.loader import LoadedModel, _conversion_lock, _gguf_in, default_cache_dir
+
+PACK_VERSION = 1  # bump when the packed layout changes
+Rows = tuple[str, torch.Tensor, torch.Tensor | None]  # (block type, uint8 [N, bytes], fp32 scale [N] | None)
+
+
+def group_parts(config: ModelConfig) -> dict[str, list[str]]:
+    """Group name -> the HF weight names it fuses, in row order."""
+    groups: dict[str, list[str]] = {}
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        groups[f"layers.{i}.qkv"] = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        groups[f"layers.{i}.o"] = [p + "self_attn.o_proj.weight"]
+        groups[f"layers.{i}.gate_up"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        groups[f"layers.{i}.down"] = [p + "mlp.down_proj.weight"]
+    return groups
+
+
+def interleave(rows: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """q/k rows from HF's half-split order to the interleaved RoPE order ``LlamaModel`` uses."""
+    from kvtier.models.llama import _interleave_rows
+
+    if ".self_attn.q_proj." in name:
+        return _interleave_rows(rows, config.num_heads, config.head_dim)
+    if ".self_attn.k_proj." in name:
+        return _interleave_rows(rows, config.num_kv_heads, config.head_dim)
+    return rows
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: w [N, K] -> (q int8 [N, K], scale fp32 [N]), w ≈ q * scale."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_groups(
+    config: ModelConfig, rows_of: Callable[[str], Rows | None], head_name: str
+) -> dict[str, Rows]:
+    """Every group whose parts all have kernel rows of one block type, fused in row order."""
+    packed: dict[str, Rows] = {}
+    for group, names in [*group_parts(config).items(), ("lm_head", [head_name])]:
+        parts = [rows_of(name) for name in names]
+        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+            continue
+        data = torch.cat([interleave(p[1], n, config) for p, n in zip(parts, names, strict=True)])
+        scales = [p[2] for p in parts]
+        scale = None
+        if scales[0] is not None:
+            scale = torch.cat([interleave(s, n, config) for s, n in zip(scales, names, strict=True)])
+        packed[group] = (parts[0][0], data.contiguous(), scale)
+    return packed
+
+
+def int8_rows(weights: dict[str, torch.Tensor]) -> Callable[[str], Rows | None]:
+    """``rows_of`` for int8: quantize the fp weight (K must be a multiple of 32)."""
+
+    def rows_of(name: str) -> Rows | None:
+        w = weights[name]
+        if w.shape[1] % 32:
+            return None
+        q, scale = quantize_int8(w)
+        return "INT8", q.view(torch.uint8), scale
+
+    return rows_of
+
+
+def gguf_rows(path: Path, config: ModelConfig) -> Callable[[str], Rows | None]:
+    """``rows_of`` for gguf: the file's raw blocks (q/k rows un-permuted like the fp32 conversion)."""
+    import numpy as np
+
+    from kvtier.models.gguf_loader import hf_tensor_name, open_reader, unpermute_rows
+    from kvtier.models.qkernels import QTYPES
+
+    reader = open_reader(path)
+    arch = next((f.contents() for k, f in reader.fields.items() if k == "general.architecture"), None)
+    by_name = {hf_tensor_name(t.name): t for t in reader.tensors}
+
+    def rows_of(name: str) -> Rows | None:
+        tensor = by_name.get(name)
+        if tensor is None or tensor.tensor_type.name not in QTYPES or tensor.tensor_type.name == "INT8":
+            return None
+        data = np.asarray(tensor.data)  # [N, K/32 * block bytes] uint8
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            data = unpermute_rows(data, config.num_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            data = unpermute_rows(data, config.num_kv_heads)
+        return tensor.tensor_type.name, torch.from_numpy(np.array(data, dtype=np.uint8)), None
+
+    return rows_of
+
+
+def _head_name(loaded: LoadedModel) -> str:
+    tied = loaded.config.tie_word_embeddings or "lm_head.weight" not in loaded.weights
+    return "model.embed_tokens.weight" if tied else "lm_head.weight"
+
+
+def _source_gguf(loaded: LoadedModel) -> Path:
+    """The GGUF file behind ``loaded``; ConfigError for an HF directory."""
+    path = loaded.path
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            raise ConfigError(
+                f"weight_dtype=gguf needs a GGUF model file, and {path} is an HF directory "
+                "(use weight_dtype=int8 or auto)"
+            )
+        path = _gguf_in(path)
+    return path
+
+
+def _save(packed: dict[str, Rows], target: Path) -> None:
+    """Write ``packed`` to ``target`` atomically (temp file in the same directory, then rename)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"{g}.data": d for g, (_, d, _) in packed.items()}
+    tensors.update({f"{g}.scale": s for g, (_, _, s) in packed.items() if s is not None})
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-packed-", dir=target.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={g: qtype for g, (qtype, _, _) in packed.items()})
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _read(target: Path) -> dict[str, Rows]:
+    """The packed groups of a file written by ``_save`` (memory-mapped)."""
+    from safetensors import safe_open
+
+    with safe_open(str(target), framework="pt") as f:
+        meta = f.metadata() or {}
+        keys = set(f.keys())
+        return {
+            g: (
+                qtype,
+                f.get_tensor(f"{g}.data"),
+                f.get_tensor(f"{g}.scale") if f"{g}.scale" in keys else None,
+            )
+            for g, qtype in meta.items()
+        }
+
+
+def packed_weights(loaded: LoadedModel, mode: str) -> dict[str, Rows]:
+    """The packed groups of ``loaded`` for ``mode`` ("gguf" / "int8"), from the cache or packed now.
+
+    Kept in the GGUF's conversion directory, or ``<default cache>/<fingerprint>/`` for an HF directory."""
+    directory = loaded.converted or default_cache_dir() / loaded.fingerprint
+    root = directory.parent
+    target = directory / f"packed-{mode}-v{PACK_VERSION}.safetensors"
+    source = _source_gguf(loaded) if mode == "gguf" else None
+    with contextlib.suppress(Exception):
+        if target.is_file():
+            return _read(target)
+    rows_of = gguf_rows(source, loaded.config) if source is not None else int8_rows(loaded.weights)
+    packed = pack_groups(loaded.config, rows_of, _head_name(loaded))
+    if not packed:
+        raise ConfigError(f"weight_dtype={mode}: no weight of this model has a Q8_0/Q4_0/Q4_1 kernel")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with _conversion_lock(root, loaded.fingerprint):
+            _save(packed, target)
+    except OSError:
+        pass  # a read-only cache: run from memory, pack again next time
+    return packed
+
+
+def load_packed(
+    loaded: LoadedModel, weight_dtype: str, dtype: str, device: str = "cpu"
+) -> tuple[dict[str, Rows], object]:
+    """``(packed groups, kernel library)`` for ``LlamaModel``; ``({}, None)`` for auto or without kernels.
+
+    ConfigError (one line) for combinations that cannot run: a non-fp32 compute dtype, a GPU, gguf on
+    an HF directory. When the kernels cannot be built, one log line and the dense fp32 weights."""
+    if weight_dtype == "auto":
+        return {}, None
+    if dtype != "float32":
+        raise ConfigError(
+            f"weight_dtype={weight_dtype} computes in float32, but this model resolves to dtype={dtype}; "
+            "pass dtype=float32"
+        )
+    if device != "cpu":
+        raise ConfigError(f"weight_dtype={weight_dtype} runs on CPU only (its kernels are AVX2 C code)")
+    if weight_dtype == "gguf":
+        _source_gguf(loaded)  # an HF directory is an error even where the kernels are missing
+    from kvtier.models.qkernels import kernels
+
+    lib = kernels()
+    if lib is None:
+        return {}, None
+    packed = packed_weights(loaded, weight_dtype)
+    if "layers.0.gate_up" in packed:  # the largest layer GEMV: does a second thread pay off here?
+        from kvtier.models.qlinear import QuantLinear, calibrate
+
+        qtype, data, scale = packed["layers.0.gate_up"]
+        calibrate(QuantLinear(lib, qtype, data, scale, None))
+    return packed, lib
