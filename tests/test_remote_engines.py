@@ -132,3 +132,43 @@ def test_redis_killed_mid_run_every_request_completes_exactly_and_hits_resume_af
     assert _generate_all(reader, fresh) == reference(fresh)
     assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0, messages  # remote hits resumed
     reader.close()
+
+
+def _settle(engine: LLMEngine, timeout: float = 60.0) -> None:
+    """Poll the external tiers until no write (nor a write still to make) is pending."""
+    assert engine.tiers is not None
+    deadline = time.monotonic() + timeout
+    engine.tiers.poll()
+    while any(level.republish or level.storing for level in engine.tiers.external):
+        assert time.monotonic() < deadline, "the tier writes did not settle"
+        time.sleep(0.01)
+        engine.tiers.poll()
+
+
+def test_story_a_restarted_redis_gets_the_host_tiers_blocks_again(
+    redis_server: RedisServer, converted_default_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarts empty. The replica that wrote the blocks still holds them in host memory: it
+    notices the restart (a new run_id, seen here by the snapshot a router reads), writes them to Redis
+    again, and another engine is served from them as before."""
+    import redis
+
+    monkeypatch.setattr("kvtier.tiers.remote.INSTANCE_CHECK_S", 0.0)
+    warm = prompts_for("republish")
+    writer = _engine(redis_server.url)
+    expected = _generate_all(writer, warm)
+    _settle(writer)
+    held = len(writer.tiers.host.held_keys())
+    redis_server.kill()
+    redis_server.start()  # the same port, empty
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.dbsize() == 0
+    writer.kv_blocks()  # a router's resync: the remote tier sees the new run_id
+    _settle(writer)
+    assert client.dbsize() >= held > 0
+    writer.close()
+    reader = _engine(redis_server.url)
+    assert _generate_all(reader, warm[:1]) == expected[:1]
+    assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0  # served from the blocks written again
+    reader.close()
+    client.close()

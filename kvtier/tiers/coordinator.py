@@ -38,6 +38,8 @@ from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
 from kvtier.tiers.host import HostTier
 
+REPUBLISH_IN_FLIGHT = 32  # host blocks written again after an outage at once (each a copy in memory)
+
 
 class IOResultLike(Protocol):
     kind: str  # "load" | "store"
@@ -78,6 +80,8 @@ class ExternalLevel:
     policy: StorePolicy = "write_back"
     promoting: set[BlockKey] = field(default_factory=set)  # reads into the host tier in flight
     storing: set[BlockKey] = field(default_factory=set)  # writes from the host tier in flight
+    generation: int | None = None  # the tier's outage generation its host blocks were last written at
+    republish: list[BlockKey] = field(default_factory=list)  # host blocks to write again, newest last
 
     @property
     def active(self) -> bool:
@@ -396,10 +400,30 @@ class TierCoordinator:
             level.worker.submit_store(key, address, self.host_bytes.host_snapshot(host_block_id))
 
     def poll(self) -> None:
-        """Apply the external tiers' finished reads and writes."""
+        """Apply the external tiers' finished reads and writes (and write the host blocks again to a
+        shared tier that came back from an outage)."""
         for level in self.external:
             for r in level.worker.poll():
                 self._apply(level, r)
+            self._republish(level)
+
+    def _republish(self, level: ExternalLevel) -> None:
+        """A write-through tier that came back after an outage may be empty (a restarted Redis): write
+        the host tier's blocks to it again, a few per step (at most ``REPUBLISH_IN_FLIGHT`` copies in
+        memory), newest first. Another replica may need them: a conversation that moved between
+        replicas has its blocks in both, and the shared copy was the only one the other could load.
+        Blocks the store still holds cost one EXISTS each (``RedisBlockIO.write_batch``)."""
+        generation = getattr(level.tier, "generation", None)
+        if generation is None or level.policy != "write_through" or not level.tier.accepting:
+            return
+        if level.generation != generation:
+            if level.generation is not None:  # not at start-up: nothing was lost then
+                level.republish = [k for k in self.host.held_keys() if k not in self._private]
+            level.generation = generation
+        room = REPUBLISH_IN_FLIGHT - len(level.storing)
+        if level.republish and room > 0:
+            batch = [level.republish.pop() for _ in range(min(room, len(level.republish)))]
+            self._store_down(level, [k for k in batch if self.host.host_block_of(k) is not None])
 
     def wait(self, timeout: float) -> None:
         """Block until some external I/O finishes (or ``timeout``): used when nothing else can run."""

@@ -424,6 +424,12 @@ class RemoteTier(ExternalTier):
         return not self.disabled and self.store.breaker.allow()
 
     @property
+    def generation(self) -> int:
+        """Bumped at each outage or restart seen (the coordinator then writes its host blocks again)."""
+        self._forget_after_outage()
+        return self._generation
+
+    @property
     def accepting(self) -> bool:
         return self.available
 
