@@ -18,7 +18,7 @@ import torch
 
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.models import qkernels, qpack
-from kvtier.models.attention import AttentionMetadata, PrefillGroup
+from kvtier.models.attention import teacher_forced_chunk
 from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import load_model
@@ -38,16 +38,10 @@ def logits_of(model: LlamaModel, ids: list[int], chunk: int) -> torch.Tensor:
     c, bs, n = model.config, 16, len(ids)
     shape = (c.num_layers, bs, c.num_kv_heads, c.head_dim)
     cache = PagedKVCache(KVFormat("float32", torch.float32), -(-n // bs), shape, torch.device("cpu"))
-    tokens, table, out = torch.tensor(ids), torch.arange(-(-n // bs)), []
+    tokens, out = torch.tensor(ids), []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        pos = torch.arange(start, end)
-        if start == 0:
-            group = PrefillGroup(0, end, 0, None, None)
-        else:
-            mask = torch.arange(end)[None, :] <= pos[:, None]  # [chunk, end]
-            group = PrefillGroup(0, end - start, start, table[: -(-end // bs)], mask)
-        meta = AttentionMetadata(pos // bs, pos % bs, None, [group])
+        pos, meta = teacher_forced_chunk(start, end, bs)
         with torch.inference_mode():
             out.append(model.compute_logits(model.forward(tokens[start:end], pos, cache, meta)))
     return torch.cat(out)

@@ -91,20 +91,13 @@ def teacher_force(model: Any, cache: Any, ids: Any, chunk: int) -> tuple[float, 
     """Feed ``ids`` (a window, [n] long) in chunks through ``cache`` from slot 0; (nll sum, top-1 [n-1])."""
     import torch
 
-    from kvtier.models.attention import AttentionMetadata, PrefillGroup
+    from kvtier.models.attention import teacher_forced_chunk
 
     bs, n = cache.block_size, ids.shape[0]
-    table = torch.arange(-(-n // bs))
     nll, top1 = 0.0, []
     for start in range(0, n - 1, chunk):
         end = min(start + chunk, n - 1)
-        pos = torch.arange(start, end)
-        if start == 0:
-            group = PrefillGroup(0, end, 0, None, None)
-        else:
-            mask = torch.arange(end)[None, :] <= pos[:, None]  # [chunk, end]
-            group = PrefillGroup(0, end - start, start, table[: -(-end // bs)], mask)
-        meta = AttentionMetadata(pos // bs, pos % bs, None, [group])
+        pos, meta = teacher_forced_chunk(start, end, bs)
         with torch.inference_mode():
             logits = model.compute_logits(model.forward(ids[start:end], pos, cache, meta))  # [chunk, V]
         logp = torch.log_softmax(logits, -1)

@@ -66,6 +66,19 @@ class AttentionMetadata:
     prefills: list[PrefillGroup]
 
 
+def teacher_forced_chunk(start: int, end: int, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions ``[start, end)`` ([T] long) of one sequence laid out in blocks 0, 1, 2, ... of a fresh
+    cache, and their metadata: a teacher-forced pass in chunks (benchmarks and tests); each chunk
+    attends to everything before it."""
+    pos = torch.arange(start, end)
+    if start == 0:
+        group = PrefillGroup(0, end, 0, None, None)
+    else:
+        mask = torch.arange(end)[None, :] <= pos[:, None]  # [chunk, end]
+        group = PrefillGroup(0, end - start, start, torch.arange(-(-end // block_size)), mask)
+    return pos, AttentionMetadata(pos // block_size, pos % block_size, None, [group])
+
+
 def write_kv(
     kv_cache: PagedKVCache, layer: int, kv_new: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
