@@ -352,6 +352,12 @@ def main(ns: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def print_table_head(head: str) -> None:
+    """A markdown table's header row ``head`` and its separator row."""
+    print(head)
+    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+
+
 def print_report(
     model: str, rows: list[RateRow], overhead: dict[str, Any] | None, ns: argparse.Namespace
 ) -> None:
@@ -361,8 +367,7 @@ def print_report(
     )
     head = "| rate req/s | done | errors | tok/s | TTFT p50 | TTFT p90 | TTFT p99 "
     head += "| ITL p50 | ITL p90 | ITL p99 |"
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    print_table_head(head)
     for r in rows:
         print(
             f"| {r.rate:10g} | {r.requests - r.errors:4d} | {r.errors:6d} | {r.tokens_per_s:5.0f} | "

@@ -30,6 +30,7 @@ from kvtier.bench.serve import (
     Result,
     crossing_rate,
     percentile,
+    print_table_head,
     run_load,
     summarize,
     workload,
@@ -152,8 +153,7 @@ def print_compare(out: dict[str, Any], ns: argparse.Namespace) -> None:
     )
     head = "| policy | rate req/s | errors | tok/s | TTFT p50 | TTFT p90 "
     head += "| ITL p50 | ITL p90 | ITL p99 | p99/p50 |"
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    print_table_head(head)
     for label, r in out["rows"]:
         print(
             f"| {label} | {r.rate:g} | {r.errors} | {r.tokens_per_s:.0f} | {r.ttft_p50:.2f}s | "
@@ -185,8 +185,7 @@ def print_mixed(mixed: dict[str, dict[str, float]], ns: argparse.Namespace) -> N
     )
     head = "| variant | errors | tok/s | short TTFT p50 | short TTFT p90 "
     head += "| long TTFT p50 | ITL p50 | ITL p99 |"
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
+    print_table_head(head)
     for label, m in mixed.items():
         print(
             f"| {label} | {m['errors']} | {m['tokens_per_s']:.0f} | {m['short_ttft_p50']:.2f}s | "
