@@ -34,10 +34,10 @@ def kernel_dir() -> Path:
     return default_cache_dir() / "kernels"
 
 
-def library_path() -> Path:
-    """The shared library for the current source (its name carries the source's and flags' digest)."""
-    digest = hashlib.blake2b(SOURCE.read_bytes() + " ".join(CFLAGS).encode(), digest_size=8).hexdigest()
-    return kernel_dir() / f"qmatmul-{digest}.so"
+def library_path(source: Path = SOURCE) -> Path:
+    """The shared library built from ``source`` (its name carries the source's and flags' digest)."""
+    digest = hashlib.blake2b(source.read_bytes() + " ".join(CFLAGS).encode(), digest_size=8).hexdigest()
+    return kernel_dir() / f"{source.stem}-{digest}.so"
 
 
 def _cpu_ok() -> bool:
@@ -65,9 +65,10 @@ def _lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def build(target: Path | None = None) -> Path:
-    """Compile ``qmatmul.c`` into ``target`` (default ``library_path()``) unless it is there already."""
-    target = target or library_path()
+def build(target: Path | None = None, source: Path = SOURCE) -> Path:
+    """Compile ``source`` (default ``qmatmul.c``; other kernel files share this builder) into ``target``
+    (default ``library_path(source)``) unless it is there already."""
+    target = target or library_path(source)
     if target.is_file():
         return target
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -80,7 +81,7 @@ def build(target: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            cmd = [compiler, *CFLAGS, str(SOURCE), "-o", tmp]
+            cmd = [compiler, *CFLAGS, str(source), "-o", tmp]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip().splitlines()[-1:]}")
