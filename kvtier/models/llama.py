@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
+from kvtier.models.fused_ops import TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
 from kvtier.models.qlinear import DenseLinear, QuantLinear
 
@@ -64,14 +65,6 @@ def _interleave_rows(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Te
     half = head_dim // 2
     perm = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
     return w.view(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
-
-
-def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm, bit for bit in fp32: w * (x * rsqrt(mean(x^2) + eps)). On CPU this is ~5x faster
-    than ``F.rms_norm`` for long inputs (which decomposes into more ops, with dtype round trips)."""
-    if x.dtype != torch.float32:
-        return (_rms_norm(x.float(), w.float(), eps)).to(x.dtype)
-    return torch.rsqrt(torch.mean(x * x, -1, keepdim=True).add_(eps)).mul(x).mul_(w)
 
 
 def _transposed(*ws: torch.Tensor) -> torch.Tensor:
@@ -164,6 +157,8 @@ class LlamaModel:
             LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib) for i in range(c.num_layers)
         ]
         self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
+        # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
+        self.ops, self.torch_ops = ops_for(dtype, self.rope), TorchOps(self.rope)
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim
@@ -179,34 +174,25 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
-        freqs = self.rope.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2] complex64
+        ops = self.ops if input_ids.is_cpu else self.torch_ops
+        ops.begin(positions)
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        # per-step buffers, reused by every layer (each is consumed before the next layer writes it)
+        h = torch.empty_like(x)  # [T, hidden] normed input of qkv / gate_up
+        qkv = x.new_empty(T, (H + 2 * KVH) * D)
+        gate_up = x.new_empty(T, 2 * c.intermediate_size)
+        act = x.new_empty(T, c.intermediate_size)
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, eps)
-            qkv = layer.qkv(h)  # [T, (H + 2*KVH) * D]
-            _apply_rope(qkv[:, : self.q_size + self.k_size], freqs, H + KVH, D)
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, h), qkv)  # [T, (H + 2*KVH) * D]
+            ops.rope_(qkv, positions, H + KVH, D)  # Q and K heads, in place
             q = qkv[:, : self.q_size].view(T, H, D)
             kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
             kv_new = write_kv(kv_cache, i, kv_new, meta)  # as stored (dequantized when compact)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
             x = layer.o.residual(x, attn)  # x + attn @ W_o
-            h = _rms_norm(x, layer.post_norm, eps)
-            gate_up = layer.gate_up(h)  # [T, 2 * I]
-            inter = gate_up.shape[1] // 2
-            x = layer.down.residual(x, F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]))
-        return _rms_norm(x, self.final_norm, eps)
+            gate_up = layer.gate_up(ops.rms_norm(x, layer.post_norm, eps, h), gate_up)  # [T, 2 * I]
+            x = layer.down.residual(x, ops.silu_mul(gate_up, act))  # x + (silu(gate) * up) @ W_down
+        return ops.rms_norm(x, self.final_norm, eps, torch.empty_like(x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] float32
         return self.lm_head(hidden).float()
-
-
-def _apply_rope(qk: torch.Tensor, freqs: torch.Tensor, num_heads: int, head_dim: int) -> None:
-    """Rotate interleaved pairs of ``qk`` ([T, n*D], a view into the fused QKV output) in place."""
-    T = qk.shape[0]
-    if qk.dtype == torch.float32:
-        xc = torch.view_as_complex(qk.view(T, num_heads, head_dim // 2, 2))
-        xc.mul_(freqs)
-    else:  # no complex bf16/fp16 on CPU: rotate in fp32 and write back
-        x32 = qk.float().view(T, num_heads, head_dim // 2, 2)
-        rotated = torch.view_as_real(torch.view_as_complex(x32) * freqs)
-        qk.copy_(rotated.view(T, num_heads * head_dim))

@@ -92,34 +92,45 @@ def build(target: Path | None = None, source: Path = SOURCE) -> Path:
     return target
 
 
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+FUSED = Path(__file__).with_name("fused.c")
+
+
+def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     """Declare the argument types of the exported functions."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kv_qmatmul.argtypes = [i32, p, p, p, p, i64, i64, i64, i32, i32]
-    lib.kv_qmatmul.restype = None
-    lib.kv_dequantize.argtypes = [i32, p, p, p, i64, i64, i32]
-    lib.kv_dequantize.restype = None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "kv_qmatmul": [i32, p, p, p, p, i64, i64, i64, i32, i32],
+        "kv_dequantize": [i32, p, p, p, i64, i64, i32],
+        "kv_rmsnorm": [p, i64, p, p, i64, i64, i64, f32],
+        "kv_rope": [p, i64, p, p, i64, i64, i64],
+        "kv_silu_mul": [p, p, i64, i64],
+    }
+    for name, args in signatures.items():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
     return lib
 
 
-def kernels() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it first when needed; None (logged once) when unavailable."""
-    if "lib" in _state:
-        return _state["lib"]
+def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The loaded kernel library built from ``source`` (``qmatmul.c``, or ``FUSED``: the per-layer fused
+    ops), building it first when needed; None (logged once) when unavailable."""
+    if source.name in _state:
+        return _state[source.name]
     lib = None
     try:
         if os.environ.get("KVTIER_NO_KERNELS"):
             raise RuntimeError("disabled by KVTIER_NO_KERNELS")
         if not _cpu_ok():
             raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
-        lib = _bind(ctypes.CDLL(str(build())))
+        lib = _bind(ctypes.CDLL(str(build(source=source))), source)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning(
-            "kvtier: quantized-weight kernels unavailable (%s); using dequantized fp32 weights", exc
-        )
-    _state["lib"] = lib
+        what = "quantized-weight kernels" if source == SOURCE else f"{source.stem} kernels"
+        logger.warning("kvtier: %s unavailable (%s); using torch ops and fp32 weights", what, exc)
+    _state[source.name] = lib
     return lib
 
 
 if __name__ == "__main__":  # `python -m kvtier.models.qkernels`: build now (make setup)
-    print(f"kvtier: weight kernels {'ready' if kernels() else 'not built'}: {library_path()}")
+    for src in (SOURCE, FUSED):
+        print(f"kvtier: {src.stem} kernels {'ready' if kernels(src) else 'not built'}: {library_path(src)}")

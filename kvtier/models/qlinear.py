@@ -82,8 +82,15 @@ class DenseLinear:
         self.w_t, self.b = w_t, b  # [K, N], [N] or None
         self.nbytes = w_t.numel() * w_t.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        return torch.matmul(x, self.w_t) if self.b is None else torch.addmm(self.b, x, self.w_t)
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [T, K] -> [T, N]
+        """``out``: an optional [T, N] buffer to write into (a decode step reuses one per layer)."""
+        if out is None:
+            return torch.matmul(x, self.w_t) if self.b is None else torch.addmm(self.b, x, self.w_t)
+        return (
+            torch.matmul(x, self.w_t, out=out)
+            if self.b is None
+            else torch.addmm(self.b, x, self.w_t, out=out)
+        )
 
     def residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # x [T, N] + a [T, K] @ w_t
         return torch.addmm(x, a, self.w_t) if self.b is None else x + torch.addmm(self.b, a, self.w_t)
@@ -147,9 +154,9 @@ class QuantLinear:
             _threads(T * self.N * self.K),
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [T, K] -> [T, N]
         x = x.contiguous()
-        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        y = torch.empty(x.shape[0], self.N, dtype=torch.float32) if out is None else out
         self._run(x, y, 0)
         return y if self.bias is None else y.add_(self.bias)
 

@@ -1,0 +1,108 @@
+/* kvtier fused per-layer ops for fp32 activations: one call instead of 3-6 small torch ops each.
+ *
+ *   kv_rmsnorm:  out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps))         (HF's RMSNorm, fp32)
+ *   kv_rope:     rotate interleaved pairs of the Q|K part of the fused QKV output in place,
+ *                (a + ib) * (c + is) with (c, s) = table[pos[t], j]       (no FMA: torch's rounding)
+ *   kv_silu_mul: out[t] = silu(gu[t, :I]) * gu[t, I:]                    (SwiGLU's gate * up)
+ *
+ * Elementwise results round like torch's ops except two: RMSNorm's sum of squares is summed in a
+ * different order, and exp() inside silu is a polynomial (~1 ulp): both stay far inside the 1e-4
+ * logits tolerance the model's parity tests hold (tests/test_model_parity.py). AVX2 + FMA; raw
+ * pointers through ctypes (no torch headers). Built by kvtier/models/qkernels.py like qmatmul.c.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* x, out: [T, H] row-major (row stride ldx / ldo floats); w: [H]. out may alias x. */
+void kv_rmsnorm(const float *x, int64_t ldx, const float *w, float *out, int64_t ldo, int64_t T,
+                int64_t H, float eps) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *orow = out + t * ldo;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= H; j += 16) {
+            __m256 v0 = _mm256_loadu_ps(xr + j), v1 = _mm256_loadu_ps(xr + j + 8);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+        }
+        float ss = hsum8(_mm256_add_ps(a0, a1));
+        for (; j < H; j++) ss += xr[j] * xr[j];
+        float r = 1.0f / sqrtf(ss / (float)H + eps);
+        __m256 rv = _mm256_set1_ps(r);
+        for (j = 0; j + 8 <= H; j += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xr + j), rv);
+            _mm256_storeu_ps(orow + j, _mm256_mul_ps(v, _mm256_loadu_ps(w + j)));
+        }
+        for (; j < H; j++) orow[j] = (xr[j] * r) * w[j];
+    }
+}
+
+/* qk: [T, ld] with the first n_heads * D floats of each row rotated; table: [P, D/2, 2] (cos, sin);
+ * pos: [T] int64. Pairs (2i, 2i+1) of each head are one complex number. */
+void kv_rope(float *qk, int64_t ld, const float *table, const int64_t *pos, int64_t T,
+             int64_t n_heads, int64_t D) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *f = table + pos[t] * D;
+        float *row = qk + t * ld;
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *v = row + h * D;
+            int64_t i = 0;
+            for (; i + 4 <= half; i += 4) { /* 4 complex numbers = 8 floats */
+                __m256 a = _mm256_loadu_ps(v + 2 * i), c = _mm256_loadu_ps(f + 2 * i);
+                __m256 cr = _mm256_moveldup_ps(c), ci = _mm256_movehdup_ps(c);
+                __m256 sw = _mm256_permute_ps(a, 0xB1); /* (b, a) pairs */
+                _mm256_storeu_ps(v + 2 * i, _mm256_addsub_ps(_mm256_mul_ps(a, cr), _mm256_mul_ps(sw, ci)));
+            }
+            for (; i < half; i++) {
+                float a = v[2 * i], b = v[2 * i + 1], c = f[2 * i], s = f[2 * i + 1];
+                volatile float ac = a * c, bs = b * s, as = a * s, bc = b * c;
+                v[2 * i] = ac - bs;
+                v[2 * i + 1] = as + bc;
+            }
+        }
+    }
+}
+
+/* exp(x) for 8 floats: Cephes-style range reduction + degree-6 polynomial (~1 ulp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* gu: [T, 2*I] (gate | up), out: [T, I]. */
+void kv_silu_mul(const float *gu, float *out, int64_t T, int64_t I) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t j = 0;
+        for (; j + 8 <= I; j += 8) {
+            __m256 gv = _mm256_loadu_ps(g + j);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
