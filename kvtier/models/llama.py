@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
-from kvtier.models.fused_ops import TorchOps, ops_for
+from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.qlinear import DenseLinear, QuantLinear
+from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate_dense
 
 Packed = dict  # group name -> (block type, uint8 rows, scale | None): kvtier/models/qpack.py
 
@@ -159,9 +159,27 @@ class LlamaModel:
         self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
         # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
         self.ops, self.torch_ops = ops_for(dtype, self.rope), TorchOps(self.rope)
+        self.gemv_times = self._choose_gemv()
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim
+
+    def _choose_gemv(self, layers: int = 8) -> dict[str, float]:
+        """fp32 dense weights: per weight group, MKL or the AVX2 GEMV of ``fused.c`` for decode rows,
+        whichever ``calibrate_dense`` measures faster here (over ``layers`` layers and the LM head)."""
+        if not isinstance(self.ops, FusedOps):
+            return {}
+        sample = self.layers[:layers]
+        groups = [[getattr(layer, name) for layer in sample] for name in ("qkv", "o", "gate_up", "down")]
+        groups.append([self.lm_head])
+        dense = [g for g in groups if all(isinstance(lin, DenseLinear) for lin in g)]
+        times = calibrate_dense(dense, self.ops.lib) if dense else {}
+        for name in ("qkv", "o", "gate_up", "down"):  # the rest of the layers follow their sample
+            for layer in self.layers[layers:]:
+                lin, first = getattr(layer, name), getattr(self.layers[0], name)
+                if isinstance(lin, DenseLinear) and isinstance(first, DenseLinear):
+                    lin.gemv = first.gemv
+        return times
 
     def forward(
         self,

@@ -104,6 +104,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         "kv_rmsnorm": [p, i64, p, p, i64, i64, i64, f32],
         "kv_rope": [p, i64, p, p, i64, i64, i64],
         "kv_silu_mul": [p, p, i64, i64],
+        "kv_sgemv_t": [p, i64, p, p, p, i64, i64, i32, i32],
     }
     for name, args in signatures.items():
         if hasattr(lib, name):

@@ -75,15 +75,33 @@ def calibrate(linear: QuantLinear, repeat: int = 5) -> int:
     return PARALLEL_MIN
 
 
+GEMV_ROWS = 4  # the fp32 GEMV of fused.c runs calls of at most this many rows (decode, small batches)
+
+
 class DenseLinear:
-    """``x @ w_t (+ b)`` over a transposed weight ``w_t [K, N]`` (the model's ops, unchanged)."""
+    """``x @ w_t (+ b)`` over a transposed weight ``w_t [K, N]``: torch's matmul (MKL), or for 1-4 fp32
+    rows on CPU the AVX2 GEMV of ``fused.c`` once ``calibrate_dense`` measured it faster here."""
 
     def __init__(self, w_t: torch.Tensor, b: torch.Tensor | None):
         self.w_t, self.b = w_t, b  # [K, N], [N] or None
         self.nbytes = w_t.numel() * w_t.element_size()
+        self.K, self.N = w_t.shape
+        self.gemv: tuple[ctypes.CDLL, int] | None = None  # (fused library, threads) once chosen
+
+    def _gemv(self, x: torch.Tensor, y: torch.Tensor, accumulate: int) -> torch.Tensor:
+        lib, threads = self.gemv  # type: ignore[misc]
+        bias = None if self.b is None else self.b.data_ptr()
+        args = (x.data_ptr(), x.shape[0], self.w_t.data_ptr(), bias, y.data_ptr(), self.K, self.N)
+        lib.kv_sgemv_t(*args, accumulate, threads)
+        return y
+
+    def _use_gemv(self, x: torch.Tensor) -> bool:
+        return self.gemv is not None and x.shape[0] <= GEMV_ROWS and x.is_contiguous() and x.is_cpu
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [T, K] -> [T, N]
         """``out``: an optional [T, N] buffer to write into (a decode step reuses one per layer)."""
+        if self._use_gemv(x):
+            return self._gemv(x, x.new_empty(x.shape[0], self.N) if out is None else out, 0)
         if out is None:
             return torch.matmul(x, self.w_t) if self.b is None else torch.addmm(self.b, x, self.w_t)
         return (
@@ -93,7 +111,53 @@ class DenseLinear:
         )
 
     def residual(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # x [T, N] + a [T, K] @ w_t
+        if self._use_gemv(a) and x.is_contiguous():
+            return self._gemv(a, x, 1)  # in place: x += a @ w_t (+ b)
         return torch.addmm(x, a, self.w_t) if self.b is None else x + torch.addmm(self.b, a, self.w_t)
+
+
+def _time_group(
+    group: list[DenseLinear], choice: tuple[ctypes.CDLL, int] | None, repeat: int, give_up: float
+) -> float:
+    """Best-of-``repeat`` seconds for one fp32 row through every linear of ``group`` with ``choice``
+    (after a warm-up pass); stops early once a pass is slower than ``give_up`` (a stalled thread)."""
+    x, y = torch.randn(1, group[0].K), torch.empty(1, group[0].N)
+    for lin in group:
+        lin.gemv = choice
+    best = float("inf")
+    for _ in range(repeat + 1):
+        t = time.perf_counter()
+        for lin in group:
+            lin(x, y)
+        best = min(best, time.perf_counter() - t)
+        if best > give_up:
+            break
+    return best
+
+
+def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: int = 3) -> dict[str, float]:
+    """For each group (one fused weight across layers, e.g. every layer's ``qkv``), time one fp32 row
+    through all of it with torch's matmul, with the GEMV on one thread and on torch's threads (a
+    streaming read like a decode step's); the GEMV is kept where it was > 10% faster than torch.
+    ``$KVTIER_DENSE_GEMV``: ``0`` never, ``1`` always (torch's threads). Returns the times (ms), keyed
+    ``"<group index>:<mkl | threads>"``."""
+    forced = os.environ.get("KVTIER_DENSE_GEMV")
+    many = torch.get_num_threads()
+    times: dict[str, float] = {}
+    for g, group in enumerate(groups):
+        if forced is not None:
+            choice = (lib, many) if forced == "1" else None
+        else:
+            mkl = _time_group(group, None, repeat, float("inf"))
+            options = [(lib, 1)] + ([(lib, many)] if many > 1 else [])
+            measured = {opt: _time_group(group, opt, repeat, 3 * mkl) for opt in options}
+            times[f"{g}:mkl"] = mkl * 1e3
+            times.update({f"{g}:{opt[1]}": v * 1e3 for opt, v in measured.items()})
+            fastest = min(options, key=measured.__getitem__)
+            choice = fastest if measured[fastest] < 0.9 * mkl else None
+        for lin in group:
+            lin.gemv = choice
+    return times
 
 
 class QuantLinear:

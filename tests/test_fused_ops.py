@@ -1,0 +1,116 @@
+"""The fused fp32 per-layer ops (kvtier/models/fused.c) give what the torch ops give.
+
+RoPE rounds exactly like torch's complex multiply; RMSNorm differs at most in its sum order and silu in
+its exp polynomial (a few ulp). The decode GEMV over transposed dense weights equals ``x @ W (+ b)``
+up to fp32 summation order, for 1-4 rows, odd shapes, with a bias and accumulating into a residual.
+A tiny model's decode logits through the fused path match the torch path, and the tiny checkpoints'
+logits still match transformers with the GEMV forced on (tests/test_model_parity.py, run here too).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.models import qkernels
+from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for, rms_norm_torch
+from kvtier.models.llama import LlamaModel
+from kvtier.models.loader import load_model
+from kvtier.models.qlinear import DenseLinear, calibrate_dense
+from tests.test_model_parity import paged_logits
+
+LIB = qkernels.kernels(qkernels.FUSED)
+pytestmark = pytest.mark.skipif(LIB is None, reason="no C compiler / AVX2: fused kernels off")
+
+
+def rope(positions: int = 50, half: int = 8) -> torch.Tensor:  # [P, D/2] complex64
+    g = torch.Generator().manual_seed(1)
+    angles = torch.arange(positions)[:, None] * torch.rand(half, generator=g)[None, :]
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def test_fp32_gets_the_fused_ops_and_bf16_the_torch_ones() -> None:
+    assert isinstance(ops_for(torch.float32, rope()), FusedOps)
+    assert isinstance(ops_for(torch.bfloat16, rope()), TorchOps)
+
+
+def test_rms_norm_matches_hf_rounding_but_for_the_sum_order() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 100, generator=g) * 5  # 100: not a multiple of 16, exercises the tail
+    w = torch.randn(100, generator=g)
+    got = FusedOps(LIB, rope()).rms_norm(x, w, 1e-5, torch.empty_like(x))
+    torch.testing.assert_close(got, rms_norm_torch(x, w, 1e-5), rtol=2e-6, atol=1e-7)
+
+
+def test_rope_is_torchs_complex_multiply_bit_for_bit() -> None:
+    positions = torch.tensor([0, 3, 49, 7])
+    qkv = torch.randn(4, 3 * 16 + 16)  # 3 heads of D=16 rotated (Q|K), then an untouched V head
+    fused, plain = FusedOps(LIB, rope()), TorchOps(rope())
+    a, b = qkv.clone(), qkv.clone()
+    fused.begin(positions)
+    plain.begin(positions)
+    fused.rope_(a, positions, 3, 16)
+    plain.rope_(b, positions, 3, 16)
+    assert torch.equal(a, b)
+    assert torch.equal(a[:, 48:], qkv[:, 48:])  # V is not rotated
+    assert not torch.equal(a[1:, :48], qkv[1:, :48])  # position 0 is the identity, the rest rotate
+
+
+def test_silu_times_up_matches_torch() -> None:
+    gate_up = torch.randn(3, 2 * 44) * 6  # 44: a tail after five 8-wide vectors
+    got = FusedOps(LIB, rope()).silu_mul(gate_up, torch.empty(3, 44))
+    want = TorchOps(rope()).silu_mul(gate_up, torch.empty(0))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_equals_matmul_with_bias_and_residual(rows: int, threads: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    K, N = 37, 1100  # K not a multiple of 4, N: two full 512-column chunks and a ragged one
+    w_t, b = torch.randn(K, N, generator=g), torch.randn(N, generator=g)
+    x, resid = torch.randn(rows, K, generator=g), torch.randn(rows, N, generator=g)
+    for bias in (None, b):
+        lin = DenseLinear(w_t, bias)
+        want, want_res = lin(x), lin.residual(resid.clone(), x)  # torch's matmul
+        lin.gemv = (LIB, threads)
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lin.residual(resid.clone(), x), want_res, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(lin(x), lin(x + 1e-3))  # the kernel really reads x
+
+
+def test_gemv_is_not_used_for_prefill_rows() -> None:
+    lin = DenseLinear(torch.randn(16, 24), None)
+    lin.gemv = (None, 1)  # a library that would crash if it were called
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(lin(x), x @ lin.w_t)
+
+
+def test_calibration_can_be_forced_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    group = [DenseLinear(torch.randn(64, 128), None) for _ in range(3)]
+    monkeypatch.setenv("KVTIER_DENSE_GEMV", "1")
+    calibrate_dense([group], LIB)
+    assert all(lin.gemv is not None and lin.gemv[0] is LIB for lin in group)
+    monkeypatch.setenv("KVTIER_DENSE_GEMV", "0")
+    calibrate_dense([group], LIB)
+    assert all(lin.gemv is None for lin in group)
+    monkeypatch.delenv("KVTIER_DENSE_GEMV")
+    times = calibrate_dense([group], LIB, repeat=1)
+    assert "0:mkl" in times and "0:1" in times  # measured, whichever won
+
+
+def test_tiny_model_decode_through_fused_ops_matches_the_torch_path(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_model(str(tiny_llama_dir(num_heads=4, num_kv_heads=2, attention_bias=True)))
+    ids = torch.randint(0, loaded.config.vocab_size, (19,), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setenv("KVTIER_DENSE_GEMV", "1")
+    fused = LlamaModel(loaded.config, loaded.weights, torch.float32, 64)
+    assert isinstance(fused.ops, FusedOps) and fused.layers[0].qkv.gemv is not None
+    plain = LlamaModel(loaded.config, loaded.weights, torch.float32, 64)
+    plain.ops = plain.torch_ops
+    for layer in plain.layers:
+        for lin in layer.linears:
+            lin.gemv = None
+    plain.lm_head.gemv = None
+    torch.testing.assert_close(paged_logits(fused, ids, 11), paged_logits(plain, ids, 11), rtol=0, atol=1e-5)
