@@ -9,6 +9,8 @@ logits still match transformers with the GEMV forced on (tests/test_model_parity
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -86,7 +88,8 @@ def test_gemv_is_not_used_for_prefill_rows() -> None:
     torch.testing.assert_close(lin(x), x @ lin.w_t)
 
 
-def test_calibration_can_be_forced_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calibration_is_forced_or_measured_once_and_kept(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(qkernels, "kernel_dir", lambda: tmp_path)
     group = [DenseLinear(torch.randn(64, 128), None) for _ in range(3)]
     monkeypatch.setenv("KVTIER_DENSE_GEMV", "1")
     calibrate_dense([group], LIB)
@@ -94,9 +97,16 @@ def test_calibration_can_be_forced_either_way(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("KVTIER_DENSE_GEMV", "0")
     calibrate_dense([group], LIB)
     assert all(lin.gemv is None for lin in group)
+    assert not list(tmp_path.glob("gemv-choice-*"))  # forced choices are not stored
     monkeypatch.delenv("KVTIER_DENSE_GEMV")
     times = calibrate_dense([group], LIB, repeat=1)
-    assert "0:mkl" in times and "0:1" in times  # measured, whichever won
+    assert "64x128:mkl" in times and "64x128:1" in times  # measured, whichever won
+    (stored,) = tmp_path.glob("gemv-choice-*.json")
+    flipped = 1 if group[0].gemv is None else 0  # the opposite of what was measured
+    data = json.loads(stored.read_text())
+    stored.write_text(json.dumps({**data, "threads": [flipped]}))
+    assert calibrate_dense([group], LIB) == {}  # read back, not measured again
+    assert (group[0].gemv is not None) == (flipped == 1)  # the stored choice is the one used
 
 
 def test_tiny_model_decode_through_fused_ops_matches_the_torch_path(

@@ -16,7 +16,10 @@ exactly the ops the model always used, so the default path stays bit for bit wha
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import hashlib
+import json
 import os
 import threading
 import time
@@ -135,28 +138,51 @@ def _time_group(
     return best
 
 
+def _measure_choice(group: list[DenseLinear], lib: ctypes.CDLL, repeat: int, times: dict[str, float]) -> int:
+    """0 (torch's matmul) or the GEMV's thread count, whichever ran ``group`` fastest (GEMV: > 10%)."""
+    mkl = _time_group(group, None, repeat, float("inf"))
+    many = torch.get_num_threads()
+    measured = {n: _time_group(group, (lib, n), repeat, 3 * mkl) for n in sorted({1, many})}
+    key = f"{group[0].K}x{group[0].N}"
+    times[f"{key}:mkl"] = mkl * 1e3
+    times.update({f"{key}:{n}": v * 1e3 for n, v in measured.items()})
+    fastest = min(measured, key=measured.__getitem__)
+    return fastest if measured[fastest] < 0.9 * mkl else 0
+
+
 def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: int = 3) -> dict[str, float]:
     """For each group (one fused weight across layers, e.g. every layer's ``qkv``), time one fp32 row
     through all of it with torch's matmul, with the GEMV on one thread and on torch's threads (a
     streaming read like a decode step's); the GEMV is kept where it was > 10% faster than torch.
-    ``$KVTIER_DENSE_GEMV``: ``0`` never, ``1`` always (torch's threads). Returns the times (ms), keyed
-    ``"<group index>:<mkl | threads>"``."""
+
+    The choice is measured once per machine, shapes and thread count and kept in the kernel cache
+    (``gemv-choice-<digest>.json``): every later process, and every engine of this one, makes the same
+    choice, so their outputs agree bit for bit (the GEMV's result does not depend on its thread count,
+    but differs from MKL's in summation order). ``$KVTIER_DENSE_GEMV``: ``0`` never, ``1`` always (not
+    stored). Returns the times (ms) measured now (empty when read back or forced)."""
+    from kvtier.models.qkernels import kernel_dir
+
     forced = os.environ.get("KVTIER_DENSE_GEMV")
     many = torch.get_num_threads()
+    shapes = [f"{g[0].K}x{g[0].N}x{len(g)}" for g in groups]
+    tag = hashlib.blake2b(repr((getattr(lib, "_name", ""), many, shapes)).encode(), digest_size=8).hexdigest()
+    path = kernel_dir() / f"gemv-choice-{tag}.json"
     times: dict[str, float] = {}
-    for g, group in enumerate(groups):
-        if forced is not None:
-            choice = (lib, many) if forced == "1" else None
-        else:
-            mkl = _time_group(group, None, repeat, float("inf"))
-            options = [(lib, 1)] + ([(lib, many)] if many > 1 else [])
-            measured = {opt: _time_group(group, opt, repeat, 3 * mkl) for opt in options}
-            times[f"{g}:mkl"] = mkl * 1e3
-            times.update({f"{g}:{opt[1]}": v * 1e3 for opt, v in measured.items()})
-            fastest = min(options, key=measured.__getitem__)
-            choice = fastest if measured[fastest] < 0.9 * mkl else None
+    if forced is not None:
+        threads = [many if forced == "1" else 0] * len(groups)
+    else:
+        try:
+            threads = json.loads(path.read_text())["threads"]
+        except (OSError, ValueError, KeyError):
+            threads = [_measure_choice(g, lib, repeat, times) for g in groups]
+            with contextlib.suppress(OSError):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps({"shapes": shapes, "threads": threads, "ms": times}))
+                os.replace(tmp, path)
+    for group, n in zip(groups, threads, strict=True):
         for lin in group:
-            lin.gemv = choice
+            lin.gemv = (lib, n) if n else None
     return times
 
 
