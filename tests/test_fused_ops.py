@@ -10,6 +10,7 @@ logits still match transformers with the GEMV forced on (tests/test_model_parity
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -34,6 +35,21 @@ def rope(positions: int = 50, half: int = 8) -> torch.Tensor:  # [P, D/2] comple
 def test_fp32_gets_the_fused_ops_and_bf16_the_torch_ones() -> None:
     assert isinstance(ops_for(torch.float32, rope()), FusedOps)
     assert isinstance(ops_for(torch.bfloat16, rope()), TorchOps)
+
+
+def test_without_a_compiler_the_torch_ops_and_one_log_line(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(qkernels, "_state", {})
+    monkeypatch.setattr(qkernels, "kernel_dir", lambda: tmp_path / "kernels")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-gcc"))
+    monkeypatch.setattr(qkernels.shutil, "which", lambda name: None)
+    with caplog.at_level(logging.WARNING):
+        assert isinstance(ops_for(torch.float32, rope()), TorchOps)
+        assert qkernels.kernels() is None  # the quantized kernels fail the same way: no second line
+        assert isinstance(ops_for(torch.float32, rope()), TorchOps)
+    lines = [r.getMessage() for r in caplog.records if "kernels unavailable" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
 
 
 def test_rms_norm_matches_hf_rounding_but_for_the_sum_order() -> None:

@@ -1,4 +1,5 @@
-"""The quantized-weight kernels (``qmatmul.c``): compiled with gcc at first use, loaded with ctypes.
+"""The C kernels — quantized weights (``qmatmul.c``) and the fused fp32 per-layer ops and decode GEMV
+(``fused.c``): compiled with gcc at first use, loaded with ctypes.
 
 The shared library is built into ``<kvtier cache>/kernels/qmatmul-<source hash>.so`` under a file lock
 (``make setup`` builds it too), so every later process just loads it. Where there is no compiler, or
@@ -126,8 +127,8 @@ def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
             raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
         lib = _bind(ctypes.CDLL(str(build(source=source))), source)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        what = "quantized-weight kernels" if source == SOURCE else f"{source.stem} kernels"
-        logger.warning("kvtier: %s unavailable (%s); using torch ops and fp32 weights", what, exc)
+        if not any(v is None for v in _state.values()):  # one line per process, whichever failed first
+            logger.warning("kvtier: C kernels unavailable (%s); using torch ops and dense fp32 weights", exc)
     _state[source.name] = lib
     return lib
 
