@@ -95,6 +95,9 @@ def test_gemv_equals_matmul_with_bias_and_residual(rows: int, threads: int) -> N
         torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lin.residual(resid.clone(), x), want_res, rtol=1e-5, atol=1e-5)
     assert not torch.equal(lin(x), lin(x + 1e-3))  # the kernel really reads x
+    other = (LIB, 3 - threads)
+    got, lin.gemv = lin(x), other
+    assert torch.equal(lin(x), got)  # a column's sum does not depend on the thread count
 
 
 def test_gemv_is_not_used_for_prefill_rows() -> None:

@@ -107,23 +107,26 @@ void kv_silu_mul(const float *gu, float *out, int64_t T, int64_t I) {
     }
 }
 
-/* y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) (accumulate: y += ...), M <= 4: the fp32 decode GEMV over
+/* y[M, N] = x[M, K] @ w[K, N] (+ bias[N]) (accumulate: y += ...), few rows: the fp32 decode GEMV over
  * weights stored transposed ([in, out], as the dense model keeps them). Each thread owns column
- * chunks of up to CH floats; for each chunk it streams the K rows of w (CH contiguous floats each,
- * four rows at a time) into a sum held in L1, then writes y = (y +) bias + sum. OpenMP over chunks. */
-#define CH 512
+ * chunks (up to ACC / rows floats wide, at least N / threads); for each chunk it streams the K rows of
+ * w (the chunk's contiguous floats, four rows at a time) into sums held in L1, then writes
+ * y = (y +) bias + sum. A column's sum runs over k in the same order whatever the chunking, so the
+ * result does not depend on the thread count. OpenMP over chunks. */
+#define ACC 2048
 static void gemv_chunk(const float *x, int64_t M, const float *w, const float *bias, float *y,
                        int64_t K, int64_t N, int64_t c0, int64_t cw, int accumulate) {
-    float acc[4][CH] __attribute__((aligned(32)));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < cw; j++) acc[m][j] = 0.0f;
+    float acc[ACC] __attribute__((aligned(32)));
+    int64_t ld = (cw + 7) & ~(int64_t)7; /* row stride of acc (8-aligned) */
+    for (int64_t j = 0; j < M * ld; j++) acc[j] = 0.0f;
     int64_t k = 0, vw = cw & ~(int64_t)7;
     for (; k + 4 <= K; k += 4) {
         const float *w0 = w + k * N + c0, *w1 = w0 + N, *w2 = w1 + N, *w3 = w2 + N;
         for (int64_t m = 0; m < M; m++) {
-            __m256 x0 = _mm256_set1_ps(x[m * K + k]), x1 = _mm256_set1_ps(x[m * K + k + 1]);
-            __m256 x2 = _mm256_set1_ps(x[m * K + k + 2]), x3 = _mm256_set1_ps(x[m * K + k + 3]);
-            float *a = acc[m];
+            const float *xm = x + m * K + k;
+            __m256 x0 = _mm256_set1_ps(xm[0]), x1 = _mm256_set1_ps(xm[1]);
+            __m256 x2 = _mm256_set1_ps(xm[2]), x3 = _mm256_set1_ps(xm[3]);
+            float *a = acc + m * ld;
             for (int64_t j = 0; j < vw; j += 8) {
                 __m256 s = _mm256_load_ps(a + j);
                 s = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w0 + j), s);
@@ -132,18 +135,17 @@ static void gemv_chunk(const float *x, int64_t M, const float *w, const float *b
                 s = _mm256_fmadd_ps(x3, _mm256_loadu_ps(w3 + j), s);
                 _mm256_store_ps(a + j, s);
             }
-            for (int64_t j = vw; j < cw; j++)
-                a[j] += x[m * K + k] * w0[j] + x[m * K + k + 1] * w1[j] + x[m * K + k + 2] * w2[j] +
-                        x[m * K + k + 3] * w3[j];
+            for (int64_t j = vw; j < cw; j++) /* same order as the vector lanes: four fmas */
+                a[j] = fmaf(xm[3], w3[j], fmaf(xm[2], w2[j], fmaf(xm[1], w1[j], fmaf(xm[0], w0[j], a[j]))));
         }
     }
     for (; k < K; k++)
         for (int64_t m = 0; m < M; m++)
-            for (int64_t j = 0; j < cw; j++) acc[m][j] += x[m * K + k] * w[k * N + c0 + j];
+            for (int64_t j = 0; j < cw; j++) acc[m * ld + j] = fmaf(x[m * K + k], w[k * N + c0 + j], acc[m * ld + j]);
     for (int64_t m = 0; m < M; m++) {
         float *dst = y + m * N + c0;
         for (int64_t j = 0; j < cw; j++) {
-            float v = bias ? bias[c0 + j] + acc[m][j] : acc[m][j];
+            float v = bias ? bias[c0 + j] + acc[m * ld + j] : acc[m * ld + j];
             dst[j] = accumulate ? dst[j] + v : v;
         }
     }
@@ -151,11 +153,14 @@ static void gemv_chunk(const float *x, int64_t M, const float *w, const float *b
 
 void kv_sgemv_t(const float *x, int64_t M, const float *w, const float *bias, float *y, int64_t K,
                 int64_t N, int accumulate, int threads) {
-    int64_t chunks = (N + CH - 1) / CH;
-    if (chunks < threads) threads = (int)chunks;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    int64_t rows = M < 4 ? M : 4;
+    int64_t width = (ACC / rows) & ~(int64_t)7;
+    int64_t share = ((N + threads - 1) / threads + 7) & ~(int64_t)7; /* every thread gets a chunk */
+    if (share < width) width = share;
+    int64_t chunks = (N + width - 1) / width;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && chunks > 1)
     for (int64_t c = 0; c < chunks; c++) {
-        int64_t c0 = c * CH, cw = N - c0 < CH ? N - c0 : CH;
+        int64_t c0 = c * width, cw = N - c0 < width ? N - c0 : width;
         for (int64_t m0 = 0; m0 < M; m0 += 4)
             gemv_chunk(x + m0 * K, M - m0 < 4 ? M - m0 : 4, w, bias, y + m0 * N, K, N, c0, cw, accumulate);
     }
