@@ -203,6 +203,44 @@ def linears_pass_ms(model, repeat: int = 7) -> float:  # noqa: ANN001 - kvtier.m
     return _best(one_pass, repeat) * 1e3
 
 
+def fused_vs_torch_step_ms(llm, prompt: list[int], n: int, repeat: int = 6) -> tuple[float, float]:  # noqa: ANN001
+    """Decode forward+logits ms (min over ``repeat`` x ``n`` steps) with the fused C ops and the chosen
+    GEMVs, and with torch's ops and MKL only, alternating in the same engine (robust to a busy machine:
+    both see the same load)."""
+    from kvtier import SamplingParams
+    from kvtier.models.qlinear import DenseLinear
+
+    model, runner = llm.engine.model, llm.engine.runner
+    dense = [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]
+    dense = [lin for lin in dense if isinstance(lin, DenseLinear)]
+    chosen, fused, execute = [lin.gemv for lin in dense], model.ops, runner.execute
+    steps: dict[bool, list[float]] = {True: [], False: []}
+    new = [True]
+
+    def timed(out):  # noqa: ANN001, ANN202
+        t = time.perf_counter()
+        logits = execute(out)
+        if len(out.decodes) == 1 and not out.prefills:
+            steps[new[0]].append(time.perf_counter() - t)
+        return logits
+
+    runner.execute = timed
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    try:
+        for _ in range(repeat):
+            for variant in (True, False):
+                new[0] = variant
+                model.ops = fused if variant else model.torch_ops
+                for lin, gemv in zip(dense, chosen, strict=True):
+                    lin.gemv = gemv if variant else None
+                llm.generate([prompt], params)
+    finally:
+        runner.execute, model.ops = execute, fused
+        for lin, gemv in zip(dense, chosen, strict=True):
+            lin.gemv = gemv
+    return min(steps[True]) * 1e3, min(steps[False]) * 1e3
+
+
 def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None:
     """llama.cpp's single-stream decode ms/token on the default GGUF (None when llama_cpp is missing)."""
     try:
@@ -264,6 +302,16 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: li
             False,
             None,
             "vs auto",
+        )
+        fused_ms, torch_ms = fused_vs_torch_step_ms(llm, prompt, ns.decode_tokens)
+        row(
+            f"  {mode}: decode step, fused C ops vs torch ops (same engine, min)",
+            fused_ms,
+            torch_ms,
+            "ms",
+            False,
+            None,
+            "vs torch ops + MKL",
         )
         tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
         base.setdefault("tok_s", tok_s)
