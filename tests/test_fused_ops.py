@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from kvtier.models import qkernels
+from kvtier.models import qkernels, qlinear
 from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for, rms_norm_torch
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import load_model
@@ -109,6 +109,7 @@ def test_gemv_is_not_used_for_prefill_rows() -> None:
 
 def test_calibration_is_forced_or_measured_once_and_kept(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setattr(qkernels, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(qlinear, "_GEMV_CHOICES", {})
     group = [DenseLinear(torch.randn(64, 128), None) for _ in range(3)]
     monkeypatch.setenv("KVTIER_DENSE_GEMV", "1")
     calibrate_dense([group], LIB)
@@ -124,6 +125,7 @@ def test_calibration_is_forced_or_measured_once_and_kept(monkeypatch: pytest.Mon
     flipped = 1 if group[0].gemv is None else 0  # the opposite of what was measured
     data = json.loads(stored.read_text())
     stored.write_text(json.dumps({**data, "threads": [flipped]}))
+    monkeypatch.setattr(qlinear, "_GEMV_CHOICES", {})  # as a new process would
     assert calibrate_dense([group], LIB) == {}  # read back, not measured again
     assert (group[0].gemv is not None) == (flipped == 1)  # the stored choice is the one used
 

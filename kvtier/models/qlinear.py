@@ -150,6 +150,9 @@ def _measure_choice(group: list[DenseLinear], lib: ctypes.CDLL, repeat: int, tim
     return fastest if measured[fastest] < 0.9 * mkl else 0
 
 
+_GEMV_CHOICES: dict[str, list[int]] = {}  # digest -> threads per group (0: MKL), once per process
+
+
 def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: int = 3) -> dict[str, float]:
     """For each group (one fused weight across layers, e.g. every layer's ``qkv``), time one fp32 row
     through all of it with torch's matmul, with the GEMV on one thread and on torch's threads (a
@@ -170,11 +173,13 @@ def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: i
     times: dict[str, float] = {}
     if forced is not None:
         threads = [many if forced == "1" else 0] * len(groups)
+    elif tag in _GEMV_CHOICES:  # this process chose already (even if the file went away since)
+        threads = _GEMV_CHOICES[tag]
     else:
         try:
-            threads = json.loads(path.read_text())["threads"]
+            threads = _GEMV_CHOICES[tag] = json.loads(path.read_text())["threads"]
         except (OSError, ValueError, KeyError):
-            threads = [_measure_choice(g, lib, repeat, times) for g in groups]
+            _GEMV_CHOICES[tag] = threads = [_measure_choice(g, lib, repeat, times) for g in groups]
             with contextlib.suppress(OSError):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
