@@ -100,11 +100,14 @@ def test_gemv_equals_matmul_with_bias_and_residual(rows: int, threads: int) -> N
     assert torch.equal(lin(x), got)  # a column's sum does not depend on the thread count
 
 
-def test_gemv_is_not_used_for_prefill_rows() -> None:
+def test_gemv_is_not_used_for_prefill_rows_nor_for_none() -> None:
     lin = DenseLinear(torch.randn(16, 24), None)
     lin.gemv = (None, 1)  # a library that would crash if it were called
     x = torch.randn(5, 16)
     torch.testing.assert_close(lin(x), x @ lin.w_t)
+    assert lin(torch.randn(0, 16)).shape == (0, 24)  # a step that samples nothing
+    args = (x.data_ptr(), 0, lin.w_t.data_ptr(), None, x.data_ptr(), 16, 24, 0, 1)
+    LIB.kv_sgemv_t(*args)  # zero rows: returns at once (it divided by zero before)
 
 
 def test_calibration_is_forced_or_measured_once_and_kept(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -121,6 +124,7 @@ def test_calibration_is_forced_or_measured_once_and_kept(monkeypatch: pytest.Mon
     monkeypatch.delenv("KVTIER_DENSE_GEMV")
     times = calibrate_dense([group], LIB, repeat=1)
     assert "64x128:mkl" in times and "64x128:1" in times  # measured, whichever won
+    assert group[0].gemv is None or group[0].gemv[1] == 1  # never forks threads per GEMV
     (stored,) = tmp_path.glob("gemv-choice-*.json")
     flipped = 1 if group[0].gemv is None else 0  # the opposite of what was measured
     data = json.loads(stored.read_text())

@@ -153,6 +153,8 @@ static void gemv_chunk(const float *x, int64_t M, const float *w, const float *b
 
 void kv_sgemv_t(const float *x, int64_t M, const float *w, const float *bias, float *y, int64_t K,
                 int64_t N, int accumulate, int threads) {
+    if (M <= 0 || N <= 0) return; /* a step that samples nothing has no rows */
+    if (threads < 1) threads = 1;
     int64_t rows = M < 4 ? M : 4;
     int64_t width = (ACC / rows) & ~(int64_t)7;
     int64_t share = ((N + threads - 1) / threads + 7) & ~(int64_t)7; /* every thread gets a chunk */

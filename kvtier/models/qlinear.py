@@ -99,7 +99,7 @@ class DenseLinear:
         return y
 
     def _use_gemv(self, x: torch.Tensor) -> bool:
-        return self.gemv is not None and x.shape[0] <= GEMV_ROWS and x.is_contiguous() and x.is_cpu
+        return self.gemv is not None and 0 < x.shape[0] <= GEMV_ROWS and x.is_contiguous() and x.is_cpu
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [T, K] -> [T, N]
         """``out``: an optional [T, N] buffer to write into (a decode step reuses one per layer)."""
@@ -141,8 +141,9 @@ def _time_group(
 def _measure_choice(group: list[DenseLinear], lib: ctypes.CDLL, repeat: int, times: dict[str, float]) -> int:
     """0 (torch's matmul) or the GEMV's thread count, whichever ran ``group`` fastest (GEMV: > 10%)."""
     mkl = _time_group(group, None, repeat, float("inf"))
-    many = torch.get_num_threads()
-    measured = {n: _time_group(group, (lib, n), repeat, 3 * mkl) for n in sorted({1, many})}
+    # one thread only: MKL runs a 1-row product on one thread too, and a fork/join per GEMV stalls
+    # for whole scheduler slices whenever the other core is busy (measured 10-100x slower under load)
+    measured = {1: _time_group(group, (lib, 1), repeat, 3 * mkl)}
     key = f"{group[0].K}x{group[0].N}"
     times[f"{key}:mkl"] = mkl * 1e3
     times.update({f"{key}:{n}": v * 1e3 for n, v in measured.items()})
@@ -155,7 +156,7 @@ _GEMV_CHOICES: dict[str, list[int]] = {}  # digest -> threads per group (0: MKL)
 
 def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: int = 3) -> dict[str, float]:
     """For each group (one fused weight across layers, e.g. every layer's ``qkv``), time one fp32 row
-    through all of it with torch's matmul, with the GEMV on one thread and on torch's threads (a
+    through all of it with torch's matmul and with the GEMV on one thread (a
     streaming read like a decode step's); the GEMV is kept where it was > 10% faster than torch.
 
     The choice is measured once per machine, shapes and thread count and kept in the kernel cache
@@ -166,13 +167,13 @@ def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: i
     from kvtier.models.qkernels import kernel_dir
 
     forced = os.environ.get("KVTIER_DENSE_GEMV")
-    many = torch.get_num_threads()
+    many = torch.get_num_threads()  # MKL's speed depends on it
     shapes = [f"{g[0].K}x{g[0].N}x{len(g)}" for g in groups]
     tag = hashlib.blake2b(repr((getattr(lib, "_name", ""), many, shapes)).encode(), digest_size=8).hexdigest()
     path = kernel_dir() / f"gemv-choice-{tag}.json"
     times: dict[str, float] = {}
     if forced is not None:
-        threads = [many if forced == "1" else 0] * len(groups)
+        threads = [1 if forced == "1" else 0] * len(groups)
     elif tag in _GEMV_CHOICES:  # this process chose already (even if the file went away since)
         threads = _GEMV_CHOICES[tag]
     else:
