@@ -263,6 +263,44 @@ def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None
     return (run(n) - run(1)) / (n - 1) * 1e3
 
 
+def per_token_min_ms(
+    mode: str, prompt: list[int], n: int, threads: int, rounds: int = 4
+) -> tuple[float, float]:
+    """Single-stream decode, one token at a time: (kvtier ``mode`` engine step, llama.cpp token) ms,
+    each the minimum over ``rounds`` x ``n`` tokens, alternating in one process (robust to a busy
+    machine, where whole-run differences are noise). Needs ``llama_cpp``."""
+    from llama_cpp import Llama
+
+    from kvtier import LLM, SamplingParams
+    from kvtier.models.loader import default_model_path
+
+    llm = LLM(dtype="float32", num_threads=threads, weight_dtype=mode)
+    engine, step, ours, theirs = llm.engine, llm.engine.step, [], []
+
+    def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        out = step(*args, **kw)
+        ours.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed
+    model = Llama(str(default_model_path()), n_threads=threads, n_ctx=512, verbose=False)
+    for _ in range(rounds):
+        first = len(ours)
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+        del ours[first]  # the prefill step
+        model.reset()
+        t = time.perf_counter()
+        for i, _ in enumerate(model.generate(prompt, temp=0.0)):
+            now = time.perf_counter()
+            if i > 0:
+                theirs.append(now - t)
+            t = now
+            if i >= n:
+                break
+    return min(ours) * 1e3, min(theirs) * 1e3
+
+
 def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: list[Row]) -> None:
     """Decode side by side for each ``--weight-dtypes`` mode, ratios against ``auto`` from this run."""
     from kvtier import LLM
@@ -336,6 +374,9 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: li
         if "gguf" in per_mode:
             gguf = per_mode["gguf"]
             row("decode 1 stream, gguf vs llama.cpp", gguf, ms, "ms/token", False, 1.0, ">= 1.0x llama.cpp")
+            ours, theirs = per_token_min_ms("gguf", prompt, ns.decode_tokens, ns.num_threads)
+            text = ">= 1.0x llama.cpp (min per token, alternating)"
+            row("decode 1 token, gguf vs llama.cpp (min)", ours, theirs, "ms/token", False, 1.0, text)
 
 
 # --------------------------------------------------------------------------------------- HF
