@@ -54,6 +54,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=3, help="multiturn turns (default 3)")
     p.add_argument("--skip", default="", help="parts to skip: quality,capacity,decode,multiturn")
     p.add_argument("--quick", action="store_true", help="smoke run: 1,024 tokens, context 512, 3x2 turns")
+    p.add_argument(
+        "--fp8-study",
+        type=int,
+        default=0,
+        metavar="WINDOWS",
+        help="instead: the fp8_e4m3 quality study on this many 2,048-token windows (kvdtype_study.py)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_engine_args(p, ["num_threads"])
     p.set_defaults(func=main)
@@ -370,6 +377,12 @@ def main(ns: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads; side by side in one process",
         flush=True,
     )
+    if ns.fp8_study:
+        from kvtier.bench.kvdtype_study import print_study, run_study
+
+        out["fp8_study"] = run_study(model, fixed_text(loaded.tokenizer, 20480), ns.fp8_study)
+        print_study(out["fp8_study"])
+        skip = {"quality", "capacity", "decode", "multiturn"}
     if "quality" not in skip:
         ids = fixed_text(loaded.tokenizer, ns.quality_tokens)
         q = run_quality(model, ids, kv_dtypes, ns.window, ns.chunk)
