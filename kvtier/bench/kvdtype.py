@@ -16,7 +16,9 @@
   cache, ``--decode-steps`` steps, median), and the ``bench multiturn`` device+host row per KV dtype:
   host-tier load time per returning turn (the device pool holds a quarter of the conversations).
 
-Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, short multiturn).
+Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, short multiturn), and
+``kvtier bench kvdtype --fp8-study N`` for the fp8_e4m3 quality study instead (``kvdtype_study.py``:
+K vs V, attention sinks, rounding levers, on N windows).
 """
 
 from __future__ import annotations
