@@ -222,6 +222,8 @@ def calibrate(model: Any, ids: torch.Tensor, rot: torch.Tensor) -> tuple[torch.T
 
 def run_study(model: Any, ids: list[int], num_windows: int) -> list[dict[str, Any]]:
     tokens = torch.tensor(ids)
+    if not 1 <= num_windows < len(ids) // WINDOW:  # the last window calibrates: never evaluated
+        raise ValueError(f"--fp8-study takes 1 to {len(ids) // WINDOW - 1} windows, not {num_windows}")
     windows = [tokens[w * WINDOW : (w + 1) * WINDOW] for w in range(num_windows)]
     rot = hadamard(model.config.head_dim)
     assert rot is not None
