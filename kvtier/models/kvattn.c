@@ -101,14 +101,12 @@ static inline const uint8_t *block_row(const Pool *p, int64_t t) {
     return p->layer + p->table[t / p->bs] * p->block_stride;
 }
 
-/* Ask for the K (which = 0) or V (which = 1) lines and the scales of the block holding token t, ahead
- * of use: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at each one. */
-static inline void prefetch_block(const Pool *p, int64_t t, int which) {
+/* Ask for the row of the block holding token t ahead of use: blocks sit anywhere in the pool, so the
+ * hardware prefetcher loses the stream at each one. */
+static inline void prefetch_block(const Pool *p, int64_t t) {
     const uint8_t *row = block_row(p, t);
-    int64_t head_bytes = p->kvh * p->d, scale_bytes = p->bs * 2 * p->kvh * 4;
-    for (int64_t o = 0; o < p->bs; o++)
-        for (int64_t i = 0; i < head_bytes; i += 64) _mm_prefetch((const char *)row + (o * 2 + which) * head_bytes + i, _MM_HINT_T0);
-    for (int64_t i = 0; i < scale_bytes; i += 64) _mm_prefetch((const char *)row + p->data_bytes + i, _MM_HINT_T0);
+    int64_t bytes = p->data_bytes + p->bs * 2 * p->kvh * 4;
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)row + i, _MM_HINT_T0);
 }
 
 /* Slot o's K (which = 0) or V (which = 1) elements of head h in a block row, and their scale. */
@@ -144,11 +142,18 @@ static inline __attribute__((always_inline)) void scores8(int fmt, const int G, 
         for (int g = 0; g < G; g++) part[g][i] = acc[g];
     }
     __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(ks), _mm256_set1_ps(mul));
+    __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     for (int g = 0; g < G; g++) {
-        float out[8];
-        _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(part[g]), sc));
-        for (int i = 0; i < n; i++) mx[g] = fmaxf(mx[g], out[i]);
-        memcpy(s + g * ld, out, n * sizeof(float));
+        __m256 v = _mm256_mul_ps(hsum8(part[g]), sc);
+        if (n == 8) {
+            _mm256_storeu_ps(s + g * ld, v);
+        } else {
+            float out[8];
+            _mm256_storeu_ps(out, v);
+            memcpy(s + g * ld, out, n * sizeof(float));
+        }
+        float m = hmax(_mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, live));
+        mx[g] = m > mx[g] ? m : mx[g];
     }
 }
 
@@ -208,46 +213,49 @@ static inline __attribute__((always_inline)) void values_block(int fmt, const in
 }
 
 /* Tokens [t0, t1) of one sequence, every KV head: po[h] = {o [G][D] unnormalized, max [G], sum [G]}.
- * Blocks are walked in order and each block's heads are done while its row is in cache.
- * q: [KVH][G][D] rotated; s: scratch [KVH][G][t1 - t0]. */
+ * One pass: block by block, each head's scores of the block's tokens, then their weighted V, while the
+ * block's row is in cache (online softmax: when a block raises a row's max, what that row summed so
+ * far is multiplied by e^(old max - new max)). q: [KVH][G][D] rotated. */
 static inline __attribute__((always_inline)) void attend_range(int fmt, const int G, const Pool *p,
                                                                const float *q, int64_t t0, int64_t t1,
-                                                               float scale, float *s, float *po) {
+                                                               float scale, float *po) {
     const int CH = G <= 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
-    const int64_t D = p->d, KVH = p->kvh, n = t1 - t0, stride = G * D + 2 * G;
+    const int64_t D = p->d, KVH = p->kvh, stride = G * D + 2 * G;
     float factor = fmt_factor(fmt);
     for (int64_t h = 0; h < KVH; h++) {
-        memset(po + h * stride, 0, G * D * sizeof(float));
+        memset(po + h * stride, 0, (G * D + 2 * G) * sizeof(float));
         for (int g = 0; g < G; g++) po[h * stride + G * D + g] = -INFINITY;
     }
-    for (int64_t t = t0; t < t1;) { /* pass 1: scores and maxes, block by block */
+    for (int64_t t = t0; t < t1;) {
         const uint8_t *row = block_row(p, t);
         int64_t o = t % p->bs, m = p->bs - o < t1 - t ? p->bs - o : t1 - t;
-        if (t + m + p->bs < t1) prefetch_block(p, t + m + p->bs, 0);
-        for (int64_t h = 0; h < KVH; h++)
+        if (t + m < t1) prefetch_block(p, t + m);
+        for (int64_t h = 0; h < KVH; h++) {
+            float sb[MAX_G][64], bmax[MAX_G], bsum[MAX_G];
+            float *acc = po + h * stride, *mx = acc + G * D, *sum = mx + G;
+            for (int g = 0; g < G; g++) bmax[g] = -INFINITY;
             for (int64_t i = 0; i < m; i += 8)
                 scores8(fmt, G, p, row, o + i, m - i < 8 ? (int)(m - i) : 8, h, q + h * G * D,
-                        scale * factor, s + h * G * n + (t - t0) + i, n, po + h * stride + G * D);
-        t += m;
-    }
-    for (int64_t h = 0; h < KVH; h++) {
-        float *mx = po + h * stride + G * D;
-        exponentiate(G, s + h * G * n, n, n, mx, mx + G);
-    }
-    for (int64_t t = t0; t < t1;) { /* pass 2: the weighted sum of V */
-        const uint8_t *row = block_row(p, t);
-        int64_t o = t % p->bs, m = p->bs - o < t1 - t ? p->bs - o : t1 - t;
-        if (t + m + p->bs < t1) prefetch_block(p, t + m + p->bs, 1);
-        for (int64_t h = 0; h < KVH; h++)
-            values_block(fmt, G, CH, p, row, o, m, h, s + h * G * n + (t - t0), n, factor, po + h * stride);
+                        scale * factor, sb[0] + i, 64, bmax);
+            for (int g = 0; g < G; g++) {
+                if (bmax[g] <= mx[g]) continue;
+                float alpha = mx[g] == -INFINITY ? 0.0f : expf(mx[g] - bmax[g]);
+                for (int64_t j = 0; j < D; j++) acc[g * D + j] *= alpha;
+                sum[g] *= alpha;
+                mx[g] = bmax[g];
+            }
+            exponentiate(G, sb[0], 64, m, mx, bsum);
+            for (int g = 0; g < G; g++) sum[g] += bsum[g];
+            values_block(fmt, G, CH, p, row, o, m, h, sb[0], 64, factor, acc);
+        }
         t += m;
     }
 }
 
 static void attend_range_any(int fmt, int G, const Pool *p, const float *q, int64_t t0, int64_t t1,
-                             float scale, float *s, float *po) {
+                             float scale, float *po) {
 #define KV_CASE_G(F, GG) \
-    case GG: attend_range(F, GG, p, q, t0, t1, scale, s, po); return;
+    case GG: attend_range(F, GG, p, q, t0, t1, scale, po); return;
 #define KV_CASE_F(F)                                                                    \
     switch (G) {                                                                        \
         KV_CASE_G(F, 1) KV_CASE_G(F, 2) KV_CASE_G(F, 3) KV_CASE_G(F, 4) KV_CASE_G(F, 5) \
@@ -299,7 +307,7 @@ static void merge(const float *parts, int64_t nparts, int64_t stride, int G, int
  *   out:    [B, KVH * G, D] float32, in the model's basis (unrotated)
  *   tables: [B, max_blocks] int64 block ids; lens: [B] int64 context lengths (NULL: all max_context)
  *   rot:    [D, D] float32 or NULL; BS <= 64
- *   scratch: float32, at least B * (KVH * G * D + nparts * KVH * (G * D + 2 * G) + KVH * G * max_context)
+ *   scratch: float32, at least B * KVH * (G * D + nparts * (G * D + 2 * G))
  *   nparts: context parts per sequence, >= 1 (more lets threads share one sequence) */
 void kv_decode_attention(int fmt, const uint8_t *layer, int64_t block_stride, int64_t data_bytes,
                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t max_context,
@@ -308,7 +316,6 @@ void kv_decode_attention(int fmt, const uint8_t *layer, int64_t block_stride, in
     int64_t head_stride = G * D + 2 * G, part_stride = KVH * head_stride;
     float *qr = scratch;                               /* [B, KVH, G, D] rotated queries */
     float *parts = qr + B * KVH * G * D;               /* [B, nparts, KVH, head_stride] */
-    float *sc = parts + B * nparts * part_stride;      /* [B, KVH * G * max_context] scores */
     for (int64_t r = 0; r < B * KVH * G; r++) rotate(q + r * D, rot, D, qr + r * D);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < B * nparts; item++) {
@@ -323,8 +330,7 @@ void kv_decode_attention(int fmt, const uint8_t *layer, int64_t block_stride, in
             continue;
         }
         Pool p = {layer, block_stride, data_bytes, tables + b * max_blocks, BS, KVH, D};
-        float *s = sc + b * KVH * G * max_context + t0 * KVH * G;
-        attend_range_any(fmt, (int)G, &p, qr + b * KVH * G * D, t0, t1, scale, s, po);
+        attend_range_any(fmt, (int)G, &p, qr + b * KVH * G * D, t0, t1, scale, po);
     }
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < KVH; h++)

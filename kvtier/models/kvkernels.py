@@ -122,10 +122,7 @@ def decode_attention(
     q = q.contiguous()
     out = torch.empty(b, num_heads * head_dim, dtype=torch.float32)
     threads, parts = _plan(b, num_kv_heads, max_context)
-    heads = b * num_kv_heads
-    scratch = _buffer(
-        heads * (group * head_dim + parts * (group * head_dim + 2 * group) + group * max_context)
-    )
+    scratch = _buffer(b * num_kv_heads * (group * head_dim + parts * (group * head_dim + 2 * group)))
     rot = kv_cache.rotation
     lib.kv_decode_attention(
         FORMAT_IDS[kv_cache.fmt.name],
