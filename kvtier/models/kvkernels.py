@@ -36,9 +36,11 @@ FORMAT_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # kvattn.c's KV_INT8, KV
 MAX_GROUP = 8  # query heads per KV head the kernel is specialized for
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
-# Context tokens x KV heads from which a call forks OpenMP threads (each (sequence, KV head) split in
-# parts); below it one thread (a fork/join costs more than such a call on a loaded machine).
-PARALLEL_MIN = int(os.environ.get("KVTIER_KV_KERNEL_PARALLEL_MIN", 8192))
+# Context tokens x KV heads from which a call forks OpenMP threads (each sequence's context split in
+# parts). Off by default ($KVTIER_KV_KERNEL_PARALLEL_MIN sets it): the kernel's OpenMP pool is not
+# torch's, and on the shared 2-core machine (loaded) with torch at 2 threads a 4k-context int8 decode
+# step took 1,078 ms with the kernel forking vs 726 ms serial (fp32 KV: 729 ms), median of 8.
+PARALLEL_MIN = int(os.environ.get("KVTIER_KV_KERNEL_PARALLEL_MIN", 1 << 62))
 PART_TOKENS = 512  # the smallest context part a thread takes
 _state: dict[str, ctypes.CDLL | None] = {}
 _scratch = threading.local()
