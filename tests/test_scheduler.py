@@ -187,14 +187,14 @@ def test_story_a_backed_up_queue_widens_the_step_within_a_bound() -> None:
     wide = w.scheduler.budget.prefill_tokens(8, w.scheduler.oldest_wait_s())
     assert wide > calm
     out = w.step()
-    # At most 2 x 2.5 = 5 decode steps, however long the queue has waited.
-    assert w.step_seconds[-1] <= 5 * DECODE_STEP_S + 1e-9
+    # At most 8 x 2.5 = 20 decode steps, however long the queue has waited.
+    assert w.step_seconds[-1] <= 20 * DECODE_STEP_S + 1e-9
     assert sum(x.num_new_tokens for x in out.prefills) == wide  # a whole prompt and a chunk, not 150
     w.clock[0] += 100.0
-    assert w.scheduler.budget.factor(w.scheduler.oldest_wait_s()) == 5.0
+    assert w.scheduler.budget.factor(w.scheduler.oldest_wait_s()) == 20.0
     while any(s.num_output_tokens == 0 for s in backlog):
         w.step()
-        assert w.step_seconds[-1] <= 5 * DECODE_STEP_S + 1e-9
+        assert w.step_seconds[-1] <= 20 * DECODE_STEP_S + 1e-9
 
 
 def test_cost_model_learns_the_marginal_prefill_rate() -> None:

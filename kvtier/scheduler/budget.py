@@ -8,6 +8,7 @@
     target    = max(max_step_ms, factor * decode_step_s)
     factor    = step_time_factor, grown by AGE_GROWTH per decode step the oldest waiting request
                 has queued beyond AGE_GRACE_STEPS target steps, at most MAX_FACTOR_GROWTH times
+                (so a queue that keeps backing up turns the steps into the fixed token budget's)
     prefill budget = (target - decode_step_s) * prefill_tokens_per_s
                      capped by max_num_batched_tokens - num_decodes
 
@@ -15,7 +16,10 @@ The target follows the measured decode step, so on a slow CPU (where a decode st
 about any fixed ``max_step_ms``) prefill still gets ``factor - 1`` decode steps' worth of every
 step: with ``factor`` 2.5 a step with a prompt chunk lasts at most 2.5 decode-only steps (ITL
 p99/p50 stays under 3) while prompts get 60% of the time. When the queue backs up, the oldest
-waiting request's age widens the factor so first tokens do not fall behind the arrivals. With no decodes
+waiting request's age widens the factor so first tokens do not fall behind the arrivals: a server
+that keeps up streams smoothly, one that falls behind moves toward throughput (big prompt chunks),
+with every step about as long as its neighbours while the backlog lasts, instead of letting the
+queue grow without bound at 60% of the prefill rate. With no decodes
 running nobody's stream can stall, so a prefill-only step takes the whole ``max_num_batched_tokens``.
 ``max_step_ms = 0`` turns the time budget off (the fixed token budget). Torch-free.
 """
@@ -27,8 +31,8 @@ from kvtier.scheduler.preemption import CostModel
 
 MIN_PREFILL_TOKENS = 16
 AGE_GRACE_STEPS = 2.0  # waiting this many target steps is normal under load: no growth yet
-AGE_GROWTH = 0.25  # factor added per decode step of waiting beyond the grace
-MAX_FACTOR_GROWTH = 2.0  # the factor grows to at most this many times step_time_factor
+AGE_GROWTH = 1.0  # factor added per decode step of waiting beyond the grace
+MAX_FACTOR_GROWTH = 8.0  # the factor grows to at most this many times step_time_factor
 
 
 class StepBudget:
