@@ -48,7 +48,7 @@ class DecodeGroup:
     max_context: int  # longest context in the group (tokens incl. the new one)
     mask: torch.Tensor | None  # [B, 1, 1, max_context] bool (True = attend); None when B == 1
     # [B] long tokens per sequence, the length of each mask row's True prefix: ``context_lens()``
-    _lens: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def context_lens(self) -> torch.Tensor | None:
         """[B] long context lengths (the mask's rows are prefixes), counted once per step and kept for

@@ -122,6 +122,10 @@ def decode_attention(
     group = num_heads // num_kv_heads
     raw = kv_cache.raw
     q = q.contiguous()
+    # the kernel reads raw int64 block ids and lengths: anything else would be misread
+    block_tables = block_tables.to(torch.long).contiguous()
+    if context_lens is not None:
+        context_lens = context_lens.to(torch.long).contiguous()
     out = torch.empty(b, num_heads * head_dim, dtype=torch.float32)
     threads, parts = _plan(b, num_kv_heads, max_context)
     scratch = _buffer(b * num_kv_heads * (group * head_dim + parts * (group * head_dim + 2 * group)))
