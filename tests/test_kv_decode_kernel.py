@@ -93,8 +93,10 @@ def test_kernel_agrees_with_the_torch_path_to_fp32_rounding(
     q = torch.randn(len(lens), kv_heads * group, head_dim)  # [B, H, D]
     kv_new = torch.zeros(len(lens), 2, kv_heads, head_dim)  # only its shape is read by decode
     assert kvkernels.supports(cache, kv_heads * group)
-    for parallel_min in (1 << 40, 0):  # one thread, one part; then torch's threads, contexts in parts
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what _plan asks: 2 threads, whatever set
+    for parallel_min in (1 << 40, 0):  # one thread, one part; then 2 threads, contexts in parts
         monkeypatch.setattr(kvkernels, "PARALLEL_MIN", parallel_min)
+        assert kvkernels._plan(len(lens), kv_heads, max(lens))[0] == (1 if parallel_min else 2)
         fused = [paged_attention(q, kv_new, cache, layer, meta, 0.125) for layer in range(2)]
         with monkeypatch.context() as m:
             torch_path(m)
