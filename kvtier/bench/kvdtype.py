@@ -463,7 +463,11 @@ def print_capacity(rows: list[dict[str, Any]], ns: argparse.Namespace) -> None:
 
 
 def print_decode(rows: list[dict[str, Any]]) -> None:
+    from kvtier.models import kvkernels
+
     print("\nsingle-stream decode step (model forward through the paged cache, median; target >= 0.9x fp32):")
+    path = "the fused C kernel (kvattn.c)" if kvkernels.kernels() else "the torch path (kernel unavailable)"
+    print(f"  fp8/int8 decode attention: {path}")
     print(f"  {'kv dtype':<10} {'context':>7} {'step':>9} {'tokens/s':>8} {'vs fp32':>8}")
     ref = {r["context"]: r["step_s"] for r in rows if r["kv_dtype"] == "float32"}
     for r in rows:
