@@ -23,6 +23,7 @@ $(VENV)/.kvtier-setup: pyproject.toml
 	@echo "kvtier setup: done"
 	@# optional: the quantized-weight kernels (weight_dtype gguf/int8; ~1 s with gcc, skipped without one)
 	@$(PY) -m kvtier.models.qkernels || true
+	@$(PY) -m kvtier.models.kvkernels || true
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || $(MAKE) --no-print-directory redis-server
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || $(MAKE) --no-print-directory chromium
 	touch $@

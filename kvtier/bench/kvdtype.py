@@ -16,7 +16,9 @@
   cache, ``--decode-steps`` steps, median), and the ``bench multiturn`` device+host row per KV dtype:
   host-tier load time per returning turn (the device pool holds a quarter of the conversations).
 
-Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, short multiturn).
+Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, short multiturn), and
+``kvtier bench kvdtype --fp8-study N`` for the fp8_e4m3 quality study instead (``kvdtype_study.py``:
+K vs V, attention sinks, rounding levers, on N windows).
 """
 
 from __future__ import annotations
@@ -54,6 +56,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=3, help="multiturn turns (default 3)")
     p.add_argument("--skip", default="", help="parts to skip: quality,capacity,decode,multiturn")
     p.add_argument("--quick", action="store_true", help="smoke run: 1,024 tokens, context 512, 3x2 turns")
+    p.add_argument(
+        "--fp8-study",
+        type=int,
+        default=0,
+        metavar="WINDOWS",
+        help="instead: the fp8_e4m3 quality study on this many 2,048-token windows (kvdtype_study.py)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_engine_args(p, ["num_threads"])
     p.set_defaults(func=main)
@@ -370,6 +379,12 @@ def main(ns: argparse.Namespace) -> int:
         f"{torch.get_num_threads()} threads; side by side in one process",
         flush=True,
     )
+    if ns.fp8_study:
+        from kvtier.bench.kvdtype_study import print_study, run_study
+
+        out["fp8_study"] = run_study(model, fixed_text(loaded.tokenizer, 20480), ns.fp8_study)
+        print_study(out["fp8_study"])
+        skip = {"quality", "capacity", "decode", "multiturn"}
     if "quality" not in skip:
         ids = fixed_text(loaded.tokenizer, ns.quality_tokens)
         q = run_quality(model, ids, kv_dtypes, ns.window, ns.chunk)
@@ -448,7 +463,11 @@ def print_capacity(rows: list[dict[str, Any]], ns: argparse.Namespace) -> None:
 
 
 def print_decode(rows: list[dict[str, Any]]) -> None:
+    from kvtier.models import kvkernels
+
     print("\nsingle-stream decode step (model forward through the paged cache, median; target >= 0.9x fp32):")
+    path = "the fused C kernel (kvattn.c)" if kvkernels.kernels() else "the torch path (kernel unavailable)"
+    print(f"  fp8/int8 decode attention: {path}")
     print(f"  {'kv dtype':<10} {'context':>7} {'step':>9} {'tokens/s':>8} {'vs fp32':>8}")
     ref = {r["context"]: r["step_s"] for r in rows if r["kv_dtype"] == "float32"}
     for r in rows:

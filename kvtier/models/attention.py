@@ -14,9 +14,11 @@ K/V only through block tables and writes new K/V only through slot mappings (blo
             (quantized per token and KV head on the way in with a compact KV dtype)
     read:   rows = kv_layer.index_select(0, block_table)  ->  [n_blocks, BS, 2, KVH, D]
                                                           ->  [ctx, 2, KVH, D]
-            (a view with ``auto``; with a compact KV dtype only the gathered blocks are converted,
-             and decode folds each token's scale into its score and probability: see
-             ``decode_attention_scaled``; prefill chunks dequantize what they gather)
+            (a view with ``auto``; with a compact KV dtype prefill chunks dequantize what they gather)
+    decode, compact KV (fp8/int8 on CPU): no gather; the fused kernel of ``kvkernels.py`` walks the
+            block table over the uint8 pool itself, one pass over K and one over V per layer, each
+            token's scale folded into its score and probability (``decode_attention_scaled`` is the
+            same computation in torch: the fallback where the kernel is unavailable)
 
 Decode rows (one query token each) run as one batched group padded to the longest context with a
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
@@ -26,11 +28,13 @@ query heads that share a KV head into the query axis, prefill uses SDPA's native
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvtier.models import kvkernels
 from kvtier.models.kv_quant import PagedKVCache
 
 
@@ -43,6 +47,15 @@ class DecodeGroup:
     max_blocks: int
     max_context: int  # longest context in the group (tokens incl. the new one)
     mask: torch.Tensor | None  # [B, 1, 1, max_context] bool (True = attend); None when B == 1
+    # [B] long tokens per sequence, the length of each mask row's True prefix: ``context_lens()``
+    _lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def context_lens(self) -> torch.Tensor | None:
+        """[B] long context lengths (the mask's rows are prefixes), counted once per step and kept for
+        the other layers; None when every sequence has ``max_context`` tokens (no mask)."""
+        if self.mask is not None and self._lens is None:
+            self._lens = self.mask.reshape(self.num_seqs, -1).sum(-1)
+        return self._lens
 
 
 @dataclass
@@ -98,28 +111,48 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_new.shape[2]
-    group = num_heads // num_kv_heads
-    q = kv_cache.rotate_queries(q)  # compact KV is stored rotated (kv_quant.py); q itself with auto
+    """The step's attention: decode rows first, then each prefill chunk. Compact K/V is stored rotated
+    (kv_quant.py): queries are rotated into that basis and outputs back, except by the fused decode
+    kernel (kvkernels.py), which reads the compact pool in place and rotates inside."""
+    head_dim = q.shape[2]
+    d = meta.decode
+    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None else None
+    if lib is None:  # the torch path for every row
+        out = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=True)
+        return kv_cache.unrotate_output(out, head_dim)
+    assert d is not None
+    lens = d.context_lens()
+    out = kvkernels.decode_attention(
+        lib, q[: d.num_seqs], kv_cache, layer, d.block_tables, lens, d.max_context, scale
+    )
+    if not meta.prefills:
+        return out  # [B, H * D]
+    rest = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=False)
+    return torch.cat([out, kv_cache.unrotate_output(rest, head_dim)], dim=0)
+
+
+def _decode_kernel(kv_cache: PagedKVCache, num_heads: int) -> ctypes.CDLL | None:
+    """The fused decode kernel library when it covers this cache (compact fp8/int8 on CPU), else None."""
+    if kv_cache.scales is None or not kvkernels.supports(kv_cache, num_heads):
+        return None
+    return kvkernels.kernels()
+
+
+def _attend(
+    q: torch.Tensor,  # [T, H, D] in the stored K/V's basis
+    kv_new: torch.Tensor,  # [T, 2, KVH, D]
+    kv_cache: PagedKVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    with_decode: bool,
+) -> torch.Tensor:  # [T, H * D] (without the decode rows unless ``with_decode``), the stored basis
+    """Attention of the decode group (when ``with_decode``) and every prefill chunk, through torch."""
     outs: list[torch.Tensor] = []
-
-    if meta.decode is not None:
-        d = meta.decode
-        b = d.num_seqs
-        qd = q[:b].view(b, num_kv_heads, group, head_dim)  # query heads sharing a KV head as rows
-        ctx_shape = (b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
-        ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables, reuse=True)  # used before the next
-        ctx = ctx.view(ctx_shape)[:, : d.max_context]  # [B, ctx, 2, KVH, D]
-        if ctx_scale is None:
-            k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
-            v = ctx[:, :, 1].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
-        else:
-            ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, : d.max_context]  # [B, ctx, 2, KVH]
-            o = decode_attention_scaled(qd, ctx, ctx_scale, d.mask, scale)
-        outs.append(o.reshape(b, num_heads * head_dim))
-
+    if meta.decode is not None and with_decode:
+        outs.append(_decode_torch(q, kv_cache, layer, meta.decode, scale))
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // kv_new.shape[2]
     for p in meta.prefills:
         # CPU SDPA's fused kernel wants 4-D inputs: 3-D ones fall back to unfused math (~6x slower)
         qs = q[p.start : p.start + p.num_tokens].transpose(0, 1)[None]  # [1, H, n, D]
@@ -135,9 +168,31 @@ def paged_attention(
             qs, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
         )  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-    return kv_cache.unrotate_output(out, head_dim)
+
+def _decode_torch(
+    q: torch.Tensor,  # [T, H, D] in the stored K/V's basis (rows [0, B) are the decode group's)
+    kv_cache: PagedKVCache,
+    layer: int,
+    d: DecodeGroup,
+    scale: float,
+) -> torch.Tensor:  # [B, H * D]
+    """The decode group through torch: gather the context, SDPA (or the scaled form when compact)."""
+    b, num_heads, head_dim = d.num_seqs, q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.token_shape[1]
+    qd = q[:b].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # heads sharing a KV head as rows
+    ctx_shape = (b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
+    ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables, reuse=True)  # used before the next
+    ctx = ctx.view(ctx_shape)[:, : d.max_context]  # [B, ctx, 2, KVH, D]
+    if ctx_scale is None:
+        k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
+        v = ctx[:, :, 1].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
+    else:
+        ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, : d.max_context]  # [B, ctx, 2, KVH]
+        o = decode_attention_scaled(qd, ctx, ctx_scale, d.mask, scale)
+    return o.reshape(b, num_heads * head_dim)
 
 
 def decode_attention_scaled(
