@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.qkernels import build, library_path
+from kvtier.models.qkernels import build, cpu_ok, library_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +46,6 @@ _state: dict[str, ctypes.CDLL | None] = {}
 _scratch = threading.local()
 
 
-def _cpu_ok() -> bool:
-    """Whether the CPU has AVX2, FMA and F16C (Linux: /proc/cpuinfo; elsewhere assume yes)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return all(f" {flag}" in flags for flag in ("avx2", "fma", "f16c"))
-
-
 def kernels() -> ctypes.CDLL | None:
     """The loaded kernel library, building it first when needed; None (logged once) when unavailable."""
     if "lib" in _state:
@@ -63,7 +54,7 @@ def kernels() -> ctypes.CDLL | None:
     try:
         if os.environ.get("KVTIER_NO_KERNELS"):
             raise RuntimeError("disabled by KVTIER_NO_KERNELS")
-        if not _cpu_ok():
+        if not cpu_ok():
             raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
         lib = ctypes.CDLL(str(build(source=SOURCE)))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

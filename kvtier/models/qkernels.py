@@ -41,7 +41,7 @@ def library_path(source: Path = SOURCE) -> Path:
     return kernel_dir() / f"{source.stem}-{digest}.so"
 
 
-def _cpu_ok() -> bool:
+def cpu_ok() -> bool:
     """Whether the CPU has the instructions the kernels use (Linux: /proc/cpuinfo; else assume yes)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
@@ -123,7 +123,7 @@ def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
     try:
         if os.environ.get("KVTIER_NO_KERNELS"):
             raise RuntimeError("disabled by KVTIER_NO_KERNELS")
-        if not _cpu_ok():
+        if not cpu_ok():
             raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
         lib = _bind(ctypes.CDLL(str(build(source=source))), source)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
