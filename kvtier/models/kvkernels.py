@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.qkernels import build, cpu_ok, library_path
+from kvtier.models.qkernels import library_path, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,7 @@ def kernels() -> ctypes.CDLL | None:
         return _state["lib"]
     lib = None
     try:
-        if os.environ.get("KVTIER_NO_KERNELS"):
-            raise RuntimeError("disabled by KVTIER_NO_KERNELS")
-        if not cpu_ok():
-            raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
-        lib = ctypes.CDLL(str(build(source=SOURCE)))
+        lib = load_library(SOURCE)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.kv_decode_attention.argtypes = [i32, p, i64, i64, p, i64, p, i64, p, p, p]
         lib.kv_decode_attention.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i32]

@@ -114,6 +114,16 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
     return lib
 
 
+def load_library(source: Path) -> ctypes.CDLL:
+    """Build (when needed) and load ``source``'s library; raises OSError, RuntimeError or
+    SubprocessError when it is unavailable here (``KVTIER_NO_KERNELS``, no AVX2, no compiler)."""
+    if os.environ.get("KVTIER_NO_KERNELS"):
+        raise RuntimeError("disabled by KVTIER_NO_KERNELS")
+    if not cpu_ok():
+        raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
+    return ctypes.CDLL(str(build(source=source)))
+
+
 def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
     """The loaded kernel library built from ``source`` (``qmatmul.c``, or ``FUSED``: the per-layer fused
     ops), building it first when needed; None (logged once) when unavailable."""
@@ -121,11 +131,7 @@ def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
         return _state[source.name]
     lib = None
     try:
-        if os.environ.get("KVTIER_NO_KERNELS"):
-            raise RuntimeError("disabled by KVTIER_NO_KERNELS")
-        if not cpu_ok():
-            raise RuntimeError("this CPU lacks AVX2/FMA/F16C")
-        lib = _bind(ctypes.CDLL(str(build(source=source))), source)
+        lib = _bind(load_library(source), source)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         if not any(v is None for v in _state.values()):  # one line per process, whichever failed first
             logger.warning("kvtier: C kernels unavailable (%s); using torch ops and dense fp32 weights", exc)
