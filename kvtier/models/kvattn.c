@@ -33,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd_exp.h"
+
 enum { KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
 #define MAX_D 256
 #define MAX_G 8
@@ -47,24 +49,6 @@ static inline __attribute__((always_inline)) __m256 load8(int fmt, const uint8_t
 }
 
 static inline float fmt_factor(int fmt) { return fmt == KV_E4M3 ? 256.0f : 1.0f; }
-
-/* exp(x) for x <= 0 (Cephes' polynomial; inputs below -87 give ~1e-38 instead of smaller or zero). */
-static inline __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 /* [sum(v[0]), ..., sum(v[7])]: eight horizontal sums at once. */
 static inline __m256 hsum8(const __m256 v[8]) {
@@ -164,7 +148,7 @@ static void exponentiate(const int G, float *s, int64_t ld, int64_t n, const flo
         __m256 m = _mm256_set1_ps(mx[g]), acc = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 8 <= n; i += 8) {
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + i), m));
             _mm256_storeu_ps(row + i, e);
             acc = _mm256_add_ps(acc, e);
         }
@@ -172,7 +156,7 @@ static void exponentiate(const int G, float *s, int64_t ld, int64_t n, const flo
         if (i < n) {
             float tmp[8] = {0};
             memcpy(tmp, row + i, (n - i) * sizeof(float));
-            _mm256_storeu_ps(tmp, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(tmp), m)));
+            _mm256_storeu_ps(tmp, exp8(_mm256_sub_ps(_mm256_loadu_ps(tmp), m)));
             for (int64_t j = 0; j < n - i; j++) total += tmp[j];
             memcpy(row + i, tmp, (n - i) * sizeof(float));
         }

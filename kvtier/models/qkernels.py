@@ -36,8 +36,11 @@ def kernel_dir() -> Path:
 
 
 def library_path(source: Path = SOURCE) -> Path:
-    """The shared library built from ``source`` (its name carries the source's and flags' digest)."""
-    digest = hashlib.blake2b(source.read_bytes() + " ".join(CFLAGS).encode(), digest_size=8).hexdigest()
+    """The shared library built from ``source`` (its name carries the digest of the source, the headers
+    beside it that kernels include, and the flags)."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    text = source.read_bytes() + headers + " ".join(CFLAGS).encode()
+    digest = hashlib.blake2b(text, digest_size=8).hexdigest()
     return kernel_dir() / f"{source.stem}-{digest}.so"
 
 
