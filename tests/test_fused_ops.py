@@ -149,3 +149,20 @@ def test_tiny_model_decode_through_fused_ops_matches_the_torch_path(
             lin.gemv = None
     plain.lm_head.gemv = None
     torch.testing.assert_close(paged_logits(fused, ids, 11), paged_logits(plain, ids, 11), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"threads": [1, 0]}', '{"threads": "1"}', '{"other": 1}'])
+def test_a_corrupt_choice_file_is_a_miss_measured_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, content: str
+) -> None:
+    monkeypatch.setattr(qkernels, "kernel_dir", lambda: tmp_path)
+    monkeypatch.setattr(qlinear, "_GEMV_CHOICES", {})
+    monkeypatch.delenv("KVTIER_DENSE_GEMV", raising=False)
+    group = [DenseLinear(torch.randn(64, 128), None) for _ in range(2)]
+    calibrate_dense([group], LIB, repeat=1)
+    (stored,) = tmp_path.glob("gemv-choice-*.json")
+    stored.write_text(content)  # torn, or the wrong number of groups, or the wrong type
+    monkeypatch.setattr(qlinear, "_GEMV_CHOICES", {})  # as a new process would
+    times = calibrate_dense([group], LIB, repeat=1)
+    assert "64x128:mkl" in times  # measured again instead of failing at load
+    assert len(json.loads(stored.read_text())["threads"]) == 1  # and written back whole

@@ -23,6 +23,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -144,16 +145,31 @@ def _time_group(
 
 
 def _measure_choice(group: list[DenseLinear], lib: ctypes.CDLL, repeat: int, times: dict[str, float]) -> int:
-    """0 (torch's matmul) or the GEMV's thread count, whichever ran ``group`` fastest (GEMV: > 10%)."""
+    """0 (torch's matmul) or 1 (the GEMV, one thread) for ``group``: the GEMV when > 10% faster."""
     mkl = _time_group(group, None, repeat, float("inf"))
     # one thread only: MKL runs a 1-row product on one thread too, and a fork/join per GEMV stalls
     # for whole scheduler slices whenever the other core is busy (measured 10-100x slower under load)
-    measured = {1: _time_group(group, (lib, 1), repeat, 3 * mkl)}
+    gemv = _time_group(group, (lib, 1), repeat, 3 * mkl)
     key = f"{group[0].K}x{group[0].N}"
-    times[f"{key}:mkl"] = mkl * 1e3
-    times.update({f"{key}:{n}": v * 1e3 for n, v in measured.items()})
-    fastest = min(measured, key=measured.__getitem__)
-    return fastest if measured[fastest] < 0.9 * mkl else 0
+    times[f"{key}:mkl"], times[f"{key}:1"] = mkl * 1e3, gemv * 1e3
+    return 1 if gemv < 0.9 * mkl else 0
+
+
+def _stored_choice(path: Path, num_groups: int) -> list[int] | None:
+    """The threads per group a choice file holds; None when it is missing or not a valid choice for
+    ``num_groups`` groups (a corrupt file is removed: it is measured and written again)."""
+    try:
+        threads = json.loads(path.read_text())["threads"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        threads = None
+    valid = isinstance(threads, list) and len(threads) == num_groups
+    if valid and all(isinstance(n, int) and n >= 0 for n in threads):
+        return threads
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
 
 
 _GEMV_CHOICES: dict[str, list[int]] = {}  # digest -> threads per group (0: MKL), once per process
@@ -181,16 +197,15 @@ def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: i
         threads = [1 if forced == "1" else 0] * len(groups)
     elif tag in _GEMV_CHOICES:  # this process chose already (even if the file went away since)
         threads = _GEMV_CHOICES[tag]
+    elif (stored := _stored_choice(path, len(groups))) is not None:
+        threads = _GEMV_CHOICES[tag] = stored
     else:
-        try:
-            threads = _GEMV_CHOICES[tag] = json.loads(path.read_text())["threads"]
-        except (OSError, ValueError, KeyError):
-            _GEMV_CHOICES[tag] = threads = [_measure_choice(g, lib, repeat, times) for g in groups]
-            with contextlib.suppress(OSError):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({"shapes": shapes, "threads": threads, "ms": times}))
-                os.replace(tmp, path)
+        _GEMV_CHOICES[tag] = threads = [_measure_choice(g, lib, repeat, times) for g in groups]
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"shapes": shapes, "threads": threads, "ms": times}))
+            os.replace(tmp, path)
     for group, n in zip(groups, threads, strict=True):
         for lin in group:
             lin.gemv = (lib, n) if n else None
