@@ -29,10 +29,6 @@ static inline __m256 i8x8(const int8_t *p) { /* 8 int8 -> 8 fp32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-static inline __m256 u8x8(__m128i v) { /* low 8 uint8 of v -> 8 fp32 */
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-}
-
 /* Decode one block into w[0..3] (32 fp32 weights). */
 static inline __attribute__((always_inline)) void decode(int qtype, const uint8_t *b, float s, __m256 w[4]) {
     if (qtype == Q8_0 || qtype == INT8) {
@@ -41,13 +37,15 @@ static inline __attribute__((always_inline)) void decode(int qtype, const uint8_
         for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i8x8(q + 8 * i));
         return;
     }
+    /* bytes 0..7 and 8..15 zero-extended to 32-bit lanes straight from memory; a lane's low nibble
+     * is weight j, its high nibble weight j + 16 (no byte shuffles) */
     const uint8_t *qs = b + (qtype == Q4_1 ? 4 : 2);
-    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256i mask = _mm256_set1_epi32(0x0F);
     __m256 d = _mm256_set1_ps(fp16(b));
-    __m256 q[4] = {u8x8(lo), u8x8(_mm_srli_si128(lo, 8)), u8x8(hi), u8x8(_mm_srli_si128(hi, 8))};
+    __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(c, mask)),
+                   _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4))};
     if (qtype == Q4_1) {
         __m256 m = _mm256_set1_ps(fp16(b + 2));
         for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, q[i], m);
@@ -75,25 +73,31 @@ int64_t kv_block_bytes(int qtype) {
 }
 
 /* One row n of W against ROWS (1..4, a compile-time constant after inlining) rows of x:
- * out[r] = x[r] . W[n]. Two accumulators per x row keep the FMA chains short. */
+ * out[r] = x[r] . W[n]. Each x row keeps NACC accumulators, four for one or two rows (a block's
+ * four FMAs then feed four independent chains: one chain of FMA latency per block, not two), two
+ * for three or four rows (registers). */
 static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8_t *wrow, float s,
                                                           const float *x, int64_t ldx, const int ROWS,
                                                           int64_t K, float *out) {
+    const int NACC = ROWS <= 2 ? 4 : 2;
     int64_t bsz = kv_block_bytes(qtype), nb = K / QK;
-    __m256 acc[4][2];
-    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[4][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < NACC; i++) acc[r][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256 w[4];
         decode(qtype, wrow + b * bsz, s, w);
         for (int r = 0; r < ROWS; r++) {
             const float *xb = x + r * ldx + b * QK;
-            acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][1]);
-            acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][1]);
+            for (int i = 0; i < 4; i++)
+                acc[r][i % NACC] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i % NACC]);
         }
     }
-    for (int r = 0; r < ROWS; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < ROWS; r++) {
+        __m256 sum = _mm256_add_ps(acc[r][0], acc[r][1]);
+        if (NACC == 4) sum = _mm256_add_ps(sum, _mm256_add_ps(acc[r][2], acc[r][3]));
+        out[r] = hsum(sum);
+    }
 }
 
 /* The row-dot of one W row for one block type (a constant: the decoder is inlined per type). */
