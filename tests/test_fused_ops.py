@@ -74,6 +74,36 @@ def test_rope_is_torchs_complex_multiply_bit_for_bit() -> None:
     assert not torch.equal(a[1:, :48], qkv[1:, :48])  # position 0 is the identity, the rest rotate
 
 
+def test_rope_store_writes_the_slots_torch_would_bit_for_bit() -> None:
+    """RoPE + cache write in one call (float32 pool): the pool and the returned K/V equal RoPE then
+    ``write_kv``; a compact pool, and a cache class that writes its own way, take the torch path."""
+    from kvtier.bench.kvdtype_study import FakeQuantCache
+    from kvtier.models.attention import AttentionMetadata
+    from kvtier.models.kv_quant import KVFormat, PagedKVCache
+
+    positions = torch.tensor([5, 6, 40])
+    heads = (2, 1, 16)  # H, KVH, D: rows are Q (2 heads) | K | V
+    qkv = torch.randn(3, 4 * 16)
+    meta = AttentionMetadata(torch.tensor([3, 0, 2]), torch.tensor([15, 0, 7]), None, [])
+    fused, plain = FusedOps(LIB, rope()), TorchOps(rope())
+    fused.begin(positions)
+    plain.begin(positions)
+    for kd in ("float32", "int8"):
+        pools = [
+            PagedKVCache(KVFormat(kd, torch.float32), 4, (2, 16, 1, 16), torch.device("cpu")) for _ in "ab"
+        ]
+        a, b = qkv.clone(), qkv.clone()
+        got = fused.rope_store(a, positions, heads, pools[0], 1, meta)
+        want = plain.rope_store(b, positions, heads, pools[1], 1, meta)
+        assert torch.equal(a, b) and torch.equal(got, want) and torch.equal(pools[0].raw, pools[1].raw)
+        assert pools[0].raw.count_nonzero() > 0 and pools[0].raw[:, 0].count_nonzero() == 0  # layer 1 only
+    seen = []
+    study = FakeQuantCache(4, (2, 16, 1, 16), lambda layer, kv, pos: seen.append(layer) or kv)
+    assert not study.writes_float32_rows
+    fused.rope_store(qkv.clone(), positions, heads, study, 0, meta)
+    assert seen == [0]  # its own write ran
+
+
 def test_silu_times_up_matches_torch() -> None:
     gate_up = torch.randn(3, 2 * 44) * 6  # 44: a tail after five 8-wide vectors
     got = FusedOps(LIB, rope()).silu_mul(gate_up, torch.empty(3, 44))

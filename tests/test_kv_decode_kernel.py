@@ -20,6 +20,7 @@ from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.sampling_params import SamplingParams
 
 COMPACT = ("fp8_e4m3", "fp8_e5m2", "int8")
+PLAIN = ("float32", "bfloat16")  # no scales, no rotation: the same kernel walk over 4- or 2-byte elements
 needs_kernel = pytest.mark.skipif(kvkernels.kernels() is None, reason="no C compiler / AVX2: kernel off")
 
 
@@ -82,7 +83,7 @@ CASES = [  # (lens per sequence, KV heads, query heads per KV head, head_dim, bl
 
 
 @needs_kernel
-@pytest.mark.parametrize("kd", COMPACT)
+@pytest.mark.parametrize("kd", COMPACT + PLAIN)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"lens{c[0]}-kvh{c[1]}-g{c[2]}-d{c[3]}-bs{c[4]}")
 def test_kernel_agrees_with_the_torch_path_to_fp32_rounding(
     kd: str, case: tuple[Any, ...], monkeypatch: pytest.MonkeyPatch
@@ -155,8 +156,10 @@ def test_unsupported_caches_take_the_torch_path() -> None:
     assert not kvkernels.supports(PagedKVCache(fmt, 2, (1, 128, 1, 64), torch.device("cpu")), 1)  # BS 128
     bf16 = KVFormat("int8", torch.bfloat16)
     assert not kvkernels.supports(PagedKVCache(bf16, 2, (1, 16, 2, 64), torch.device("cpu")), 4)
+    half = KVFormat("float16", torch.float32)  # float16 KV: no kernel format
+    assert not kvkernels.supports(PagedKVCache(half, 2, (1, 16, 2, 64), torch.device("cpu")), 4)
     plain = KVFormat("float32", torch.float32)
-    assert not kvkernels.supports(PagedKVCache(plain, 2, (1, 16, 2, 64), torch.device("cpu")), 4)
+    assert kvkernels.supports(PagedKVCache(plain, 2, (1, 16, 2, 64), torch.device("cpu")), 4)
 
 
 def test_kernels_off_or_no_compiler_is_one_log_line_and_decode_still_runs(

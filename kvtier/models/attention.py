@@ -15,10 +15,10 @@ K/V only through block tables and writes new K/V only through slot mappings (blo
     read:   rows = kv_layer.index_select(0, block_table)  ->  [n_blocks, BS, 2, KVH, D]
                                                           ->  [ctx, 2, KVH, D]
             (a view with ``auto``; with a compact KV dtype prefill chunks dequantize what they gather)
-    decode, compact KV (fp8/int8 on CPU): no gather; the fused kernel of ``kvkernels.py`` walks the
-            block table over the uint8 pool itself, one pass over K and one over V per layer, each
-            token's scale folded into its score and probability (``decode_attention_scaled`` is the
-            same computation in torch: the fallback where the kernel is unavailable)
+    decode, fp32 compute on CPU (every KV dtype but float16): no gather; the fused kernel of
+            ``kvkernels.py`` walks the block table over the pool itself, one pass over K and one over
+            V per layer, a compact token's scale folded into its score and probability (the torch
+            path, SDPA or ``decode_attention_scaled``, is the fallback where the kernel is unavailable)
 
 Decode rows (one query token each) run as one batched group padded to the longest context with a
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
@@ -49,6 +49,8 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_context] bool (True = attend); None when B == 1
     # [B] long tokens per sequence, the length of each mask row's True prefix: ``context_lens()``
     _lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # the decode kernel's call for this step, prepared at the first layer: ``kernel_call()``
+    _call: kvkernels.StepCall | None = field(default=None, init=False, repr=False, compare=False)
 
     def context_lens(self) -> torch.Tensor | None:
         """[B] long context lengths (the mask's rows are prefixes), counted once per step and kept for
@@ -56,6 +58,17 @@ class DecodeGroup:
         if self.mask is not None and self._lens is None:
             self._lens = self.mask.reshape(self.num_seqs, -1).sum(-1)
         return self._lens
+
+    def kernel_call(
+        self, lib: ctypes.CDLL, kv_cache: PagedKVCache, num_heads: int, scale: float
+    ) -> kvkernels.StepCall:
+        """The decode kernel's call over ``kv_cache``, its per-step arguments converted once for every
+        layer of the step."""
+        if self._call is None or self._call.cache is not kv_cache:
+            lens = self.context_lens()
+            args = (self.block_tables, lens, self.num_seqs, self.max_context, scale)
+            self._call = kvkernels.StepCall(lib, kv_cache, num_heads, *args)
+        return self._call
 
 
 @dataclass
@@ -77,6 +90,17 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] long
     decode: DecodeGroup | None
     prefills: list[PrefillGroup]
+    # (pool, [T] int64 byte offsets of the slots inside one layer of it): ``slot_bytes()``
+    _slot_bytes: tuple[PagedKVCache, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def slot_bytes(self, kv_cache: PagedKVCache) -> torch.Tensor:
+        """[T] int64: where each new token's K|V slot starts inside one layer of a plain pool's ``raw``
+        ([NB, L, BS, 2, KVH, D]), in bytes; counted once per step for every layer's cache write."""
+        if self._slot_bytes is None or self._slot_bytes[0] is not kv_cache:
+            raw, size = kv_cache.raw, kv_cache.raw.element_size()
+            at = self.slot_block_ids * (raw.stride(0) * size) + self.slot_offsets * (raw.stride(2) * size)
+            self._slot_bytes = (kv_cache, at.to(torch.long).contiguous())
+        return self._slot_bytes[1]
 
 
 def teacher_forced_chunk(start: int, end: int, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -121,10 +145,7 @@ def paged_attention(
         out = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=True)
         return kv_cache.unrotate_output(out, head_dim)
     assert d is not None
-    lens = d.context_lens()
-    out = kvkernels.decode_attention(
-        lib, q[: d.num_seqs], kv_cache, layer, d.block_tables, lens, d.max_context, scale
-    )
+    out = kvkernels.decode_attention(d.kernel_call(lib, kv_cache, q.shape[1], scale), q[: d.num_seqs], layer)
     if not meta.prefills:
         return out  # [B, H * D]
     rest = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=False)
@@ -132,8 +153,8 @@ def paged_attention(
 
 
 def _decode_kernel(kv_cache: PagedKVCache, num_heads: int) -> ctypes.CDLL | None:
-    """The fused decode kernel library when it covers this cache (compact fp8/int8 on CPU), else None."""
-    if kv_cache.scales is None or not kvkernels.supports(kv_cache, num_heads):
+    """The fused decode kernel library when it covers this cache (fp32 compute on CPU), else None."""
+    if not kvkernels.supports(kv_cache, num_heads):
         return None
     return kvkernels.kernels()
 

@@ -15,6 +15,9 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from kvtier.models.attention import AttentionMetadata, write_kv
+from kvtier.models.kv_quant import PagedKVCache
+
 
 def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm, bit for bit in fp32: w * (x * rsqrt(mean(x^2) + eps)). On CPU this is ~5x faster
@@ -22,6 +25,18 @@ def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     if x.dtype != torch.float32:
         return (rms_norm_torch(x.float(), w.float(), eps)).to(x.dtype)
     return torch.rsqrt(torch.mean(x * x, -1, keepdim=True).add_(eps)).mul(x).mul_(w)
+
+
+def rope_then_write(
+    ops: TorchOps | FusedOps, qkv: torch.Tensor, positions: torch.Tensor, heads: tuple[int, int, int],
+    kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+) -> torch.Tensor:  # fmt: skip
+    """``ops.rope_`` on the Q and K heads of ``qkv`` [T, (H + 2*KVH) * D], then ``write_kv`` of its K|V
+    part: the new K/V as stored, [T, 2, KVH, D]."""
+    num_heads, num_kv_heads, head_dim = heads
+    ops.rope_(qkv, positions, num_heads + num_kv_heads, head_dim)
+    kv_new = qkv[:, num_heads * head_dim :].view(qkv.shape[0], 2, num_kv_heads, head_dim)
+    return write_kv(kv_cache, layer, kv_new, meta)
 
 
 class TorchOps:
@@ -46,6 +61,14 @@ class TorchOps:
             x32 = part.float().view(T, num_heads, head_dim // 2, 2)
             rotated = torch.view_as_real(torch.view_as_complex(x32) * self.freqs)
             part.copy_(rotated.view(T, num_heads * head_dim))
+
+    def rope_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, heads: tuple[int, int, int],
+        kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """RoPE on the Q and K heads of ``qkv`` ([T, (H + 2*KVH) * D], in place), then the new K/V
+        written to their slots; returns them as stored ([T, 2, KVH, D], ``write_kv``'s result)."""
+        return rope_then_write(self, qkv, positions, heads, kv_cache, layer, meta)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
         inter = gate_up.shape[1] // 2
@@ -72,6 +95,31 @@ class FusedOps:
         T = qk.shape[0]
         ptr = self.positions.data_ptr()
         self.lib.kv_rope(qk.data_ptr(), qk.stride(0), self.table_ptr, ptr, T, num_heads, head_dim)
+
+    def rope_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, heads: tuple[int, int, int],
+        kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        """``TorchOps.rope_store`` in one C call when the pool is plain float32 (``auto``'s): RoPE, then
+        each token's K|V row copied to its slot (instead of torch's index_put, ~30 us a layer)."""
+        num_heads, num_kv_heads, head_dim = heads
+        raw = kv_cache.raw
+        if not kv_cache.writes_float32_rows:
+            return rope_then_write(self, qkv, positions, heads, kv_cache, layer, meta)
+        T, q_size = qkv.shape[0], num_heads * head_dim
+        pool = raw.data_ptr() + layer * raw.stride(1) * raw.element_size()
+        args = (
+            self.positions.data_ptr(),
+            T,
+            num_heads + num_kv_heads,
+            head_dim,
+            q_size,
+            qkv.shape[1] - q_size,
+        )
+        self.lib.kv_rope_store(
+            qkv.data_ptr(), qkv.stride(0), self.table_ptr, *args, pool, meta.slot_bytes(kv_cache).data_ptr()
+        )
+        return qkv[:, q_size:].view(T, 2, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.lib.kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])

@@ -197,6 +197,14 @@ class PagedKVCache:
         self.scales = self.raw[:, :, self.data_bytes :].view(torch.float32).view(nb, num_layers, bs, 2, kvh)
 
     @property
+    def writes_float32_rows(self) -> bool:
+        """Whether a write is a plain copy of float32 K|V rows into ``raw`` on CPU (``auto`` with fp32
+        compute), which the fused RoPE + store op (``FusedOps.rope_store``) then does itself; not for a
+        subclass that writes otherwise."""
+        plain = self.scales is None and self.raw.dtype == torch.float32 and self.raw.is_cpu
+        return plain and type(self).write is PagedKVCache.write
+
+    @property
     def bytes_per_token(self) -> int:
         return self.raw[0].numel() * self.raw.element_size() // self.block_size
 

@@ -1,9 +1,12 @@
-/* kvtier compact-KV decode attention: one query token per sequence over fp8/int8 K/V, read in place.
+/* kvtier decode attention: one query token per sequence over the paged K/V pool, read in place.
  *
- * The pool is PagedKVCache.raw (kvtier/models/kv_quant.py), uint8 [NB, L, layer_bytes]; one layer row
- * of one block (data_bytes = BS * 2 * KVH * D, one byte per element):
+ * The pool is PagedKVCache.raw (kvtier/models/kv_quant.py). Compact (fp8/int8): uint8 [NB, L,
+ * layer_bytes]; one layer row of one block (data_bytes = BS * 2 * KVH * D, one byte per element):
  *
  *     [ data  BS x 2 x KVH x D  (int8 / e4m3 / e5m2) | scales  BS x 2 x KVH  (float32) ]
+ *
+ * Plain (float32, bfloat16): [NB, L, BS, 2, KVH, D] elements, the same row without scales (each
+ * scale is 1) and never rotated; data_bytes = BS * 2 * KVH * D * element size.
  *
  * For each sequence b and KV head h, with its G query heads q_g (one row each) and context length n:
  *
@@ -35,12 +38,15 @@
 
 #include "simd_exp.h"
 
-enum { KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3 };
+enum { KV_INT8 = 1, KV_E4M3 = 2, KV_E5M2 = 3, KV_F32 = 4, KV_BF16 = 5 };
 #define MAX_D 256
 #define MAX_G 8
 
 /* 8 stored elements at p -> 8 fp32 (before the format's power-of-two factor). */
 static inline __attribute__((always_inline)) __m256 load8(int fmt, const uint8_t *p) {
+    if (fmt == KV_F32) return _mm256_loadu_ps((const float *)p);
+    if (fmt == KV_BF16) /* a bfloat16 is the top half of a float32 */
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
     __m128i raw = _mm_loadl_epi64((const __m128i *)p);
     if (fmt == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
     if (fmt == KV_E5M2) return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), raw));
@@ -49,6 +55,12 @@ static inline __attribute__((always_inline)) __m256 load8(int fmt, const uint8_t
 }
 
 static inline float fmt_factor(int fmt) { return fmt == KV_E4M3 ? 256.0f : 1.0f; }
+
+/* Bytes per stored element. */
+static inline int64_t esize(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1; }
+
+/* Whether a block row carries scales after its data (the compact formats). */
+static inline int scaled(int fmt) { return fmt <= KV_E5M2; }
 
 /* [sum(v[0]), ..., sum(v[7])]: eight horizontal sums at once. */
 static inline __m256 hsum8(const __m256 v[8]) {
@@ -87,19 +99,20 @@ static inline const uint8_t *block_row(const Pool *p, int64_t t) {
 
 /* Ask for the row of the block holding token t ahead of use: blocks sit anywhere in the pool, so the
  * hardware prefetcher loses the stream at each one. */
-static inline void prefetch_block(const Pool *p, int64_t t) {
+static inline void prefetch_block(int fmt, const Pool *p, int64_t t) {
     const uint8_t *row = block_row(p, t);
-    int64_t bytes = p->data_bytes + p->bs * 2 * p->kvh * 4;
+    int64_t bytes = p->data_bytes + (scaled(fmt) ? p->bs * 2 * p->kvh * 4 : 0);
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)row + i, _MM_HINT_T0);
 }
 
-/* Slot o's K (which = 0) or V (which = 1) elements of head h in a block row, and their scale. */
-static inline __attribute__((always_inline)) const uint8_t *slot_of(const Pool *p, const uint8_t *row,
-                                                                    int64_t o, int which, int64_t h,
-                                                                    float *scale) {
+/* Slot o's K (which = 0) or V (which = 1) elements of head h in a block row, and their scale (1
+ * for a plain format). */
+static inline __attribute__((always_inline)) const uint8_t *slot_of(int fmt, const Pool *p,
+                                                                    const uint8_t *row, int64_t o,
+                                                                    int which, int64_t h, float *scale) {
     int64_t i = (o * 2 + which) * p->kvh + h;
-    *scale = ((const float *)(row + p->data_bytes))[i];
-    return row + i * p->d;
+    *scale = scaled(fmt) ? ((const float *)(row + p->data_bytes))[i] : 1.0f;
+    return row + i * p->d * esize(fmt);
 }
 
 /* Scores of head h for tokens [t, t + n) of one block (n <= 8, slots from o): s[g][i] = (q_g . k) * sk
@@ -116,11 +129,11 @@ static inline __attribute__((always_inline)) void scores8(int fmt, const int G, 
             for (int g = 0; g < G; g++) part[g][i] = _mm256_setzero_ps();
             continue;
         }
-        const uint8_t *k = slot_of(p, row, o + i, 0, h, &ks[i]);
+        const uint8_t *k = slot_of(fmt, p, row, o + i, 0, h, &ks[i]);
         __m256 acc[MAX_G];
         for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();
         for (int64_t j = 0; j < D; j += 8) {
-            __m256 kv = load8(fmt, k + j);
+            __m256 kv = load8(fmt, k + j * esize(fmt));
             for (int g = 0; g < G; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + j), kv, acc[g]);
         }
         for (int g = 0; g < G; g++) part[g][i] = acc[g];
@@ -174,7 +187,7 @@ static inline __attribute__((always_inline)) void values_block(int fmt, const in
     float wv[MAX_G][64];
     for (int64_t i = 0; i < n; i++) {
         float sv;
-        slot_of(p, row, o0 + i, 1, h, &sv);
+        slot_of(fmt, p, row, o0 + i, 1, h, &sv);
         for (int g = 0; g < G; g++) wv[g][i] = w[g * ld + i] * sv * mul;
     }
     for (int64_t j = 0; j < D; j += 8 * CH) {
@@ -183,9 +196,9 @@ static inline __attribute__((always_inline)) void values_block(int fmt, const in
             for (int c = 0; c < CH; c++) acc[g][c] = _mm256_loadu_ps(o + g * D + j + 8 * c);
         for (int64_t i = 0; i < n; i++) {
             float unused;
-            const uint8_t *v = slot_of(p, row, o0 + i, 1, h, &unused) + j;
+            const uint8_t *v = slot_of(fmt, p, row, o0 + i, 1, h, &unused) + j * esize(fmt);
             __m256 vv[8];
-            for (int c = 0; c < CH; c++) vv[c] = load8(fmt, v + 8 * c);
+            for (int c = 0; c < CH; c++) vv[c] = load8(fmt, v + 8 * c * esize(fmt));
             for (int g = 0; g < G; g++) {
                 __m256 wg = _mm256_set1_ps(wv[g][i]);
                 for (int c = 0; c < CH; c++) acc[g][c] = _mm256_fmadd_ps(wg, vv[c], acc[g][c]);
@@ -213,7 +226,7 @@ static inline __attribute__((always_inline)) void attend_range(int fmt, const in
     for (int64_t t = t0; t < t1;) {
         const uint8_t *row = block_row(p, t);
         int64_t o = t % p->bs, m = p->bs - o < t1 - t ? p->bs - o : t1 - t;
-        if (t + m < t1) prefetch_block(p, t + m);
+        if (t + m < t1) prefetch_block(fmt, p, t + m);
         for (int64_t h = 0; h < KVH; h++) {
             float sb[MAX_G][64], bmax[MAX_G], bsum[MAX_G];
             float *acc = po + h * stride, *mx = acc + G * D, *sum = mx + G;
@@ -247,7 +260,9 @@ static void attend_range_any(int fmt, int G, const Pool *p, const float *q, int6
     }
     if (fmt == KV_INT8) { KV_CASE_F(KV_INT8) }
     else if (fmt == KV_E4M3) { KV_CASE_F(KV_E4M3) }
-    else { KV_CASE_F(KV_E5M2) }
+    else if (fmt == KV_E5M2) { KV_CASE_F(KV_E5M2) }
+    else if (fmt == KV_F32) { KV_CASE_F(KV_F32) }
+    else { KV_CASE_F(KV_BF16) }
 #undef KV_CASE_F
 #undef KV_CASE_G
 }
@@ -286,8 +301,9 @@ static void merge(const float *parts, int64_t nparts, int64_t stride, int G, int
     }
 }
 
-/* Decode attention of B sequences over one layer of the compact pool.
- *   q:      [B, KVH * G, D] float32 (query heads h * G .. h * G + G - 1 share KV head h), not rotated
+/* Decode attention of B sequences over one layer of the pool (compact or plain).
+ *   q:      [B, KVH * G, D] float32 (query heads h * G .. h * G + G - 1 share KV head h), not rotated;
+ *           sequence b's rows start at q + b * ldq (heads contiguous: a view into the fused QKV rows)
  *   out:    [B, KVH * G, D] float32, in the model's basis (unrotated)
  *   tables: [B, max_blocks] int64 block ids; lens: [B] int64 context lengths (NULL: all max_context)
  *   rot:    [D, D] float32 or NULL; BS <= 64
@@ -295,12 +311,13 @@ static void merge(const float *parts, int64_t nparts, int64_t stride, int G, int
  *   nparts: context parts per sequence, >= 1 (more lets threads share one sequence) */
 void kv_decode_attention(int fmt, const uint8_t *layer, int64_t block_stride, int64_t data_bytes,
                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t max_context,
-                         const float *q, const float *rot, float *out, int64_t B, int64_t BS, int64_t KVH,
-                         int64_t G, int64_t D, float scale, int64_t nparts, float *scratch, int threads) {
+                         const float *q, int64_t ldq, const float *rot, float *out, int64_t B, int64_t BS,
+                         int64_t KVH, int64_t G, int64_t D, float scale, int64_t nparts, float *scratch, int threads) {
     int64_t head_stride = G * D + 2 * G, part_stride = KVH * head_stride;
     float *qr = scratch;                               /* [B, KVH, G, D] rotated queries */
     float *parts = qr + B * KVH * G * D;               /* [B, nparts, KVH, head_stride] */
-    for (int64_t r = 0; r < B * KVH * G; r++) rotate(q + r * D, rot, D, qr + r * D);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < KVH * G; r++) rotate(q + b * ldq + r * D, rot, D, qr + (b * KVH * G + r) * D);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t item = 0; item < B * nparts; item++) {
         int64_t b = item / nparts, part = item % nparts;

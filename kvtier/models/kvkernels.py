@@ -1,7 +1,8 @@
-"""The compact-KV decode attention kernel (``kvattn.c``): built like the weight kernels, loaded with ctypes.
+"""The decode attention kernel (``kvattn.c``): built like the weight kernels, loaded with ctypes.
 
-``decode_attention`` runs a decode group's attention for one layer straight over the uint8 pool of a
-``PagedKVCache`` (fp8_e4m3, fp8_e5m2, int8): per sequence and KV head, scores over the stored K
+``decode_attention`` runs a decode group's attention for one layer straight over the pool of a
+``PagedKVCache`` (compact fp8_e4m3, fp8_e5m2, int8; plain float32 and bfloat16, whose rows have no
+scales and no rotation, the same walk): per sequence and KV head, scores over the stored K
 through the block table, softmax, and the weighted sum of the stored V, each token's scale applied to
 its score and probability, with the Walsh-Hadamard rotation of the stored K/V applied to the queries
 and undone on the output inside the kernel. One call per layer replaces the gather, the fp8/int8
@@ -32,16 +33,19 @@ from kvtier.models.qkernels import library_path, load_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kvattn.c")
-FORMAT_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}  # kvattn.c's KV_INT8, KV_E4M3, KV_E5M2
+# kvattn.c's KV_INT8, KV_E4M3, KV_E5M2, KV_F32, KV_BF16
+FORMAT_IDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "float32": 4, "bfloat16": 5}
 MAX_GROUP = 8  # query heads per KV head the kernel is specialized for
 MAX_HEAD_DIM = 256
 MAX_BLOCK_SIZE = 64
-# Context tokens x KV heads from which a call forks OpenMP threads (each sequence's context split in
-# parts). Off by default ($KVTIER_KV_KERNEL_PARALLEL_MIN sets it): the kernel's OpenMP pool is not
-# torch's, and on the shared 2-core machine (loaded) with torch at 2 threads a 4k-context int8 decode
-# step took 1,078 ms with the kernel forking vs 726 ms serial (fp32 KV: 729 ms), median of 8.
-PARALLEL_MIN = int(os.environ.get("KVTIER_KV_KERNEL_PARALLEL_MIN", 1 << 62))
-PART_TOKENS = 512  # the smallest context part a thread takes
+# Sequences x KV heads x context tokens from which a call forks OpenMP threads (each sequence's
+# context split in parts of >= PART_TOKENS; $KVTIER_KV_KERNEL_PARALLEL_MIN sets it). The kernel's
+# libgomp is torch's (one runtime, one pool in the process). On the quiet 2-core machine, in one
+# process against the torch path, a 4k-context decode step went from 0.91x (serial) to 1.3-1.6x with
+# float32 KV (`auto`) and from 1.06x to 1.4-2.0x with `gguf` weights (BENCHMARKS.md). It was off by
+# default before: on the loaded machine (load average 7-8) forking made a 4k int8 step 1.5x slower.
+PARALLEL_MIN = int(os.environ.get("KVTIER_KV_KERNEL_PARALLEL_MIN", 3 * 512))
+PART_TOKENS = 256  # the smallest context part a thread takes
 _state: dict[str, ctypes.CDLL | None] = {}
 _scratch = threading.local()
 
@@ -54,7 +58,7 @@ def kernels() -> ctypes.CDLL | None:
     try:
         lib = load_library(SOURCE)
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.kv_decode_attention.argtypes = [i32, p, i64, i64, p, i64, p, i64, p, p, p]
+        lib.kv_decode_attention.argtypes = [i32, p, i64, i64, p, i64, p, i64, p, i64, p, p]
         lib.kv_decode_attention.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i32]
         lib.kv_decode_attention.restype = None
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -65,8 +69,9 @@ def kernels() -> ctypes.CDLL | None:
 
 
 def supports(kv_cache: PagedKVCache, num_heads: int) -> bool:
-    """Whether the kernel covers this cache: fp8/int8 on CPU, float32 compute, a head_dim that is a
-    multiple of 64 up to 256, blocks of at most 64 tokens, at most 8 query heads per KV head."""
+    """Whether the kernel covers this cache: fp8/int8/float32/bfloat16 KV on CPU, float32 compute, a
+    head_dim that is a multiple of 64 up to 256, blocks of at most 64 tokens, at most 8 query heads per
+    KV head."""
     fmt = kv_cache.fmt
     if fmt.name not in FORMAT_IDS or fmt.compute != torch.float32 or kv_cache.raw.device.type != "cpu":
         return False
@@ -94,52 +99,69 @@ def _plan(num_seqs: int, num_kv_heads: int, max_context: int) -> tuple[int, int]
     return threads, parts
 
 
-def decode_attention(
-    lib: ctypes.CDLL,
-    q: torch.Tensor,  # [B, H, D] float32, the model's basis (not rotated)
-    kv_cache: PagedKVCache,  # compact: raw uint8 [NB, L, layer_bytes]
-    layer: int,
-    block_tables: torch.Tensor,  # [B * max_blocks] long
-    context_lens: torch.Tensor | None,  # [B] long; None: every sequence has max_context tokens
-    max_context: int,
-    scale: float,
-) -> torch.Tensor:  # [B, H * D] float32, the model's basis
-    b, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.token_shape[1]
-    group = num_heads // num_kv_heads
-    raw = kv_cache.raw
-    q = q.contiguous()
-    # the kernel reads raw int64 block ids and lengths: anything else would be misread
-    block_tables = block_tables.to(torch.long).contiguous()
-    if context_lens is not None:
-        context_lens = context_lens.to(torch.long).contiguous()
-    out = torch.empty(b, num_heads * head_dim, dtype=torch.float32)
-    threads, parts = _plan(b, num_kv_heads, max_context)
-    scratch = _buffer(b * num_kv_heads * (group * head_dim + parts * (group * head_dim + 2 * group)))
-    rot = kv_cache.rotation
-    lib.kv_decode_attention(
-        FORMAT_IDS[kv_cache.fmt.name],
-        raw.data_ptr() + layer * raw.stride(1),
-        raw.stride(0),
-        kv_cache.data_bytes,
-        block_tables.data_ptr(),
-        block_tables.shape[0] // b,
-        None if context_lens is None else context_lens.data_ptr(),
-        max_context,
-        q.data_ptr(),
-        None if rot is None else rot.data_ptr(),
-        out.data_ptr(),
-        b,
-        kv_cache.block_size,
-        num_kv_heads,
-        group,
-        head_dim,
-        scale,
-        parts,
-        scratch.data_ptr(),
-        threads,
-    )
-    return out
+class StepCall:
+    """The kernel call of one decode group over one cache, its per-step arguments converted once (at
+    the step's first layer): block tables, lengths, thread plan, scratch, strides. A layer then adds
+    only its pool offset, queries and output: ~10 us of ctypes work per layer instead of ~30 (x 30
+    layers of a ~15 ms gguf decode step)."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        kv_cache: PagedKVCache,  # raw uint8 [NB, L, layer_bytes] (compact) or [NB, L, BS, 2, KVH, D]
+        num_heads: int,
+        block_tables: torch.Tensor,  # [B * max_blocks] long
+        context_lens: torch.Tensor | None,  # [B] long; None: every sequence has max_context tokens
+        num_seqs: int,
+        max_context: int,
+        scale: float,
+    ) -> None:
+        _, num_kv_heads, head_dim = kv_cache.token_shape
+        group = num_heads // num_kv_heads
+        raw, esize = kv_cache.raw, kv_cache.raw.element_size()
+        # the kernel reads raw int64 block ids and lengths: anything else would be misread
+        self.tables = block_tables.to(torch.long).contiguous()
+        self.lens = None if context_lens is None else context_lens.to(torch.long).contiguous()
+        threads, parts = _plan(num_seqs, num_kv_heads, max_context)
+        self.scratch = _buffer(
+            num_seqs * num_kv_heads * (group * head_dim + parts * (group * head_dim + 2 * group))
+        )
+        self.fn, self.cache, self.layer_bytes = lib.kv_decode_attention, kv_cache, raw.stride(1) * esize
+        data_bytes = kv_cache.data_bytes if kv_cache.scales is not None else raw[0, 0].numel() * esize
+        rot = kv_cache.rotation
+        self.pool_args = (
+            raw.stride(0) * esize,
+            data_bytes,
+            self.tables.data_ptr(),
+            self.tables.shape[0] // num_seqs,
+        )
+        self.pool_args += (None if self.lens is None else self.lens.data_ptr(), max_context)
+        self.rot_ptr = None if rot is None else rot.data_ptr()
+        self.shape_args = (num_seqs, kv_cache.block_size, num_kv_heads, group, head_dim, scale, parts)
+        self.threads, self.format_id, self.num_seqs = threads, FORMAT_IDS[kv_cache.fmt.name], num_seqs
+
+    def run(
+        self,
+        q: torch.Tensor,
+        layer: int,  # [B, H, D] float32, the model's basis (not rotated)
+    ) -> torch.Tensor:  # [B, H * D] float32, the model's basis
+        """Read in place when each sequence's heads are contiguous (a view into the fused QKV rows)."""
+        b, num_heads, head_dim = q.shape
+        assert b == self.num_seqs
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        out = torch.empty(b, num_heads * head_dim, dtype=torch.float32)
+        layer_ptr = self.cache.raw.data_ptr() + layer * self.layer_bytes
+        self.fn(
+            self.format_id, layer_ptr, *self.pool_args, q.data_ptr(), q.stride(0), self.rot_ptr,
+            out.data_ptr(), *self.shape_args, self.scratch.data_ptr(), self.threads,
+        )  # fmt: skip
+        return out
+
+
+def decode_attention(call: StepCall, q: torch.Tensor, layer: int) -> torch.Tensor:
+    """One layer's decode attention through a step's prepared call: q [B, H, D] -> [B, H * D]."""
+    return call.run(q, layer)
 
 
 if __name__ == "__main__":  # `python -m kvtier.models.kvkernels`: build now (make setup)

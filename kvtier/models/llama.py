@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
-from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
+from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
 from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate_dense
@@ -202,10 +202,9 @@ class LlamaModel:
         act = x.new_empty(T, c.intermediate_size)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, h), qkv)  # [T, (H + 2*KVH) * D]
-            ops.rope_(qkv, positions, H + KVH, D)  # Q and K heads, in place
+            # RoPE on Q and K heads in place, new K/V into the cache: [T, 2, KVH, D] as stored
+            kv_new = ops.rope_store(qkv, positions, (H, KVH, D), kv_cache, i, meta)
             q = qkv[:, : self.q_size].view(T, H, D)
-            kv_new = qkv[:, self.q_size :].view(T, 2, KVH, D)
-            kv_new = write_kv(kv_cache, i, kv_new, meta)  # as stored (dequantized when compact)
             attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
             x = layer.o.residual(x, attn)  # x + attn @ W_o
             gate_up = layer.gate_up(ops.rms_norm(x, layer.post_norm, eps, h), gate_up)  # [T, 2 * I]

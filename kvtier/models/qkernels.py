@@ -107,6 +107,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         "kv_dequantize": [i32, p, p, p, i64, i64, i32],
         "kv_rmsnorm": [p, i64, p, p, i64, i64, i64, f32],
         "kv_rope": [p, i64, p, p, i64, i64, i64],
+        "kv_rope_store": [p, i64, p, p, i64, i64, i64, i64, i64, p, p],
         "kv_silu_mul": [p, p, i64, i64],
         "kv_sgemv_t": [p, i64, p, p, p, i64, i64, i32, i32],
     }
