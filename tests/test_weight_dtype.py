@@ -77,6 +77,20 @@ def test_packed_blocks_are_the_files_weights_and_the_kernel_multiplies_them(
             assert rel_err(q.residual(base.clone(), x), base + x @ d.w_t) < 1e-5
 
 
+def test_rows_are_regrouped_by_field_with_the_same_bytes() -> None:
+    """A Q4_1 row of 3 blocks {d, m, 16 code bytes} becomes [d d d | m m m | codes codes codes]."""
+    blocks = torch.arange(2 * 3 * 20, dtype=torch.int64).remainder(251).to(torch.uint8).view(2, 3, 20)
+    got = qpack.by_field("Q4_1", blocks.reshape(2, 60)).view(2, 60)
+    for r in range(2):
+        want = torch.cat(
+            [blocks[r, :, 0:2].reshape(-1), blocks[r, :, 2:4].reshape(-1), blocks[r, :, 4:].reshape(-1)]
+        )
+        assert torch.equal(got[r], want)
+    q8 = torch.randint(0, 256, (4, 2 * 34), dtype=torch.uint8)
+    assert torch.equal(qpack.by_field("Q8_0", q8)[:, :4], q8.view(4, 2, 34)[:, :, :2].reshape(4, 4))
+    assert torch.equal(qpack.by_field("INT8", q8), q8)  # codes only: as they are
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_gguf_logits_equal_the_dequantized_fp32_model(tiny_gguf: Any, tmp_path: Path, qtype: str) -> None:

@@ -1,11 +1,16 @@
 /* kvtier weight kernels: y[M, N] (+)= x[M, K] @ W[N, K]^T with W stored quantized.
  *
- * W formats (one row = K/32 blocks of 32 weights, GGUF's own layouts, little-endian):
- *   Q8_0 (qtype 8):  {fp16 d; int8 q[32]}             w = d * q            (34 bytes)
- *   Q4_0 (qtype 2):  {fp16 d; uint8 qs[16]}           w = d * (q - 8)      (18 bytes)
- *   Q4_1 (qtype 3):  {fp16 d; fp16 m; uint8 qs[16]}   w = d * q + m        (20 bytes)
+ * W formats (one row = K/32 blocks of 32 weights, GGUF's own block types, little-endian):
+ *   Q8_0 (qtype 8):  fp16 d, int8 q[32] per block              w = d * q            (34 bytes)
+ *   Q4_0 (qtype 2):  fp16 d, uint8 qs[16] per block            w = d * (q - 8)      (18 bytes)
+ *   Q4_1 (qtype 3):  fp16 d, fp16 m, uint8 qs[16] per block    w = d * q + m        (20 bytes)
  *     (4-bit: weight j < 16 is the low nibble of qs[j], weight j >= 16 the high nibble of qs[j-16])
  *   INT8 (qtype 100): int8 q[K] per row, fp32 scale[N]: w = q * scale[n]  (per-channel weight-only)
+ *
+ * A row holds its blocks' bytes regrouped by field (kvtier/models/qpack.py, the same bytes as the
+ * GGUF file's blocks of that row): [d fp16 x nb | m fp16 x nb (Q4_1) | codes x nb]. The kernel converts
+ * a row's scales to fp32 eight at a time into a small buffer and broadcasts each from there (a load),
+ * where GGUF's interleaved layout costs three vector ops per scale per block.
  *
  * Every weight is dequantized in registers to the same fp32 value the dequantized model holds, then
  * multiplied with fp32 activations by FMA: the result equals the fp32 path up to summation order.
@@ -17,37 +22,74 @@
 #include <string.h>
 
 #define QK 32
+#define CHUNK 128 /* blocks whose scales are converted at once: a row is walked chunk by chunk */
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, INT8 = 100 };
 
-static inline __attribute__((always_inline)) float fp16(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+int64_t kv_block_bytes(int qtype) {
+    switch (qtype) {
+    case Q8_0: return 34;
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case INT8: return 32;
+    default: return -1;
+    }
+}
+
+/* One row of W, its fields found: scales d and mins m (fp16, one per block; NULL when the format has
+ * none) and the codes (code_bytes per block). */
+typedef struct {
+    const uint16_t *d, *m;
+    const uint8_t *codes;
+    int64_t code_bytes;
+} Row;
+
+static inline __attribute__((always_inline)) Row row_of(int qtype, const uint8_t *w, int64_t nb) {
+    Row r = {NULL, NULL, w, qtype == Q8_0 || qtype == INT8 ? 32 : 16};
+    if (qtype == INT8) return r;
+    r.d = (const uint16_t *)w;
+    r.m = qtype == Q4_1 ? r.d + nb : NULL;
+    r.codes = w + (qtype == Q4_1 ? 4 : 2) * nb;
+    return r;
+}
+
+static inline void fp16_to_fp32(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+}
+
+/* fp32 scales (and mins) of blocks [b0, b0 + n) of a row: d[i], m[i]; INT8's row scale s for each. */
+static inline __attribute__((always_inline)) void row_scales(int qtype, Row r, int64_t b0, int64_t n,
+                                                             float s, float *d, float *m) {
+    if (qtype == INT8) {
+        for (int64_t i = 0; i < n; i++) d[i] = s;
+        return;
+    }
+    fp16_to_fp32(r.d + b0, n, d);
+    if (qtype == Q4_1) fp16_to_fp32(r.m + b0, n, m);
 }
 
 static inline __m256 i8x8(const int8_t *p) { /* 8 int8 -> 8 fp32 */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
-/* Decode one block into w[0..3] (32 fp32 weights). */
-static inline __attribute__((always_inline)) void decode(int qtype, const uint8_t *b, float s, __m256 w[4]) {
+/* Decode one block's codes into w[0..3] (32 fp32 weights), its scale at dp and min at mp. */
+static inline __attribute__((always_inline)) void decode(int qtype, const uint8_t *codes, const float *dp,
+                                                         const float *mp, __m256 w[4]) {
+    __m256 d = _mm256_broadcast_ss(dp);
     if (qtype == Q8_0 || qtype == INT8) {
-        const int8_t *q = (const int8_t *)(qtype == Q8_0 ? b + 2 : b);
-        __m256 d = _mm256_set1_ps(qtype == Q8_0 ? fp16(b) : s);
-        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i8x8(q + 8 * i));
+        for (int i = 0; i < 4; i++) w[i] = _mm256_mul_ps(d, i8x8((const int8_t *)codes + 8 * i));
         return;
     }
     /* bytes 0..7 and 8..15 zero-extended to 32-bit lanes straight from memory; a lane's low nibble
      * is weight j, its high nibble weight j + 16 (no byte shuffles) */
-    const uint8_t *qs = b + (qtype == Q4_1 ? 4 : 2);
-    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
-    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)));
     __m256i mask = _mm256_set1_epi32(0x0F);
-    __m256 d = _mm256_set1_ps(fp16(b));
     __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_and_si256(a, mask)), _mm256_cvtepi32_ps(_mm256_and_si256(c, mask)),
                    _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4))};
     if (qtype == Q4_1) {
-        __m256 m = _mm256_set1_ps(fp16(b + 2));
+        __m256 m = _mm256_broadcast_ss(mp);
         for (int i = 0; i < 4; i++) w[i] = _mm256_fmadd_ps(d, q[i], m);
     } else {
         __m256 eight = _mm256_set1_ps(8.0f);
@@ -62,16 +104,6 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-int64_t kv_block_bytes(int qtype) {
-    switch (qtype) {
-    case Q8_0: return 34;
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case INT8: return 32;
-    default: return -1;
-    }
-}
-
 /* One row n of W against ROWS (1..4, a compile-time constant after inlining) rows of x:
  * out[r] = x[r] . W[n]. Each x row keeps NACC accumulators, four for one or two rows (a block's
  * four FMAs then feed four independent chains: one chain of FMA latency per block, not two), two
@@ -80,17 +112,23 @@ static inline __attribute__((always_inline)) void row_dot(int qtype, const uint8
                                                           const float *x, int64_t ldx, const int ROWS,
                                                           int64_t K, float *out) {
     const int NACC = ROWS <= 2 ? 4 : 2;
-    int64_t bsz = kv_block_bytes(qtype), nb = K / QK;
+    int64_t nb = K / QK;
+    Row row = row_of(qtype, wrow, nb);
+    float d[CHUNK], m[CHUNK];
     __m256 acc[4][4];
     for (int r = 0; r < ROWS; r++)
         for (int i = 0; i < NACC; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 w[4];
-        decode(qtype, wrow + b * bsz, s, w);
-        for (int r = 0; r < ROWS; r++) {
-            const float *xb = x + r * ldx + b * QK;
-            for (int i = 0; i < 4; i++)
-                acc[r][i % NACC] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i % NACC]);
+    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+        int64_t n = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+        row_scales(qtype, row, b0, n, s, d, m);
+        for (int64_t i = 0; i < n; i++) {
+            __m256 w[4];
+            decode(qtype, row.codes + (b0 + i) * row.code_bytes, d + i, m + i, w);
+            for (int r = 0; r < ROWS; r++) {
+                const float *xb = x + r * ldx + (b0 + i) * QK;
+                for (int j = 0; j < 4; j++)
+                    acc[r][j % NACC] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j % NACC]);
+            }
         }
     }
     for (int r = 0; r < ROWS; r++) {
@@ -146,14 +184,19 @@ void kv_qmatmul(int qtype, const uint8_t *w, const float *scale, const float *x,
 /* out[N, K] = W dequantized to fp32 (the weights the kernel above multiplies with). */
 void kv_dequantize(int qtype, const uint8_t *w, const float *scale, float *out, int64_t N, int64_t K,
                    int threads) {
-    int64_t bsz = kv_block_bytes(qtype), nb = K / QK;
+    int64_t nb = K / QK, row_bytes = kv_block_bytes(qtype) * nb;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t n = 0; n < N; n++) {
-        float s = scale ? scale[n] : 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            __m256 v[4];
-            decode(qtype, w + (n * nb + b) * bsz, s, v);
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + n * K + b * QK + 8 * i, v[i]);
+        Row row = row_of(qtype, w + n * row_bytes, nb);
+        float d[CHUNK], m[CHUNK];
+        for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {
+            int64_t cnt = nb - b0 < CHUNK ? nb - b0 : CHUNK;
+            row_scales(qtype, row, b0, cnt, scale ? scale[n] : 0.0f, d, m);
+            for (int64_t i = 0; i < cnt; i++) {
+                __m256 v[4];
+                decode(qtype, row.codes + (b0 + i) * row.code_bytes, d + i, m + i, v);
+                for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + n * K + (b0 + i) * QK + 8 * j, v[j]);
+            }
         }
     }
 }

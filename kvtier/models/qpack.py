@@ -10,7 +10,8 @@ A model's linear layers are packed into fused groups, in the row order ``LlamaMo
 
 Each group is ``{group}.data`` (uint8 ``[N, K/32 * block bytes]``) plus, for int8, ``{group}.scale``
 (fp32 ``[N]``); the safetensors metadata maps each group to its block type. ``gguf`` copies the GGUF
-file's own blocks (no requantization: the weights are bit for bit the file's); a group whose tensors are
+file's own blocks (no requantization: the weights are bit for bit the file's), each row's blocks
+regrouped by field (``by_field``: scales, mins, codes); a group whose tensors are
 of a type without a kernel (or of mixed types) is left out and runs dense from the fp32 conversion.
 ``int8`` quantizes the fp weights per output channel: ``scale = max|w_row| / 127``, ``q = round(w / scale)``.
 
@@ -32,7 +33,7 @@ import torch
 from kvtier.config import ConfigError, ModelConfig
 from kvtier.models.loader import LoadedModel, _conversion_lock, _gguf_in, default_cache_dir
 
-PACK_VERSION = 1  # bump when the packed layout changes
+PACK_VERSION = 2  # bump when the packed layout changes (2: each row's block fields regrouped)
 Rows = tuple[str, torch.Tensor, torch.Tensor | None]  # (block type, uint8 [N, bytes], fp32 scale [N] | None)
 
 
@@ -81,8 +82,23 @@ def pack_groups(
         scale = None
         if scales[0] is not None:
             scale = torch.cat([interleave(s, n, config) for s, n in zip(scales, names, strict=True)])
-        packed[group] = (parts[0][0], data.contiguous(), scale)
+        packed[group] = (parts[0][0], by_field(parts[0][0], data), scale)
     return packed
+
+
+def by_field(qtype: str, data: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [N, nb * block bytes] (each {d fp16, (m fp16,) codes}) regrouped per row as
+    [d x nb | (m x nb |) codes x nb]: the same bytes, in the order ``qmatmul.c`` reads them (it converts
+    a row's scales eight at a time). INT8 rows are codes only: returned as they are."""
+    from kvtier.models.qkernels import BLOCK_BYTES
+
+    if qtype == "INT8":
+        return data.contiguous()
+    n, block = data.shape[0], BLOCK_BYTES[qtype]
+    blocks = data.reshape(n, -1, block)  # [N, nb, block bytes]
+    head = 4 if qtype == "Q4_1" else 2
+    fields = [blocks[:, :, i : i + 2] for i in range(0, head, 2)] + [blocks[:, :, head:]]
+    return torch.cat([f.reshape(n, -1) for f in fields], dim=1).contiguous()
 
 
 def int8_rows(weights: dict[str, torch.Tensor]) -> Callable[[str], Rows | None]:
