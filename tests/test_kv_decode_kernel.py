@@ -149,6 +149,19 @@ def test_a_step_with_decodes_and_a_prefill_chunk_runs_both_paths_in_one_call(
 
 
 # ------------------------------------------------------------------------------ fallback
+@needs_kernel
+@pytest.mark.parametrize("kd", ["float32", "int8"])
+def test_kernel_false_is_the_torch_path(kd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the torch ops ask for (``TorchOps.attention_kernel``): the torch path, bit for bit."""
+    cache, tables, max_blocks = filled_cache(kd, [30, 7], 3, 64)
+    meta = decode_meta(tables, max_blocks, [30, 7], 16)
+    q, kv_new = torch.randn(2, 9, 64), torch.zeros(2, 2, 3, 64)
+    off = paged_attention(q, kv_new, cache, 1, meta, 0.125, kernel=False)
+    assert not torch.equal(off, paged_attention(q, kv_new, cache, 1, meta, 0.125))  # the kernel's rounding
+    torch_path(monkeypatch)
+    assert torch.equal(off, paged_attention(q, kv_new, cache, 1, meta, 0.125))
+
+
 def test_unsupported_caches_take_the_torch_path() -> None:
     fmt = KVFormat("int8", torch.float32)
     assert not kvkernels.supports(PagedKVCache(fmt, 2, (1, 16, 2, 32), torch.device("cpu")), 4)  # D 32
@@ -254,8 +267,15 @@ def test_real_model_attention_agrees_layer_by_layer_and_the_answer_is_the_same(
     checked: list[int] = []
 
     def both_paths(
-        q: torch.Tensor, kv_new: torch.Tensor, cache: PagedKVCache, layer: int, meta: Any, scale: float
+        q: torch.Tensor,
+        kv_new: torch.Tensor,
+        cache: PagedKVCache,
+        layer: int,
+        meta: Any,
+        scale: float,
+        kernel: bool,
     ):
+        assert kernel  # the model's fp32 fused ops ask for the kernel
         fused = paged_attention(q, kv_new, cache, layer, meta, scale)
         with monkeypatch.context() as m:
             torch_path(m)

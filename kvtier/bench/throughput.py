@@ -204,9 +204,9 @@ def linears_pass_ms(model, repeat: int = 7) -> float:  # noqa: ANN001 - kvtier.m
 
 
 def fused_vs_torch_step_ms(llm, prompt: list[int], n: int, repeat: int = 6) -> tuple[float, float]:  # noqa: ANN001
-    """Decode forward+logits ms (min over ``repeat`` x ``n`` steps) with the fused C ops and the chosen
-    GEMVs, and with torch's ops and MKL only, alternating in the same engine (robust to a busy machine:
-    both see the same load)."""
+    """Decode forward+logits ms (min over ``repeat`` x ``n`` steps) through the C path (fused ops, RoPE +
+    cache write, the decode attention kernel, the chosen GEMVs) and through torch's ops, SDPA and MKL
+    only, alternating in the same engine (robust to a busy machine: both see the same load)."""
     from kvtier import SamplingParams
     from kvtier.models.qlinear import DenseLinear
 
@@ -343,13 +343,13 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: li
         )
         fused_ms, torch_ms = fused_vs_torch_step_ms(llm, prompt, ns.decode_tokens)
         row(
-            f"  {mode}: decode step, fused C ops vs torch ops (same engine, min)",
+            f"  {mode}: decode step, C path vs torch path (same engine, min)",
             fused_ms,
             torch_ms,
             "ms",
             False,
             None,
-            "vs torch ops + MKL",
+            "vs torch ops, SDPA, MKL",
         )
         tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
         base.setdefault("tok_s", tok_s)

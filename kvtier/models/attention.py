@@ -134,13 +134,15 @@ def paged_attention(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    kernel: bool = True,
 ) -> torch.Tensor:  # [T, H * D]
     """The step's attention: decode rows first, then each prefill chunk. Compact K/V is stored rotated
     (kv_quant.py): queries are rotated into that basis and outputs back, except by the fused decode
-    kernel (kvkernels.py), which reads the compact pool in place and rotates inside."""
+    kernel (kvkernels.py), which reads the pool in place and rotates inside. ``kernel`` False: the
+    torch path for every row (the model's torch ops: benchmarks compare the two)."""
     head_dim = q.shape[2]
     d = meta.decode
-    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None else None
+    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None and kernel else None
     if lib is None:  # the torch path for every row
         out = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=True)
         return kv_cache.unrotate_output(out, head_dim)

@@ -42,6 +42,8 @@ def rope_then_write(
 class TorchOps:
     """The torch ops (any dtype, any device). ``out`` buffers are ignored where torch allocates."""
 
+    attention_kernel = False  # decode attention through torch too (kvtier/models/attention.py)
+
     def __init__(self, rope: torch.Tensor):
         self.rope = rope  # [P, D/2] complex64
 
@@ -77,6 +79,8 @@ class TorchOps:
 
 class FusedOps:
     """The same ops through ``fused.c`` (fp32, CPU, contiguous rows)."""
+
+    attention_kernel = True  # decode attention through kvattn.c where it covers the cache
 
     def __init__(self, lib: ctypes.CDLL, rope: torch.Tensor):
         self.lib = lib

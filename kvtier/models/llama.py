@@ -205,7 +205,7 @@ class LlamaModel:
             # RoPE on Q and K heads in place, new K/V into the cache: [T, 2, KVH, D] as stored
             kv_new = ops.rope_store(qkv, positions, (H, KVH, D), kv_cache, i, meta)
             q = qkv[:, : self.q_size].view(T, H, D)
-            attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale)  # [T, H*D]
+            attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale, ops.attention_kernel)  # [T, H*D]
             x = layer.o.residual(x, attn)  # x + attn @ W_o
             gate_up = layer.gate_up(ops.rms_norm(x, layer.post_norm, eps, h), gate_up)  # [T, 2 * I]
             x = layer.down.residual(x, ops.silu_mul(gate_up, act))  # x + (silu(gate) * up) @ W_down
