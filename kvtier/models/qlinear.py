@@ -53,6 +53,14 @@ def _scratch_matrix(n: int, k: int) -> torch.Tensor:
     return buf[: n * k].view(n, k)
 
 
+# Parallel calls are chosen when their median is below this fraction of the serial median. It was 0.8:
+# with the faster Q4 kernel (by-field rows) one gate_up call measured 0.53-0.83 (median ~0.72) of its
+# serial time on the quiet machine, so 0.8 chose one thread in about one process of three, and those
+# processes' gguf linears took 14-16 ms per token instead of ~9.5 (bench throughput, three runs). A
+# busy machine's stalled fork/joins measure several times the serial call, far above 0.95.
+PARALLEL_GAIN = 0.95
+
+
 def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
     """Time one row through ``linear`` ``repeat`` times on one thread and on torch's threads, call by
     call, alternating; set and return ``PARALLEL_MIN``: calls go parallel only when the median parallel
@@ -80,7 +88,7 @@ def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
             call(threads)
             seen.append(time.perf_counter() - t)
     median = {threads: sorted(seen)[len(seen) // 2] for threads, seen in times.items()}
-    PARALLEL_MIN = PARALLEL if median[many] < 0.8 * median[1] else SERIAL
+    PARALLEL_MIN = PARALLEL if median[many] < PARALLEL_GAIN * median[1] else SERIAL
     return PARALLEL_MIN
 
 
