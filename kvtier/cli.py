@@ -217,6 +217,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
     "kvdtype": "KV cache dtypes side by side: perplexity, top-1 agreement, capacity, decode, host loads",
+    "kernels": "this checkout's gguf weight kernel vs a git revision's, interleaved in one process",
 }
 
 

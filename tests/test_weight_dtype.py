@@ -219,3 +219,29 @@ def test_default_model_int8_perplexity_within_1pct_and_a_wrong_scale_is_caught(
     assert abs(ppl(packed, lib, 1024) / ppl({}, None, 1024) - 1) < 0.01
     wrong = {g: (t, d, s * 1.1) for g, (t, d, s) in packed.items()}  # every scale 10% off
     assert abs(ppl(wrong, lib, 256) / ppl({}, None, 256) - 1) >= 0.01
+
+
+def test_bench_kernels_undoes_the_regrouping() -> None:
+    """``kvtier bench kernels`` hands a revision from before the regrouping the file's block order back."""
+    from kvtier.bench.kernels import gguf_order
+
+    for qtype, block in (("Q4_1", 20), ("Q4_0", 18), ("Q8_0", 34)):
+        rows = torch.randint(0, 256, (3, 4 * block), dtype=torch.uint8)
+        assert torch.equal(gguf_order(qtype, qpack.by_field(qtype, rows)), rows)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_bench_kernels_against_this_revision_agrees(capsys: pytest.CaptureFixture[str]) -> None:
+    """Against HEAD (built from git into a temporary library) the two kernels are the same code: the
+    table prints and the outputs agree."""
+    import argparse
+
+    from kvtier.bench import kernels
+
+    assert kernels.main(argparse.Namespace(against="HEAD", rows="1,3", rounds=1, num_threads=1)) == 0
+    out = capsys.readouterr().out
+    assert (
+        "121 gguf linears" in out
+        and len([ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "3 "))]) == 2
+    )
