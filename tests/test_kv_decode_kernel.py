@@ -290,3 +290,41 @@ def test_real_model_attention_agrees_layer_by_layer_and_the_answer_is_the_same(
         torch_tokens = greedy_decode(model, ids, kd, steps=4)
     assert len(checked) == 4 * model.config.num_layers
     assert greedy_decode(model, ids, kd, steps=4) == torch_tokens  # the kernel's answer
+
+
+# ------------------------------------------------------------------------------ the compact write
+@needs_kernel
+@pytest.mark.parametrize("kd", COMPACT)
+@pytest.mark.parametrize("factor", [1.0, 2.0])  # 2.0: the quality test's deliberately broken quantizer
+def test_c_write_stores_the_torch_writes_bytes(kd: str, factor: float) -> None:
+    """Codes, scales and returned values of the C write equal ``PagedKVCache.write``'s bit for bit, on
+    magnitudes over six decades, an all-zero token and an all-zero head."""
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(40, 2, 3, 64, generator=gen) * torch.logspace(-3, 3, 40)[:, None, None, None]
+    kv[3], kv[5, 0, 1] = 0, 0
+    slots = torch.randperm(96, generator=gen)[:40]
+    caches = [PagedKVCache(KVFormat(kd, torch.float32), 6, (2, 16, 3, 64), torch.device("cpu")) for _ in "ab"]
+    for cache in caches:
+        cache.scale_factor = factor
+    for stored in (True, False):
+        want = caches[0].write(1, kv, slots // 16, slots % 16, stored)
+        got = kvkernels.store_quantized(
+            kvkernels.kernels(), caches[1], 1, kv, slots // 16, slots % 16, stored
+        )
+        assert torch.equal(caches[0].raw, caches[1].raw) and torch.equal(got, want)
+    assert caches[1].raw[:, 0].count_nonzero() == 0  # layer 1 only
+
+
+@needs_kernel
+@pytest.mark.parametrize("kd,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_c_fp8_rounding_is_torchs_at_every_grid_point_and_tie(kd: str, dtype: torch.dtype) -> None:
+    qmax = 448.0 if kd == "fp8_e4m3" else 57344.0
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    grid = grid[grid.isfinite() & (grid.abs() <= qmax)].unique()  # sorted, both signs
+    ties = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.nextafter(ties, torch.tensor(qmax)), torch.nextafter(ties, torch.tensor(-qmax))
+    v = torch.cat([grid, ties, up, down])
+    v = torch.cat([v, v[: -v.numel() % 8]]).contiguous()  # whole vectors of 8
+    codes = torch.empty(v.numel(), dtype=torch.uint8)
+    kvkernels.kernels().kv_fp8_codes(kvkernels.FORMAT_IDS[kd], v.data_ptr(), v.numel(), codes.data_ptr())
+    assert torch.equal(codes, v.to(dtype).view(torch.uint8))

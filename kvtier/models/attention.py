@@ -124,6 +124,11 @@ def write_kv(
     fresh prefill chunk (nothing cached) attends to these values; without one, ``kv_new`` comes back
     as it is (its shape is all attention reads), sparing a compact decode step the dequantize."""
     fresh = any(p.block_table is None for p in meta.prefills)
+    lib = kvkernels.kernels() if kvkernels.stores(kv_cache) else None
+    if lib is not None:  # compact on CPU: quantize and scatter in C
+        return kvkernels.store_quantized(
+            lib, kv_cache, layer, kv_new, meta.slot_block_ids, meta.slot_offsets, fresh
+        )
     return kv_cache.write(layer, kv_new, meta.slot_block_ids, meta.slot_offsets, stored_values=fresh)
 
 

@@ -91,7 +91,7 @@ class KVFormat:
 _SCALE_STEPS: dict[torch.device, torch.Tensor] = {}
 
 
-def _scale_steps(device: torch.device) -> torch.Tensor:
+def scale_steps(device: torch.device) -> torch.Tensor:
     """[S] fp8 scale candidates' multipliers 2^(k/S), made once per device (decode writes one token)."""
     if device not in _SCALE_STEPS:
         k = torch.arange(FP8_SCALE_STEPS, dtype=torch.float32)
@@ -108,7 +108,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat, scale_factor: float = 1.0) -> tuple
     if fmt.name == "int8":
         y = x32 / (scale * scale_factor).unsqueeze(-1)
         return y.round_().clamp_(-127, 127).to(torch.int8), scale
-    cand = scale.unsqueeze(-1) * _scale_steps(x.device)  # [..., S] each keeps amax within range
+    cand = scale.unsqueeze(-1) * scale_steps(x.device)  # [..., S] each keeps amax within range
     trial = (cand * scale_factor).unsqueeze(-1)  # [..., S, 1]
     q = (x32.unsqueeze(-2) / trial).clamp_(-fmt.qmax, fmt.qmax).to(fmt.storage)  # [..., S, D]
     small = q.numel() <= _NATIVE_FP8_MAX  # a decode write: torch's own conversion, one op

@@ -1,4 +1,5 @@
-/* kvtier decode attention: one query token per sequence over the paged K/V pool, read in place.
+/* kvtier decode attention: one query token per sequence over the paged K/V pool, read in place; and
+ * the compact write (kv_store_quantized, at the end): a step's new K/V quantized into its slots.
  *
  * The pool is PagedKVCache.raw (kvtier/models/kv_quant.py). Compact (fp8/int8): uint8 [NB, L,
  * layer_bytes]; one layer row of one block (data_bytes = BS * 2 * KVH * D, one byte per element):
@@ -337,4 +338,135 @@ void kv_decode_attention(int fmt, const uint8_t *layer, int64_t block_stride, in
         for (int64_t h = 0; h < KVH; h++)
             merge(parts + b * nparts * part_stride + h * head_stride, nparts, part_stride, (int)G, D, rot,
                   out + (b * KVH + h) * G * D);
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * The compact write: quantize the step's new K|V rows (already rotated) and store codes and scales
+ * into their slots, as kv_quant.quantize does in torch:
+ *   int8: s = max(amax / 127, TINY); q = round-half-even(y / (s * factor)) clamped to +-127.
+ *   fp8:  s = max(amax / qmax, TINY); of the S candidates c_k = s * steps[k], the one whose stored
+ *         values fp8(clamp(y / (c_k * factor))) * c_k * factor are closest to y (least squared error,
+ *         the first on a tie), codes converted with round-to-nearest-even like torch's.
+ * The stored scale is s (int8) or c_k (fp8), without factor (1 except in the quality test's
+ * deliberately broken quantizer).
+ */
+#define KV_TINY 1e-12f
+
+static inline float from_fp8_slow(uint8_t c, int M, int B) {
+    int e = (c & 0x7F) >> M, m = c & ((1 << M) - 1);
+    float a = e == 0 ? ldexpf((float)m, 1 - B - M) : ldexpf(1.0f + ldexpf((float)m, -M), e - B);
+    return c & 0x80 ? -a : a;
+}
+
+/* Every code's value, e4m3 and e5m2 (NaN/inf codes are never stored: writes clamp to +-max). */
+static float FP8_VALUE[2][256];
+
+__attribute__((constructor)) static void fill_fp8_values(void) {
+    for (int c = 0; c < 256; c++) {
+        FP8_VALUE[0][c] = from_fp8_slow((uint8_t)c, 3, 7);
+        FP8_VALUE[1][c] = from_fp8_slow((uint8_t)c, 2, 15);
+    }
+}
+
+/* 8 values (|v| <= qmax) -> their fp8 codes (one per 32-bit lane, sign in bit 7) and the values the
+ * codes stand for; M mantissa bits, exponent bias B (e4m3: 3, 7; e5m2: 2, 15). Normal range: round
+ * the fp32 mantissa to M bits, ties to even (masking the low bits then leaves the rounded value
+ * itself); below it: scale to the subnormal steps and round (cvtps: MXCSR's default, ties to even). */
+static inline __attribute__((always_inline)) __m256i fp8x8(__m256 v, int M, int B, __m256 *value) {
+    const int shift = 23 - M;
+    __m256 sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0f)), a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+    __m256i u = _mm256_castps_si256(a);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, shift), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32((1 << (shift - 1)) - 1), odd));
+    __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(u, shift), _mm256_set1_epi32((127 - B) << M));
+    __m256 normal_value = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(u, shift), shift));
+    __m256i sub = _mm256_cvtps_epi32(_mm256_mul_ps(a, _mm256_set1_ps(ldexpf(1.0f, B - 1 + M))));
+    __m256 sub_value = _mm256_mul_ps(_mm256_cvtepi32_ps(sub), _mm256_set1_ps(ldexpf(1.0f, 1 - B - M)));
+    __m256 small = _mm256_cmp_ps(a, _mm256_set1_ps(ldexpf(1.0f, 1 - B)), _CMP_LT_OQ);
+    __m256i code = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(sub), small));
+    *value = _mm256_or_ps(_mm256_blendv_ps(normal_value, sub_value, small), sign);
+    return _mm256_or_si256(code, _mm256_srli_epi32(_mm256_castps_si256(sign), 24));
+}
+
+/* The fp8 half of quantize_row: the best of the S candidate scales (M, B, qmax: the format); D % 8 == 0. */
+static inline __attribute__((always_inline)) void quantize_fp8(int M, int B, float qmax, float amax,
+                                                               const float *y, int64_t D, const float *steps,
+                                                               int64_t S, float factor, uint8_t *codes,
+                                                               float *scale, float *stored) {
+    float s = fmaxf(amax / qmax, KV_TINY), best_err = INFINITY;
+    int32_t trial[MAX_D], best_codes[MAX_D];
+    int64_t best = 0;
+    __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+    for (int64_t k = 0; k < S; k++) {
+        float t = s * steps[k] * factor;
+        __m256 tv = _mm256_set1_ps(t), acc = _mm256_setzero_ps();
+        for (int64_t j = 0; j < D; j += 8) {
+            __m256 yv = _mm256_loadu_ps(y + j), value;
+            __m256 q = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(yv, tv), lo), hi);
+            _mm256_storeu_si256((__m256i *)(trial + j), fp8x8(q, M, B, &value));
+            __m256 e = _mm256_sub_ps(_mm256_mul_ps(value, tv), yv);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(e, e));
+        }
+        float err = hsum(acc);
+        if (err < best_err) {
+            best_err = err;
+            best = k;
+            memcpy(best_codes, trial, D * sizeof(int32_t));
+        }
+    }
+    *scale = s * steps[best];
+    for (int64_t j = 0; j < D; j++) {
+        codes[j] = (uint8_t)best_codes[j];
+        if (stored) stored[j] = FP8_VALUE[M == 3 ? 0 : 1][codes[j]] * *scale;
+    }
+}
+
+/* One row y[D] -> codes[D] and its scale; stored[D] (NULL: not wanted) = the values a read returns. */
+static void quantize_row(int fmt, const float *y, int64_t D, const float *steps, int64_t S, float factor,
+                         uint8_t *codes, float *scale, float *stored) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < D; j++) amax = fmaxf(amax, fabsf(y[j]));
+    if (fmt == KV_INT8) {
+        float s = fmaxf(amax / 127.0f, KV_TINY), t = s * factor;
+        for (int64_t j = 0; j < D; j++) {
+            float q = fminf(fmaxf(nearbyintf(y[j] / t), -127.0f), 127.0f);
+            codes[j] = (uint8_t)(int8_t)q;
+            if (stored) stored[j] = q * s;
+        }
+        *scale = s;
+        return;
+    }
+    if (fmt == KV_E4M3)
+        quantize_fp8(3, 7, 448.0f, amax, y, D, steps, S, factor, codes, scale, stored);
+    else
+        quantize_fp8(2, 15, 57344.0f, amax, y, D, steps, S, factor, codes, scale, stored);
+}
+
+/* y: [T, H2, D] rotated K|V rows (H2 = 2 * KVH, K heads first), contiguous; the pool layer as in
+ * kv_decode_attention; slot t is row offsets[t] of block block_ids[t]. stored: [T, H2, D] or NULL. */
+void kv_store_quantized(int fmt, const float *y, int64_t T, int64_t H2, int64_t D, const float *steps,
+                        int64_t S, float factor, uint8_t *layer, int64_t block_stride, int64_t data_bytes,
+                        const int64_t *block_ids, const int64_t *offsets, float *stored) {
+    for (int64_t t = 0; t < T; t++) {
+        uint8_t *row = layer + block_ids[t] * block_stride;
+        for (int64_t i = 0; i < H2; i++) {
+            int64_t at = offsets[t] * H2 + i;
+            float *scale = (float *)(row + data_bytes) + at;
+            quantize_row(fmt, y + (t * H2 + i) * D, D, steps, S, factor, row + at * D, scale,
+                         stored ? stored + (t * H2 + i) * D : NULL);
+        }
+    }
+}
+
+/* codes[i] = the fp8 code of v[i] (|v[i]| <= the format's max; n % 8 == 0), as the compact write
+ * rounds: tests compare it with torch's conversion at every grid point and every tie. */
+void kv_fp8_codes(int fmt, const float *v, int64_t n, uint8_t *codes) {
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 value;
+        int32_t lanes[8];
+        __m256i c = fmt == KV_E4M3 ? fp8x8(_mm256_loadu_ps(v + i), 3, 7, &value)
+                                   : fp8x8(_mm256_loadu_ps(v + i), 2, 15, &value);
+        _mm256_storeu_si256((__m256i *)lanes, c);
+        for (int j = 0; j < 8; j++) codes[i + j] = (uint8_t)lanes[j];
+    }
 }
