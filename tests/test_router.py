@@ -142,6 +142,15 @@ def explain(router: Proc, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
+def load_settled(router: Proc, *replicas: Proc) -> None:
+    """Wait until the router's load for ``replicas`` is from after now. A health answer sent while a
+    request ran can still arrive (running 1: a queued request outweighs computing a short prompt, and
+    the router would send a cache hit elsewhere). Health rounds are sequential: two more answers."""
+    for replica in replicas:
+        checks = replica_state(router, replica)["health_checks"]
+        wait_for(lambda r=replica, n=checks: replica_state(router, r)["health_checks"] >= n + 2, 5)
+
+
 def goes_to(router: Proc, body: dict[str, Any], replica: Proc | str) -> dict[str, Any] | None:
     """The router's decision when it sends ``body`` to ``replica`` for a cache hit, else None."""
     url = replica if isinstance(replica, str) else replica.url
@@ -201,6 +210,7 @@ def test_story_a_returning_conversation_goes_home(cluster: dict[str, Any]) -> No
     assert len(set(homes.values())) == 2  # the first turns spread
     for user in range(4):
         body = chat(long_system(f"user{user}"), f"Hello from user {user}", firsts[user], "And then?")
+        load_settled(router, *cluster["replicas"])
         wait_for(lambda b=body, u=user: goes_to(router, b, homes[u]), 5)
         r = post(router.url, body)
         assert r.status_code == 200 and r.headers["x-kvtier-replica"] == homes[user]
@@ -254,6 +264,7 @@ def test_streaming_is_the_replicas_stream_chunk_for_chunk(cluster: dict[str, Any
     body = chat(long_system("stream"), "Stream it", max_tokens=12, ignore_eos=True, stream=True)
     body["stream_options"] = {"include_usage": True}
     assert post(home.url, body).status_code == 200  # the prefix is now on replica 0 (device)
+    load_settled(router, home)
     wait_for(lambda: explain(router, body)["ranking"][0] == home.url, 5)
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")

@@ -239,6 +239,7 @@ def _replica_state(r: Replica) -> dict[str, Any]:
         "running": r.running,
         "waiting": r.waiting,
         "in_flight": r.in_flight,
+        "health_checks": r.checks,
         "pending_prefill_tokens": r.pending_prefill,
         "routed": dict(r.routed),
         "indexed_blocks": r.index.counts(),

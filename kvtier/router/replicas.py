@@ -68,6 +68,7 @@ class Replica:
     synced: bool = False  # its index reflects it (events or a recent snapshot)
     last_error: str | None = None
     timeouts: int = 0  # health checks timed out in a row
+    checks: int = 0  # health checks answered 200: the load read is at most one round older than this count
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while marked down
 
     @property
@@ -164,6 +165,7 @@ class ReplicaSet:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             if not _load_from_health(replica, r):  # an older replica: its /metrics
                 await self._read_load(replica)
+        replica.checks += 1
         if not replica.healthy:
             logger.warning("router: replica %s is up", replica.url)
             replica.healthy = True
