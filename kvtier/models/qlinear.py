@@ -153,14 +153,42 @@ def _time_group(
 
 
 def _measure_choice(group: list[DenseLinear], lib: ctypes.CDLL, repeat: int, times: dict[str, float]) -> int:
-    """0 (torch's matmul) or 1 (the GEMV, one thread) for ``group``: the GEMV when > 10% faster."""
+    """0 (torch's matmul) or 1 (the GEMV) for ``group``: the GEMV when its faster thread count (one, or
+    torch's) was > 10% faster than torch's matmul."""
     mkl = _time_group(group, None, repeat, float("inf"))
-    # one thread only: MKL runs a 1-row product on one thread too, and a fork/join per GEMV stalls
-    # for whole scheduler slices whenever the other core is busy (measured 10-100x slower under load)
-    gemv = _time_group(group, (lib, 1), repeat, 3 * mkl)
     key = f"{group[0].K}x{group[0].N}"
-    times[f"{key}:mkl"], times[f"{key}:1"] = mkl * 1e3, gemv * 1e3
-    return 1 if gemv < 0.9 * mkl else 0
+    times[f"{key}:mkl"] = mkl * 1e3
+    best = float("inf")
+    for threads in sorted({1, torch.get_num_threads()}):
+        gemv = _time_group(group, (lib, threads), repeat, 3 * mkl)  # a stalled fork/join gives up early
+        times[f"{key}:{threads}"] = gemv * 1e3
+        best = min(best, gemv)
+    return 1 if best < 0.9 * mkl else 0
+
+
+def dense_threads(linear: DenseLinear, lib: ctypes.CDLL, repeat: int = 21) -> int:
+    """The GEMV's thread count in this process: torch's when the median of ``repeat`` alternating
+    one-row calls through ``linear`` was below ``PARALLEL_GAIN`` of the serial median, else 1 (the
+    rule of ``calibrate``; a machine busy enough to stall fork/joins keeps one thread). Not stored: the
+    GEMV's result does not depend on it. ``$KVTIER_KERNEL_PARALLEL_MIN`` fixes it like the kernels'."""
+    many = torch.get_num_threads()
+    if many < 2:
+        return 1
+    if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ:
+        return many if PARALLEL_MIN < SERIAL else 1
+    x, y = torch.randn(1, linear.K), torch.empty(1, linear.N)
+    times: dict[int, list[float]] = {1: [], many: []}
+    args = (x.data_ptr(), 1, linear.w_t.data_ptr(), None, y.data_ptr(), linear.K, linear.N, 0)
+    for _ in range(3):  # warm-up (starts the OpenMP pool)
+        for threads in times:
+            lib.kv_sgemv_t(*args, threads)
+    for _ in range(repeat):
+        for threads, seen in times.items():
+            t = time.perf_counter()
+            lib.kv_sgemv_t(*args, threads)
+            seen.append(time.perf_counter() - t)
+    median = {threads: sorted(seen)[len(seen) // 2] for threads, seen in times.items()}
+    return many if median[many] < PARALLEL_GAIN * median[1] else 1
 
 
 def _stored_choice(path: Path, num_groups: int) -> list[int] | None:
@@ -180,13 +208,15 @@ def _stored_choice(path: Path, num_groups: int) -> list[int] | None:
     return None
 
 
+THREAD_PROBE_BYTES = 16 << 20
 _GEMV_CHOICES: dict[str, list[int]] = {}  # digest -> threads per group (0: MKL), once per process
 
 
 def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: int = 3) -> dict[str, float]:
     """For each group (one fused weight across layers, e.g. every layer's ``qkv``), time one fp32 row
-    through all of it with torch's matmul and with the GEMV on one thread (a
-    streaming read like a decode step's); the GEMV is kept where it was > 10% faster than torch.
+    through all of it with torch's matmul and with the GEMV on one thread and on torch's threads (a
+    streaming read like a decode step's); the GEMV is kept where it was > 10% faster than torch. Its
+    thread count is then chosen in this process by ``dense_threads`` (quiet or busy machine).
 
     The choice is measured once per machine, shapes and thread count and kept in the kernel cache
     (``gemv-choice-<digest>.json``): every later process, and every engine of this one, makes the same
@@ -198,7 +228,8 @@ def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: i
     forced = os.environ.get("KVTIER_DENSE_GEMV")
     many = torch.get_num_threads()  # MKL's speed depends on it
     shapes = [f"{g[0].K}x{g[0].N}x{len(g)}" for g in groups]
-    tag = hashlib.blake2b(repr((getattr(lib, "_name", ""), many, shapes)).encode(), digest_size=8).hexdigest()
+    key = ("gemv-or-mkl", getattr(lib, "_name", ""), many, shapes)  # v2: 1 = GEMV, threads per process
+    tag = hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
     path = kernel_dir() / f"gemv-choice-{tag}.json"
     times: dict[str, float] = {}
     if forced is not None:
@@ -214,9 +245,14 @@ def calibrate_dense(groups: list[list[DenseLinear]], lib: ctypes.CDLL, repeat: i
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"shapes": shapes, "threads": threads, "ms": times}))
             os.replace(tmp, path)
+    # the GEMV's threads: measured in every process (not stored), on the largest weight that uses it
+    # up to THREAD_PROBE_BYTES (a 113 MB LM head would cost ~0.2 s of start-up to time 42 times)
+    probes = sorted((g[0] for g, n in zip(groups, threads, strict=True) if n), key=lambda lin: lin.nbytes)
+    small = [lin for lin in probes if lin.nbytes <= THREAD_PROBE_BYTES] or probes[:1]
+    n_threads = dense_threads(small[-1], lib) if small else 1
     for group, n in zip(groups, threads, strict=True):
         for lin in group:
-            lin.gemv = (lib, n) if n else None
+            lin.gemv = (lib, n_threads) if n else None
     return times
 
 
