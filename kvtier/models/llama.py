@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention
+from kvtier.models.decode_program import DecodeProgram
 from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
 from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate_dense
@@ -160,6 +161,8 @@ class LlamaModel:
         # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
         self.ops, self.torch_ops = ops_for(dtype, self.rope), TorchOps(self.rope)
         self.gemv_times = self._choose_gemv()
+        # a decode step's layers in one C call where it covers the step (kvtier/models/decode_program.py)
+        self.program = DecodeProgram(self) if isinstance(self.ops, FusedOps) else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim
@@ -200,6 +203,8 @@ class LlamaModel:
         qkv = x.new_empty(T, (H + 2 * KVH) * D)
         gate_up = x.new_empty(T, 2 * c.intermediate_size)
         act = x.new_empty(T, c.intermediate_size)
+        if self.program is not None and ops is self.ops and self.program.run(x, kv_cache, meta):
+            return ops.rms_norm(x, self.final_norm, eps, torch.empty_like(x))  # every layer in one C call
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, h), qkv)  # [T, (H + 2*KVH) * D]
             # RoPE on Q and K heads in place, new K/V into the cache: [T, 2, KVH, D] as stored

@@ -97,6 +97,7 @@ def build(target: Path | None = None, source: Path = SOURCE) -> Path:
 
 
 FUSED = Path(__file__).with_name("fused.c")
+PROGRAM = Path(__file__).with_name("decode_program.c")  # kvtier/models/decode_program.py
 
 
 def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
@@ -110,6 +111,7 @@ def _bind(lib: ctypes.CDLL, source: Path) -> ctypes.CDLL:
         "kv_rope_store": [p, i64, p, p, i64, i64, i64, i64, i64, p, p],
         "kv_silu_mul": [p, p, i64, i64],
         "kv_sgemv_t": [p, i64, p, p, p, i64, i64, i32, i32],
+        "kv_decode_layers": [p, p, i64],
     }
     for name, args in signatures.items():
         if hasattr(lib, name):
@@ -144,5 +146,5 @@ def kernels(source: Path = SOURCE) -> ctypes.CDLL | None:
 
 
 if __name__ == "__main__":  # `python -m kvtier.models.qkernels`: build now (make setup)
-    for src in (SOURCE, FUSED):
+    for src in (SOURCE, FUSED, PROGRAM):
         print(f"kvtier: {src.stem} kernels {'ready' if kernels(src) else 'not built'}: {library_path(src)}")
