@@ -305,3 +305,16 @@ def test_bench_quality_text_is_shipped_and_holds_20k_tokens(converted_default_mo
     assert len(ids) == 20480 and ids[:1024] == fixed_text(tokenizer, 1024)  # --quick: its prefix
     with pytest.raises(ValueError, match="fewer than"):
         fixed_text(tokenizer, 10**6)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+def test_a_fresh_pool_reads_zero_everywhere(kv_dtype: str) -> None:
+    """The pool comes from calloc (zero pages mapped on first write, not memset at start-up): every
+    byte of it, data and scales, reads zero, and it is writable."""
+    for num_blocks in (3, 4096):  # a small one from the heap, a large one straight from the OS
+        cache = PagedKVCache(
+            KVFormat(kv_dtype, torch.float32), num_blocks, (2, 16, 2, 64), torch.device("cpu")
+        )
+        assert not cache.raw.view(torch.uint8).any()
+        cache.raw[-1].view(torch.uint8).fill_(7)
+        assert int(cache.raw.view(torch.uint8).sum()) == 7 * cache.raw[-1].numel() * cache.raw.element_size()
