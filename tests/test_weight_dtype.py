@@ -245,3 +245,19 @@ def test_bench_kernels_against_this_revision_agrees(capsys: pytest.CaptureFixtur
         "121 gguf linears" in out
         and len([ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "3 "))]) == 2
     )
+
+
+def test_bench_kernels_refuses_bad_input_in_one_line_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revision git does not know, or ``--rows`` that are not positive integers: one line, no model load."""
+    import argparse
+
+    import kvtier
+    from kvtier.bench import kernels
+
+    monkeypatch.setattr(kvtier, "LLM", None)  # loading the model would fail loudly
+    with pytest.raises(SystemExit, match="cannot read kvtier/models/qmatmul.c at no-such-rev"):
+        kernels.main(argparse.Namespace(against="no-such-rev", rows=[1], rounds=1, num_threads=1))
+    for bad in ("1,x", "0", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
+            kernels._rows(bad)
+    assert kernels._rows("1, 2,4") == [1, 2, 4]

@@ -25,10 +25,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--against", required=True, help="git revision whose qmatmul.c to compare with")
-    p.add_argument("--rows", default="1,2,4", help="activation rows per call, comma-separated")
+    p.add_argument("--rows", type=_rows, default="1,2,4", help="activation rows per call, comma-separated")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (median reported)")
     p.add_argument("--num-threads", type=int, default=2, help="kernel threads (default 2)")
     p.set_defaults(func=main)
+
+
+def _rows(text: str) -> list[int]:
+    """``--rows``: positive integers, comma-separated (argparse turns the error into one line)."""
+    try:
+        rows = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return rows
 
 
 def _git_show(rev: str, path: str) -> str:
@@ -49,13 +60,13 @@ def gguf_order(qtype: str, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat(fields, dim=2).reshape(n, -1).contiguous()
 
 
-def _old_library(rev: str, work: Path) -> tuple[ctypes.CDLL, bool]:
-    """(REV's kernel library, whether REV packs rows by field)."""
+def _old_library(rev: str, work: Path, kernel: str, qpack: str) -> tuple[ctypes.CDLL, bool]:
+    """(REV's kernel library, whether REV packs rows by field), from REV's qmatmul.c and qpack.py."""
     from kvtier.models import qkernels
 
     source = work / "qmatmul.c"
-    source.write_text(_git_show(rev, "kvtier/models/qmatmul.c"))
-    version = re.search(r"^PACK_VERSION = (\d+)", _git_show(rev, "kvtier/models/qpack.py"), re.M)
+    source.write_text(kernel)
+    version = re.search(r"^PACK_VERSION = (\d+)", qpack, re.M)
     target = qkernels.build(target=work / "qmatmul-old.so", source=source)
     return qkernels._bind(ctypes.CDLL(str(target)), qkernels.SOURCE), bool(version and int(version[1]) >= 2)
 
@@ -65,13 +76,19 @@ def main(ns: argparse.Namespace) -> int:
     from kvtier.models import qkernels
     from kvtier.models.qlinear import QuantLinear
 
+    # REV's files first: a revision that does not exist is one line, before the model loads
+    kernel, qpack = (
+        _git_show(ns.against, "kvtier/models/qmatmul.c"),
+        _git_show(ns.against, "kvtier/models/qpack.py"),
+    )
+    rows_list = ns.rows if isinstance(ns.rows, list) else _rows(ns.rows)
     names = {v: k for k, v in qkernels.QTYPES.items()}
     llm = LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype="gguf")
     model = llm.engine.model
     lins = [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]
     lins = [lin for lin in lins if isinstance(lin, QuantLinear)]
     with tempfile.TemporaryDirectory() as tmp:
-        old, by_field = _old_library(ns.against, Path(tmp))
+        old, by_field = _old_library(ns.against, Path(tmp), kernel, qpack)
         old_rows = [lin.data if by_field else gguf_order(names[lin.qid], lin.data) for lin in lins]
         variants = {
             "this checkout": (qkernels.kernels(), [lin.data for lin in lins]),
@@ -81,7 +98,7 @@ def main(ns: argparse.Namespace) -> int:
         print(
             f"  {'rows':>4} {'this checkout':>14} {ns.against[:14]:>14} {'speed-up':>9} {'max rel diff':>13}"
         )
-        for rows in [int(r) for r in ns.rows.split(",")]:
+        for rows in rows_list:
             ms, outs = _interleaved(lins, variants, rows, ns.rounds, ns.num_threads)
             new, ref = outs["this checkout"], outs[ns.against]
             diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(new, ref, strict=True))
