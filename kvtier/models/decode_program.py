@@ -70,6 +70,7 @@ class DecodeProgram:
         self.lib = kernels(PROGRAM)
         self._layers: dict[tuple[int, int], ctypes.Array[_Layer] | None] = {}
         self.steps = 0  # steps run by the program (the tests check it ran)
+        self._ops: tuple[int, ...] | None = None  # the fused and attention functions' addresses
         quant = [lin for layer in model.layers for lin in layer.linears if isinstance(lin, QuantLinear)]
         self.qmatmul = _address(quant[0].lib.kv_qmatmul) if quant else 0
         # a quantized o/down with a bias adds x + (a @ W + b) through a scratch row (QuantLinear.residual)
@@ -129,9 +130,11 @@ class DecodeProgram:
         tmp = torch.empty_like(x) if self.biased else None
         call = d.kernel_call(att_lib, kv_cache, H, model.scale)
         raw = kv_cache.raw
+        if self._ops is None:  # the libraries are loaded once per process: their addresses stay
+            fused = (ops.lib.kv_rmsnorm, ops.lib.kv_rope_store, ops.lib.kv_silu_mul, ops.lib.kv_sgemv_t)
+            self._ops = (*map(_address, fused), self.qmatmul, _address(att_lib.kv_decode_attention))
         step = _Step(
-            _address(ops.lib.kv_rmsnorm), _address(ops.lib.kv_rope_store), _address(ops.lib.kv_silu_mul),
-            _address(ops.lib.kv_sgemv_t), self.qmatmul, _address(att_lib.kv_decode_attention),
+            *self._ops,
             T, x.shape[1], H, KVH, D, inter, c.rms_norm_eps, model.scale,
             x.data_ptr(), h.data_ptr(), qkv.data_ptr(), gate_up.data_ptr(), act.data_ptr(), attn.data_ptr(),
             None if tmp is None else tmp.data_ptr(), ops.table_ptr, ops.positions.data_ptr(),

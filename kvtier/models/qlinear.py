@@ -23,6 +23,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -72,14 +73,22 @@ def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
         return PARALLEL_MIN
     x = torch.randn(1, linear.K)
     y = torch.empty(1, linear.N)
-    lin, many = linear, torch.get_num_threads()
-    times: dict[int, list[float]] = {1: [], many: []}
+    lin = linear
 
     def call(threads: int) -> None:
         args = (lin.qid, lin.data.data_ptr(), lin._scale_ptr, x.data_ptr(), y.data_ptr(), 1, lin.N, lin.K)
         lin.lib.kv_qmatmul(*args, 0, threads)
 
-    for _ in range(3):  # warm-up (starts the OpenMP pool)
+    PARALLEL_MIN = PARALLEL if _parallel_pays(call, repeat) else SERIAL
+    return PARALLEL_MIN
+
+
+def _parallel_pays(call: Callable[[int], None], repeat: int) -> bool:
+    """Whether ``call(threads)`` on torch's threads has a median below ``PARALLEL_GAIN`` of its median
+    on one thread, over ``repeat`` calls each, alternating (after a warm-up that starts the OpenMP pool)."""
+    many = torch.get_num_threads()
+    times: dict[int, list[float]] = {1: [], many: []}
+    for _ in range(3):
         for threads in times:
             call(threads)
     for _ in range(repeat):  # ~0.1-1 ms per call
@@ -88,8 +97,7 @@ def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
             call(threads)
             seen.append(time.perf_counter() - t)
     median = {threads: sorted(seen)[len(seen) // 2] for threads, seen in times.items()}
-    PARALLEL_MIN = PARALLEL if median[many] < PARALLEL_GAIN * median[1] else SERIAL
-    return PARALLEL_MIN
+    return median[many] < PARALLEL_GAIN * median[1]
 
 
 GEMV_ROWS = 4  # the fp32 GEMV of fused.c runs calls of at most this many rows (decode, small batches)
@@ -177,18 +185,8 @@ def dense_threads(linear: DenseLinear, lib: ctypes.CDLL, repeat: int = 21) -> in
     if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ:
         return many if PARALLEL_MIN < SERIAL else 1
     x, y = torch.randn(1, linear.K), torch.empty(1, linear.N)
-    times: dict[int, list[float]] = {1: [], many: []}
     args = (x.data_ptr(), 1, linear.w_t.data_ptr(), None, y.data_ptr(), linear.K, linear.N, 0)
-    for _ in range(3):  # warm-up (starts the OpenMP pool)
-        for threads in times:
-            lib.kv_sgemv_t(*args, threads)
-    for _ in range(repeat):
-        for threads, seen in times.items():
-            t = time.perf_counter()
-            lib.kv_sgemv_t(*args, threads)
-            seen.append(time.perf_counter() - t)
-    median = {threads: sorted(seen)[len(seen) // 2] for threads, seen in times.items()}
-    return many if median[many] < PARALLEL_GAIN * median[1] else 1
+    return many if _parallel_pays(lambda threads: lib.kv_sgemv_t(*args, threads), repeat) else 1
 
 
 def _stored_choice(path: Path, num_groups: int) -> list[int] | None:
