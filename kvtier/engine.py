@@ -48,7 +48,7 @@ from kvtier.kv_events import (
 )
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel, load_model
-from kvtier.models.qpack import load_packed
+from kvtier.models.qpack import cached_dense, keep_dense, load_packed
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -83,10 +83,7 @@ class LLMEngine:
         self.model_config = config.model
         self.dtype = _DTYPES[config.dtype]
         self.device = _device()
-        packed, kernels = load_packed(self.loaded, args.weight_dtype, config.dtype, self.device.type)
-        self.model = LlamaModel(
-            config.model, self.loaded.weights, self.dtype, config.max_model_len, packed, kernels
-        )
+        self.model = self._build_model(args.weight_dtype)
         cache = config.cache
         self.runner = ModelRunner(
             self.model, cache.num_device_blocks, cache.block_size, self.device, cache.kv_dtype
@@ -131,6 +128,19 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._closed = False
+
+    def _build_model(self, weight_dtype: str) -> LlamaModel:
+        """The model with its weights packed (gguf / int8) or dense (auto: kept fused in the conversion
+        cache, so a later start maps them instead of transposing; kvtier/models/qpack.py)."""
+        config = self.config
+        packed, kernels = load_packed(self.loaded, weight_dtype, config.dtype, self.device.type)
+        cached = cached_dense(self.loaded, self.dtype) if weight_dtype == "auto" else {}
+        model = LlamaModel(
+            config.model, self.loaded.weights, self.dtype, config.max_model_len, packed, kernels, cached
+        )
+        if weight_dtype == "auto" and not cached:
+            keep_dense(self.loaded, self.dtype, model.dense_groups())
+        return model
 
     @property
     def max_model_len(self) -> int:

@@ -130,6 +130,55 @@ def test_packing_happens_once_then_the_cache_is_read(
     assert all(torch.equal(first[g][1], second[g][1]) for g in first)
 
 
+def test_auto_keeps_its_fused_weights_and_a_second_start_transposes_nothing(
+    tiny_gguf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """weight_dtype=auto: the first start keeps the fused transposed matrices next to the conversion; the
+    second maps them (no transpose at all) and answers the same; a damaged file is a miss, removed and
+    written again; a matrix of the wrong shape is built instead of used (a changed layout of the same
+    shape is ``qpack.DENSE_VERSION``'s job: the file name changes with it)."""
+    from kvtier import LLM, SamplingParams
+    from kvtier.models import llama
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    path = str(tiny_gguf(qtype="Q4_1").path)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def start() -> LLM:
+        return LLM(path, kv_device_blocks=16, dtype="float32", weight_dtype="auto")
+
+    def greedy(llm: LLM) -> list[int]:
+        return list(llm.generate([[5, 9, 17, 3]], params)[0].outputs[0].token_ids)
+
+    first = start()
+    kept = first.engine.loaded.converted / f"fused-float32-v{qpack.DENSE_VERSION}.safetensors"
+    assert kept.is_file()
+    want = greedy(first)
+    groups = first.engine.model.dense_groups()
+
+    def no_transposes(*ws: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("transposed on the second start")
+
+    with monkeypatch.context() as m:
+        m.setattr(llama, "_transposed", no_transposes)
+        second = start()
+    assert second.engine.model.dense_groups().keys() == groups.keys()
+    for group, w in second.engine.model.dense_groups().items():
+        assert torch.equal(w, groups[group]), group
+    assert greedy(second) == want
+
+    size = kept.stat().st_size
+    kept.write_bytes(kept.read_bytes()[:1000])  # truncated: a miss, and removed
+    assert qpack.cached_dense(second.engine.loaded, torch.float32) == {} and not kept.exists()
+    kept.write_bytes(b"\0" * 64)  # garbage: the model still loads, builds its matrices, keeps them again
+    assert greedy(start()) == want and kept.stat().st_size == size
+
+    loaded = first.engine.loaded
+    wrong = {g: w[1:].contiguous() for g, w in groups.items()}  # [K - 1, N]: another model's
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, 64, cached=wrong)
+    assert all(torch.equal(w, groups[g]) for g, w in model.dense_groups().items())
+
+
 # ------------------------------------------------------------------------------ int8
 @needs_kernels
 def test_int8_quantizes_an_hf_model_per_channel(tiny_llama_dir: Any) -> None:

@@ -144,11 +144,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(path: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors by HF name, memory-mapped, as stored; shapes checked against ``config``."""
+def load_weights(path: Path, config: ModelConfig, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name, memory-mapped, as stored; shapes checked against ``config``.
+    ``files``: the safetensors to read (default: ``safetensors_files(path)``)."""
     required, optional = expected_shapes(config), optional_shapes(config)
     weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(path):
+    for file in files if files is not None else safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 -- safe_open objects are not iterable

@@ -74,16 +74,26 @@ def _transposed(*ws: torch.Tensor) -> torch.Tensor:
 
 
 def _make_linear(
-    packed: Packed, lib: object, group: str, dense: Callable[[], torch.Tensor], b: torch.Tensor | None
+    packed: Packed,
+    lib: object,
+    group: str,
+    dense: Callable[[], torch.Tensor],
+    b: torch.Tensor | None,
+    cached: dict[str, torch.Tensor],
+    shape: tuple[int, int],
+    dtype: torch.dtype,
 ) -> DenseLinear | QuantLinear:
-    """The packed quantized group when there is one, else the dense transposed weight ``dense()``.
+    """The packed quantized group when there is one, else the dense transposed weight: ``cached[group]``
+    (kvtier/models/qpack.py keeps them) when its shape and dtype fit, or ``dense()`` built now.
 
-    Dense weights are stored transposed ([in, out]): MKL's sgemm on that operand is up to 4x faster than
-    F.linear's [out, in] for the small batches of decode steps."""
+    Dense weights are stored transposed ([in, out] = ``shape``): MKL's sgemm on that operand is up to 4x
+    faster than F.linear's [out, in] for the small batches of decode steps."""
     if group in packed:
         qtype, data, scale = packed[group]
         return QuantLinear(lib, qtype, data, scale, None if b is None else b.float())
-    return DenseLinear(dense(), b)
+    w = cached.get(group)
+    fits = w is not None and tuple(w.shape) == shape and w.dtype == dtype and w.is_contiguous()
+    return DenseLinear(w if fits else dense(), b)
 
 
 class LlamaLayer:
@@ -98,10 +108,14 @@ class LlamaLayer:
         dtype: torch.dtype,
         packed: Packed | None = None,
         lib: object = None,
+        cached: dict[str, torch.Tensor] | None = None,
     ):
         c = config
-        H, KVH, D = c.num_heads, c.num_kv_heads, c.head_dim
+        H, KVH, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         packed, g = packed or {}, "layers." + prefix.split(".")[2] + "."
+
+        def linear(name: str, dense: Callable[[], torch.Tensor], b: torch.Tensor | None, shape: tuple):
+            return _make_linear(packed, lib, g + name, dense, b, cached or {}, shape, dtype)
 
         def get(name: str) -> torch.Tensor:
             return w[prefix + name].to(dtype)
@@ -115,17 +129,18 @@ class LlamaLayer:
         self.post_norm = get("post_attention_layernorm.weight")  # [hidden]
         b_qkv = torch.cat(qkv("bias")) if c.attention_bias else None
         # [hidden, (H + 2*KVH) * D]
-        self.qkv = _make_linear(packed, lib, g + "qkv", lambda: _transposed(*qkv("weight")), b_qkv)
+        qkv_shape = (c.hidden_size, (H + 2 * KVH) * D)
+        self.qkv = linear("qkv", lambda: _transposed(*qkv("weight")), b_qkv, qkv_shape)
         has_o_bias = c.attention_bias and prefix + "self_attn.o_proj.bias" in w
         b_o = get("self_attn.o_proj.bias") if has_o_bias else None
         o_dense = lambda: _transposed(get("self_attn.o_proj.weight"))  # noqa: E731 -- [H*D, hidden]
-        self.o = _make_linear(packed, lib, g + "o", o_dense, b_o)
+        self.o = linear("o", o_dense, b_o, (H * D, c.hidden_size))
         b_gate_up = torch.cat([get("mlp.gate_proj.bias"), get("mlp.up_proj.bias")]) if c.mlp_bias else None
         gu_dense = lambda: _transposed(get("mlp.gate_proj.weight"), get("mlp.up_proj.weight"))  # noqa: E731
-        self.gate_up = _make_linear(packed, lib, g + "gate_up", gu_dense, b_gate_up)  # [hidden, 2*I]
+        self.gate_up = linear("gate_up", gu_dense, b_gate_up, (c.hidden_size, 2 * I))  # [hidden, 2*I]
         b_down = get("mlp.down_proj.bias") if c.mlp_bias else None
         down_dense = lambda: _transposed(get("mlp.down_proj.weight"))  # noqa: E731 -- [I, hidden]
-        self.down = _make_linear(packed, lib, g + "down", down_dense, b_down)
+        self.down = linear("down", down_dense, b_down, (I, c.hidden_size))
 
     @property
     def linears(self) -> list[DenseLinear | QuantLinear]:
@@ -143,6 +158,7 @@ class LlamaModel:
         max_positions: int,
         packed: Packed | None = None,  # weight_dtype gguf / int8: kvtier/models/qpack.py
         lib: object = None,  # the kernel library (kvtier/models/qkernels.py) when packed
+        cached: dict[str, torch.Tensor] | None = None,  # dense groups kept by qpack.keep_dense
     ):
         self.config = config
         self.dtype = dtype
@@ -152,10 +168,14 @@ class LlamaModel:
         tied = head is None or c.tie_word_embeddings
         # [hidden, V]: a transposed copy even when tied (+V*hidden elements) for the faster matmul
         head_dense = lambda: _transposed(self.embed if tied else head.to(dtype))  # noqa: E731
-        self.lm_head = _make_linear(packed or {}, lib, "lm_head", head_dense, None)
+        head_shape = (c.hidden_size, c.vocab_size)
+        self.lm_head = _make_linear(
+            packed or {}, lib, "lm_head", head_dense, None, cached or {}, head_shape, dtype
+        )
         self.final_norm = weights["model.norm.weight"].to(dtype)
         self.layers = [
-            LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib) for i in range(c.num_layers)
+            LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib, cached)
+            for i in range(c.num_layers)
         ]
         self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
         # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
@@ -166,6 +186,14 @@ class LlamaModel:
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim
+
+    def dense_groups(self) -> dict[str, torch.Tensor]:
+        """Every dense linear's transposed matrix by group name (``layers.{i}.qkv`` ... ``lm_head``), what
+        ``qpack.keep_dense`` stores so a later start can pass them back as ``cached``."""
+        linears = {"lm_head": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            linears.update({f"layers.{i}.{n}": getattr(layer, n) for n in ("qkv", "o", "gate_up", "down")})
+        return {g: lin.w_t for g, lin in linears.items() if isinstance(lin, DenseLinear)}
 
     def _choose_gemv(self, layers: int = 8) -> dict[str, float]:
         """fp32 dense weights: per weight group, MKL or the AVX2 GEMV of ``fused.c`` for decode rows,

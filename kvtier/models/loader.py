@@ -198,10 +198,13 @@ def _gguf_in(path: Path) -> Path:
 # --------------------------------------------------------------------------------------------- HF directories
 
 
-def _load_hf_dir(path: Path, *, fingerprint: str, user_path: Path) -> LoadedModel:
-    """Config, memory-mapped weights and tokenizer of an HF directory."""
+def _load_hf_dir(
+    path: Path, *, fingerprint: str, user_path: Path, files: list[Path] | None = None
+) -> LoadedModel:
+    """Config, memory-mapped weights (from ``files``, default: the directory's safetensors) and tokenizer
+    of an HF directory."""
     raw, config = load_config(path)
-    weights = load_weights(path, config)
+    weights = load_weights(path, config, files)
     if not (raw.get("dtype") or raw.get("torch_dtype")):
         config = dataclasses.replace(config, native_dtype=stored_dtype(weights))
     tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=config.eos_token_ids)
@@ -337,7 +340,9 @@ def converted_dir(
 def _load_gguf(path: Path, *, cache_dir: Path | str | None, progress: bool) -> LoadedModel:
     """Load a GGUF through its conversion (made first when missing or damaged)."""
     target, fingerprint = converted_dir(path, cache_dir=cache_dir, progress=progress)
-    loaded = _load_hf_dir(target, fingerprint=fingerprint, user_path=path)
+    # the conversion's own weights only: the packed files beside it are qpack's (a damaged one is its miss)
+    weights = [target / "model.safetensors"]
+    loaded = _load_hf_dir(target, fingerprint=fingerprint, user_path=path, files=weights)
     loaded.converted = target
     return loaded
 

@@ -18,6 +18,12 @@ of a type without a kernel (or of mixed types) is left out and runs dense from t
 The packed file lives next to the conversion: ``<cache>/<fingerprint>/packed-<mode>-v<N>.safetensors``,
 written to a temp file and renamed, under the conversion lock; a second start memory-maps it and packs
 nothing.
+
+``auto`` (dense fp32 or bf16) keeps its fused groups too, for a GGUF's conversion only:
+``fused-<dtype>-v<N>.safetensors`` holds each group as the transposed matrix ``DenseLinear`` multiplies
+by (``{group}`` ``[K, N]``), so a later start memory-maps them instead of transposing ~0.5 s of the
+default model's weights. It is as large as the conversion's own linears and LM head (+538 MB for the
+default model). An HF directory's weights are not copied: that model transposes at every start.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kvtier.config import ConfigError, ModelConfig
 from kvtier.models.loader import LoadedModel, _conversion_lock, _gguf_in, default_cache_dir
 
 PACK_VERSION = 2  # bump when the packed layout changes (2: each row's block fields regrouped)
+DENSE_VERSION = 1  # bump when LlamaModel's dense layout changes (row order, RoPE interleave, transpose)
 Rows = tuple[str, torch.Tensor, torch.Tensor | None]  # (block type, uint8 [N, bytes], fp32 scale [N] | None)
 
 
@@ -157,20 +164,24 @@ def _source_gguf(loaded: LoadedModel) -> Path:
     return path
 
 
-def _save(packed: dict[str, Rows], target: Path) -> None:
-    """Write ``packed`` to ``target`` atomically (temp file in the same directory, then rename)."""
+def _save_tensors(tensors: dict[str, torch.Tensor], target: Path, metadata: dict[str, str]) -> None:
+    """Write ``tensors`` to ``target`` atomically (temp file in the same directory, then rename)."""
     from safetensors.torch import save_file
 
-    tensors = {f"{g}.data": d for g, (_, d, _) in packed.items()}
-    tensors.update({f"{g}.scale": s for g, (_, _, s) in packed.items() if s is not None})
     fd, tmp = tempfile.mkstemp(prefix=".tmp-packed-", dir=target.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={g: qtype for g, (qtype, _, _) in packed.items()})
+        save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _save(packed: dict[str, Rows], target: Path) -> None:
+    tensors = {f"{g}.data": d for g, (_, d, _) in packed.items()}
+    tensors.update({f"{g}.scale": s for g, (_, _, s) in packed.items() if s is not None})
+    _save_tensors(tensors, target, {g: qtype for g, (qtype, _, _) in packed.items()})
 
 
 def _read(target: Path) -> dict[str, Rows]:
@@ -244,3 +255,41 @@ def load_packed(
         qtype, data, scale = packed["layers.0.gate_up"]
         calibrate(QuantLinear(lib, qtype, data, scale, None))
     return packed, lib
+
+
+def _dense_target(loaded: LoadedModel, dtype: torch.dtype) -> Path | None:
+    if loaded.converted is None:
+        return None
+    return loaded.converted / f"fused-{str(dtype).removeprefix('torch.')}-v{DENSE_VERSION}.safetensors"
+
+
+def cached_dense(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``auto``'s fused transposed matrices by group, memory-mapped from the conversion cache; ``{}`` when
+    there are none. A file that cannot be read is a miss and is removed (``LlamaModel`` also checks each
+    matrix's shape and dtype, and builds any that do not fit)."""
+    from safetensors import safe_open
+
+    target = _dense_target(loaded, dtype)
+    if target is None or not target.is_file():
+        return {}
+    try:
+        with safe_open(str(target), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception:  # a truncated or corrupt file: rebuilt at this start
+        with contextlib.suppress(OSError):
+            target.unlink()
+        return {}
+
+
+def keep_dense(loaded: LoadedModel, dtype: torch.dtype, dense: dict[str, torch.Tensor]) -> bool:
+    """Store ``dense`` (group -> [K, N]) for later starts; False where there is no conversion directory
+    or it cannot be written (then the next start transposes again)."""
+    target = _dense_target(loaded, dtype)
+    if target is None or not dense:
+        return False
+    try:
+        with _conversion_lock(target.parent.parent, loaded.fingerprint):
+            _save_tensors(dense, target, {"layout": f"kvtier-dense-v{DENSE_VERSION}"})
+    except Exception:  # a full or read-only cache (OSError, safetensors' own errors): no start fails on it
+        return False
+    return True
