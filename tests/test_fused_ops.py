@@ -115,7 +115,7 @@ def test_silu_times_up_matches_torch() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_equals_matmul_with_bias_and_residual(rows: int, threads: int) -> None:
     g = torch.Generator().manual_seed(rows)
-    K, N = 37, 1100  # K not a multiple of 4, N: two full 512-column chunks and a ragged one
+    K, N = 37, 1100  # K not a multiple of 4 (two row ranges of 20 and 17), N not a multiple of 8
     w_t, b = torch.randn(K, N, generator=g), torch.randn(N, generator=g)
     x, resid = torch.randn(rows, K, generator=g), torch.randn(rows, N, generator=g)
     for bias in (None, b):
@@ -128,6 +128,27 @@ def test_gemv_equals_matmul_with_bias_and_residual(rows: int, threads: int) -> N
     other = (LIB, 3 - threads)
     got, lin.gemv = lin(x), other
     assert torch.equal(lin(x), got)  # a column's sum does not depend on the thread count
+
+
+def test_a_gemv_row_is_the_same_alone_or_batched_on_any_thread_count() -> None:
+    """The rows of w are cut into fixed ranges (by K alone) and the columns into chunks of at most 16,384
+    floats for 4 rows: a sequence's logits do not depend on its batch-mates, nor on the threads, nor on
+    the chunking (here 17,000 columns: 2 chunks for 4 rows, 1 for one row; 3 threads: 2 per range)."""
+    g = torch.Generator().manual_seed(7)
+    K, N = 150, 17_000
+    lin = DenseLinear(torch.randn(K, N, generator=g), torch.randn(N, generator=g))
+    x = torch.randn(4, K, generator=g)
+    want = torch.addmm(lin.b, x, lin.w_t)
+    results = []
+    for threads in (1, 2, 3):
+        lin.gemv = (LIB, threads)
+        batched = lin(x)
+        torch.testing.assert_close(batched, want, rtol=1e-5, atol=1e-4)
+        for m in range(4):
+            assert torch.equal(lin(x[m : m + 1].clone()), batched[m : m + 1])
+        assert torch.equal(lin(x[1:3].clone()), batched[1:3])
+        results.append(batched)
+    assert all(torch.equal(r, results[0]) for r in results)
 
 
 def test_gemv_is_not_used_for_prefill_rows_nor_for_none() -> None:
