@@ -111,3 +111,18 @@ def test_logit_bias_moves_the_choice() -> None:
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
     params = SamplingParams(temperature=0.0, logit_bias={3: 100.0, 1: -100.0})
     assert Sampler().sample(logits, [SampleRequest(0, "s", 0, params)])[0][0] == 3
+
+
+def test_bias_and_bans_edit_a_copy_and_plain_rows_are_read_in_place() -> None:
+    """A decode step's rows are read in place; a bias or a ban edits a copy, so the logits (the model's
+    distribution, which logprobs report) and the other rows are never changed."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.0, 0.0, 5.0, 0.0]])
+    before = logits.clone()
+    biased = SamplingParams(temperature=0.0, logit_bias={3: 100.0}, logprobs=1)
+    plain = SamplingParams(temperature=0.0, logprobs=1)
+    out = Sampler().sample(logits, [SampleRequest(0, "a", 0, biased), SampleRequest(1, "b", 0, plain, (2,))])
+    assert [token for token, _ in out] == [3, 0]
+    assert torch.equal(logits, before)
+    assert out[0][1].top == {1: pytest.approx(float(torch.log_softmax(before[0], -1)[1]))}
+    out = Sampler().sample(logits, [SampleRequest(0, "a", 0, plain), SampleRequest(1, "b", 0, plain)])
+    assert [token for token, _ in out] == [1, 2] and torch.equal(logits, before)

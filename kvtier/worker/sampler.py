@@ -60,7 +60,12 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[SampleRequest]
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
-        rows = logits.index_select(0, torch.tensor([r.row for r in reqs], dtype=torch.long))  # [M, V]
+        index = [r.row for r in reqs]
+        edits = any(r.params.logit_bias or r.banned_token_ids for r in reqs)
+        if not edits and index == list(range(logits.shape[0])):
+            rows = logits  # one row per sequence, nothing to edit: read in place (a decode step's usual case)
+        else:
+            rows = logits.index_select(0, torch.tensor(index, dtype=torch.long))  # [M, V], edited below
         for i, r in enumerate(reqs):
             if r.params.logit_bias:
                 bias_ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
