@@ -310,3 +310,30 @@ def test_bench_kernels_refuses_bad_input_in_one_line_before_loading(monkeypatch:
         with pytest.raises(argparse.ArgumentTypeError, match="positive integers"):
             kernels._rows(bad)
     assert kernels._rows("1, 2,4") == [1, 2, 4]
+
+
+@needs_kernels
+def test_bench_alternates_the_modes_and_rates_them_from_the_same_rounds(
+    tiny_gguf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench throughput`'s alternating rows: every mode decodes the same number of timed tokens, the
+    read bandwidth is sampled once per round, and the ratios point the right way (auto's floor over
+    its median token; auto's median over gguf's)."""
+    from kvtier import LLM
+    from kvtier.bench.decode_ab import alternating_rows, modes_per_token
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
+    path = str(tiny_gguf(qtype="Q8_0").path)
+    llms = {m: LLM(path, dtype="float32", weight_dtype=m, kv_device_blocks=16) for m in ("auto", "gguf")}
+    times, bandwidth = modes_per_token(llms, [5, 9, 17], 6, rounds=3, read_bytes=2**20)
+    assert [len(t.ms) for t in times.values()] == [18, 18] and len(bandwidth) == 3
+    assert all(t.min <= t.median for t in times.values()) and min(bandwidth) > 0
+
+    rows: list[tuple] = []
+    alternating_rows(llms, [5, 9, 17], 6, lambda model: 10**6, lambda *r: rows.append(r), read_bytes=2**20)
+    by_name = {r[0].strip(): r for r in rows}
+    floor = by_name["auto vs its floor (median token, alternating)"]
+    assert floor[2] == pytest.approx(1e6 / (float(floor[6].split()[2]) * 1e9) * 1e3, rel=0.01)
+    gguf = by_name["gguf vs auto (median token, alternating)"]
+    assert gguf[1] == by_name["decode 1 token, gguf (median, alternating)"][1]
+    assert gguf[2] == by_name["decode 1 token, auto (median, alternating)"][1] and gguf[5] == 2.5

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtier.args import add_engine_args
+from kvtier.bench.decode_ab import alternating_rows, per_token_ms
 
 
 @dataclass
@@ -264,47 +264,6 @@ def llama_cpp_decode_ms(prompt: list[int], n: int, threads: int) -> float | None
     return (run(n) - run(1)) / (n - 1) * 1e3
 
 
-def per_token_ms(
-    mode: str, prompt: list[int], n: int, threads: int, rounds: int = 4
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Single-stream decode, one token at a time: ((kvtier ``mode`` engine step, llama.cpp token) ms
-    minimum, the same medians), over ``rounds`` x ``n`` tokens each, alternating in one process (robust
-    to a busy machine, where whole-run differences are noise). Needs ``llama_cpp``."""
-    from llama_cpp import Llama
-
-    from kvtier import LLM, SamplingParams
-    from kvtier.models.loader import default_model_path
-
-    llm = LLM(dtype="float32", num_threads=threads, weight_dtype=mode)
-    engine, step, ours, theirs = llm.engine, llm.engine.step, [], []
-
-    def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        t = time.perf_counter()
-        out = step(*args, **kw)
-        ours.append(time.perf_counter() - t)
-        return out
-
-    engine.step = timed
-    model = Llama(str(default_model_path()), n_threads=threads, n_ctx=512, verbose=False)
-    for _ in range(rounds):
-        first = len(ours)
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
-        del ours[first]  # the prefill step
-        model.reset()
-        t = time.perf_counter()
-        for i, _ in enumerate(model.generate(prompt, temp=0.0)):
-            now = time.perf_counter()
-            if i > 0:
-                theirs.append(now - t)
-            t = now
-            if i >= n:
-                break
-    return (min(ours) * 1e3, min(theirs) * 1e3), (
-        statistics.median(ours) * 1e3,
-        statistics.median(theirs) * 1e3,
-    )
-
-
 def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: list[Row]) -> None:
     """Decode side by side for each ``--weight-dtypes`` mode, ratios against ``auto`` from this run."""
     from kvtier import LLM
@@ -362,6 +321,9 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: li
         start = startup_first_token_s(ns.num_threads, "--weight-dtype", mode)
         row(f"  {mode}: start-up to first token (2nd launch)", start, None, "s", False, None, "<= 3 s")
         rows[-1].met = start <= 3.0
+    llms = {m: LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=m) for m in modes}
+    alternating_rows(llms, prompt, ns.decode_tokens, weight_bytes_per_decode_step, row)
+    del llms
     ms = llama_cpp_decode_ms(prompt, ns.decode_tokens, ns.num_threads)
     if ms is None:
         print("  llama.cpp row skipped: llama_cpp is not importable", file=sys.stderr, flush=True)
