@@ -4,7 +4,8 @@ The story: three sequences of different lengths are prefilled into scattered blo
 together for a few steps. Each step runs twice over the same cache: through the Python loop, then
 through the program (which writes the same K/V to the same slots again): the hidden states are equal
 bit for bit, for quantized weights (gguf Q4_1 / Q8_0, int8 with biases on qkv and o) and for dense
-fp32 weights on the GEMV. Steps the program does not cover (a prefill chunk, a compact KV pool, a
+fp32 weights on the GEMV, over a float32 pool and over compact fp8/int8 pools (whose stored codes and
+scales are the loop's too). Steps the program does not cover (a prefill chunk, a bf16 KV pool, a
 dense weight on MKL, more rows than the GEMV takes) run the loop.
 """
 
@@ -74,17 +75,19 @@ class Batch:
         pos, meta = self.decode_meta()
         program, self.model.program = self.model.program, None
         loop = self.forward(torch.tensor(tokens), pos, meta)
+        written = self.cache.raw.clone()
         self.model.program = program
         pos, meta = self.decode_meta()
         prog = self.forward(torch.tensor(tokens), pos, meta)
+        assert torch.equal(self.cache.raw, written)  # the program wrote the loop's bytes to the same slots
         self.lengths = [n + 1 for n in self.lengths]
         return loop, prog
 
 
-def story(model: LlamaModel, lengths: list[int], steps: int = 4) -> None:
+def story(model: LlamaModel, lengths: list[int], steps: int = 4, kv_dtype: str = "float32") -> None:
     """Prefill, then ``steps`` decode steps: the program's hidden states equal the loop's bit for bit."""
     assert model.program is not None
-    batch = Batch(model, lengths, steps=steps)
+    batch = Batch(model, lengths, kv_dtype, steps=steps)
     tokens = batch.prefill()
     ran = model.program.steps
     for _ in range(steps):
@@ -123,6 +126,21 @@ def test_dense_fp32_on_the_gemv_decodes_bit_for_bit(
     story(LlamaModel(loaded.config, loaded.weights, torch.float32, 256), [12])  # one sequence: no mask
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+def test_compact_kv_decodes_bit_for_bit(tiny_gguf: Any, tiny_llama_dir: Any, kv_dtype: str) -> None:
+    """A compact pool: RoPE, then the rotation, quantize and scatter of kv_store_quantized, then the
+    compact attention, all inside the program, for quantized and dense weights."""
+    loaded = load_model(str(tiny_gguf(qtype="Q4_1", num_heads=1, num_kv_heads=1).path))
+    story(quantized(loaded, "gguf"), [5, 19, 33], kv_dtype=kv_dtype)
+    directory = tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128, attention_bias=True)
+    loaded = load_model(str(directory))
+    model = LlamaModel(loaded.config, loaded.weights, torch.float32, 256)
+    for layer in model.layers:  # every dense weight on the GEMV (the calibration may choose MKL here)
+        for lin in [*layer.linears]:
+            lin.gemv = (model.ops.lib, 2)
+    story(model, [7, 30], kv_dtype=kv_dtype)
+
+
 def test_steps_it_does_not_cover_run_the_loop(tiny_llama_dir: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     loaded = load_model(str(tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128)))
     monkeypatch.setenv("KVTIER_DENSE_GEMV", "1")
@@ -136,9 +154,9 @@ def test_steps_it_does_not_cover_run_the_loop(tiny_llama_dir: Any, monkeypatch: 
     too_many.prefill()
     too_many.decode_both_ways([1] * (GEMV_ROWS + 1))
     assert program.steps == 0  # more rows than the GEMV takes: the loop (MKL)
-    compact = Batch(model, [4, 9], kv_dtype="fp8_e4m3")
-    compact.decode_both_ways(compact.prefill())
-    assert program.steps == 0  # a compact pool's write quantizes in torch + C: the loop
+    bf16 = Batch(model, [4, 9], kv_dtype="bfloat16")
+    bf16.decode_both_ways(bf16.prefill())
+    assert program.steps == 0  # a bf16 pool: the loop (torch writes, no decode kernel)
     model.layers[1].down.gemv = None  # one weight on MKL
     model.program = DecodeProgram(model)
     batch.decode_both_ways(tokens)

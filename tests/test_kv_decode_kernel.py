@@ -311,7 +311,8 @@ def test_c_write_stores_the_torch_writes_bytes(kd: str, factor: float) -> None:
         got = kvkernels.store_quantized(
             kvkernels.kernels(), caches[1], 1, kv, slots // 16, slots % 16, stored
         )
-        assert torch.equal(caches[0].raw, caches[1].raw) and torch.equal(got, want)
+        assert torch.equal(caches[0].raw, caches[1].raw)
+        assert torch.equal(got, want) if stored else got.shape == want.shape  # unstored: only the shape
     assert caches[1].raw[:, 0].count_nonzero() == 0  # layer 1 only
 
 

@@ -9,7 +9,8 @@
  * add, rounded like torch's.
  *
  * Per layer (x: [T, hidden] the residual stream, updated in place; T = the step's decode rows):
- *   h = rmsnorm(x, in_norm); qkv = h @ Wqkv (+ b); RoPE Q|K, K|V rows to their slots;
+ *   h = rmsnorm(x, in_norm); qkv = h @ Wqkv (+ b); RoPE Q|K, K|V rows to their slots (a compact pool:
+ *   rotated, quantized and scattered by kvattn.c's kv_store_quantized, as the Python path's write);
  *   attn = attention(q); x += attn @ Wo; h = rmsnorm(x, post_norm); gu = h @ Wgu; act = silu(g) * u;
  *   x += act @ Wdown
  */
@@ -18,6 +19,9 @@
 typedef void (*rmsnorm_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t, int64_t, float);
 typedef void (*rope_store_fn)(float *, int64_t, const float *, const int64_t *, int64_t, int64_t, int64_t,
                               int64_t, int64_t, uint8_t *, const int64_t *);
+typedef void (*rope_fn)(float *, int64_t, const float *, const int64_t *, int64_t, int64_t, int64_t);
+typedef void (*store_fn)(int, const float *, int64_t, int64_t, int64_t, int64_t, const float *, const float *,
+                         int64_t, float, uint8_t *, int64_t, int64_t, const int64_t *, const int64_t *, float *);
 typedef void (*silu_fn)(const float *, float *, int64_t, int64_t);
 typedef void (*sgemv_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
                          int, int);
@@ -59,6 +63,13 @@ typedef struct {
     const float *rot;
     int64_t block_size, parts, att_threads;
     float *scratch;
+    /* a compact pool (fp8/int8): RoPE, then kv_store_quantized (rotate, quantize, scatter) instead of
+     * rope_store; store is NULL for a plain float32 pool */
+    void *rope, *store;
+    const float *steps; /* the fp8 scale candidates' multipliers */
+    int64_t nsteps;
+    float factor;
+    const int64_t *ids, *offsets; /* [T] slot block ids and rows */
 } Step;
 
 /* y [T, N] = x [T, K] @ W (+ b), or y += (x @ W (+ b)) when residual: as QuantLinear / DenseLinear do
@@ -90,8 +101,15 @@ void kv_decode_layers(const Step *s, const Layer *layers, int64_t n_layers) {
         const Layer *l = layers + i;
         norm(s->x, hidden, l->in_norm, s->h, hidden, T, hidden, s->eps);
         linear(s, &l->qkv, s->h, s->qkv, 0);
-        ((rope_store_fn)s->rope_store)(s->qkv, qkv_width, s->table, s->pos, T, s->H + s->KVH, D, q_size,
-                                       qkv_width - q_size, s->pool + i * s->pool_layer_bytes, s->slots);
+        if (s->store) {
+            ((rope_fn)s->rope)(s->qkv, qkv_width, s->table, s->pos, T, s->H + s->KVH, D);
+            ((store_fn)s->store)((int)s->fmt, s->qkv + q_size, qkv_width, T, 2 * s->KVH, D, s->rot, s->steps,
+                                 s->nsteps, s->factor, s->pool + i * s->pool_layer_bytes, s->block_stride,
+                                 s->data_bytes, s->ids, s->offsets, 0);
+        } else {
+            ((rope_store_fn)s->rope_store)(s->qkv, qkv_width, s->table, s->pos, T, s->H + s->KVH, D, q_size,
+                                           qkv_width - q_size, s->pool + i * s->pool_layer_bytes, s->slots);
+        }
         ((attention_fn)s->attention)((int)s->fmt, s->pool + i * s->pool_layer_bytes, s->block_stride,
                                      s->data_bytes, s->tables, s->max_blocks, s->lens, s->max_context,
                                      s->qkv, qkv_width, s->rot, s->attn, T, s->block_size, s->KVH,

@@ -7,9 +7,10 @@ Python and ctypes around a few of C, ~1.5 ms of a ~10 ms ``gguf`` decode step of
 ``kv_decode_layers``, which calls them layer after layer: the result is bit for bit the loop's.
 
 It runs a step when everything the loop would do is one of those C calls: fp32 ``FusedOps`` on CPU, a
-step of decode rows only, a plain float32 KV pool the decode kernel covers, and every layer's linears
+step of decode rows only, a KV pool the decode kernel covers (plain float32, or compact fp8/int8 written
+by ``kv_store_quantized`` as the loop writes it), and every layer's linears
 on a kernel (``QuantLinear`` below ``PREFILL_ROWS`` rows, ``DenseLinear`` with its GEMV chosen, up to
-``GEMV_ROWS`` rows). Anything else (prefill chunks, a compact or bf16 pool, torch ops, MKL linears)
+``GEMV_ROWS`` rows). Anything else (prefill chunks, a bf16 pool, torch ops, MKL linears)
 returns False and the model runs its Python loop.
 """
 
@@ -21,7 +22,7 @@ import torch
 
 from kvtier.models import kvkernels, qlinear
 from kvtier.models.attention import AttentionMetadata
-from kvtier.models.kv_quant import PagedKVCache
+from kvtier.models.kv_quant import PagedKVCache, scale_steps
 from kvtier.models.qkernels import PROGRAM, kernels
 from kvtier.models.qlinear import GEMV_ROWS, PREFILL_ROWS, DenseLinear, QuantLinear
 
@@ -49,6 +50,8 @@ class _Step(ctypes.Structure):
     _fields_ += [("fmt", _i64), ("block_stride", _i64), ("data_bytes", _i64), ("tables", _p)]
     _fields_ += [("max_blocks", _i64), ("lens", _p), ("max_context", _i64), ("rot", _p)]
     _fields_ += [("block_size", _i64), ("parts", _i64), ("att_threads", _i64), ("scratch", _p)]
+    _fields_ += [("rope", _p), ("store", _p), ("steps", _p), ("nsteps", _i64), ("factor", _f32)]
+    _fields_ += [("ids", _p), ("offsets", _p)]
 
 
 def _address(fn: ctypes._CFuncPtr) -> int:  # type: ignore[name-defined]
@@ -115,7 +118,8 @@ class DecodeProgram:
         T = x.shape[0]
         if self.lib is None or not isinstance(ops, FusedOps) or not x.is_cpu or x.dtype != torch.float32:
             return False
-        if d is None or meta.prefills or d.num_seqs != T or not kv_cache.writes_float32_rows:
+        compact = kvkernels.stores(kv_cache)  # written by kv_store_quantized, as write_kv does
+        if d is None or meta.prefills or d.num_seqs != T or not (kv_cache.writes_float32_rows or compact):
             return False
         c = model.config
         att_lib = kvkernels.kernels()
@@ -133,14 +137,23 @@ class DecodeProgram:
         if self._ops is None:  # the libraries are loaded once per process: their addresses stay
             fused = (ops.lib.kv_rmsnorm, ops.lib.kv_rope_store, ops.lib.kv_silu_mul, ops.lib.kv_sgemv_t)
             self._ops = (*map(_address, fused), self.qmatmul, _address(att_lib.kv_decode_attention))
+            self._store = (_address(ops.lib.kv_rope), _address(att_lib.kv_store_quantized))
+        store: tuple = (None, None, None, 0, 0.0, None, None)
+        if compact:
+            steps = scale_steps(x.device)
+            ids = meta.slot_block_ids.to(torch.long).contiguous()
+            offsets = meta.slot_offsets.to(torch.long).contiguous()
+            store = (*self._store, steps.data_ptr(), steps.numel(), kv_cache.scale_factor, ids.data_ptr())
+            store += (offsets.data_ptr(),)
         step = _Step(
             *self._ops,
             T, x.shape[1], H, KVH, D, inter, c.rms_norm_eps, model.scale,
             x.data_ptr(), h.data_ptr(), qkv.data_ptr(), gate_up.data_ptr(), act.data_ptr(), attn.data_ptr(),
             None if tmp is None else tmp.data_ptr(), ops.table_ptr, ops.positions.data_ptr(),
-            meta.slot_bytes(kv_cache).data_ptr(), raw.data_ptr(), raw.stride(1) * raw.element_size(),
+            None if compact else meta.slot_bytes(kv_cache).data_ptr(), raw.data_ptr(),
+            raw.stride(1) * raw.element_size(),
             call.format_id, *call.pool_args, call.rot_ptr, kv_cache.block_size, call.shape_args[-1],
-            call.threads, call.scratch.data_ptr(),
+            call.threads, call.scratch.data_ptr(), *store,
         )  # fmt: skip
         self.lib.kv_decode_layers(ctypes.addressof(step), ctypes.addressof(layers), len(model.layers))
         self.steps += 1

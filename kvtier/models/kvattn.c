@@ -442,17 +442,27 @@ static void quantize_row(int fmt, const float *y, int64_t D, const float *steps,
         quantize_fp8(2, 15, 57344.0f, amax, y, D, steps, S, factor, codes, scale, stored);
 }
 
-/* y: [T, H2, D] rotated K|V rows (H2 = 2 * KVH, K heads first), contiguous; the pool layer as in
- * kv_decode_attention; slot t is row offsets[t] of block block_ids[t]. stored: [T, H2, D] or NULL. */
-void kv_store_quantized(int fmt, const float *y, int64_t T, int64_t H2, int64_t D, const float *steps,
-                        int64_t S, float factor, uint8_t *layer, int64_t block_stride, int64_t data_bytes,
-                        const int64_t *block_ids, const int64_t *offsets, float *stored) {
+/* y: [T, H2, D] K|V rows in the model's basis (H2 = 2 * KVH, K heads first; token t's rows start at
+ * y + t * ldy), rotated here by rot ([D, D], or NULL: stored as they are) before quantizing; the pool
+ * layer as in kv_decode_attention; slot t is row offsets[t] of block block_ids[t]. stored: the rows'
+ * dequantized values [T, H2, D] (in the rotated basis) or NULL. One rotation for every
+ * write (prefill chunks and decode steps alike), so a token's codes do not depend on how it was run. */
+void kv_store_quantized(int fmt, const float *y, int64_t ldy, int64_t T, int64_t H2, int64_t D,
+                        const float *rot, const float *steps, int64_t S, float factor,
+                        uint8_t *layer, int64_t block_stride, int64_t data_bytes, const int64_t *block_ids,
+                        const int64_t *offsets, float *stored) {
+    float buf[MAX_D] __attribute__((aligned(32)));
     for (int64_t t = 0; t < T; t++) {
         uint8_t *row = layer + block_ids[t] * block_stride;
         for (int64_t i = 0; i < H2; i++) {
             int64_t at = offsets[t] * H2 + i;
             float *scale = (float *)(row + data_bytes) + at;
-            quantize_row(fmt, y + (t * H2 + i) * D, D, steps, S, factor, row + at * D, scale,
+            const float *src = y + t * ldy + i * D;
+            if (rot) {
+                rotate(src, rot, D, buf);
+                src = buf;
+            }
+            quantize_row(fmt, src, D, steps, S, factor, row + at * D, scale,
                          stored ? stored + (t * H2 + i) * D : NULL);
         }
     }

@@ -61,22 +61,10 @@ def kernels() -> ctypes.CDLL | None:
         lib.kv_decode_attention.argtypes = [i32, p, i64, i64, p, i64, p, i64, p, i64, p, p]
         lib.kv_decode_attention.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, p, i32]
         lib.kv_decode_attention.restype = None
-        lib.kv_store_quantized.argtypes = [
-            i32,
-            p,
-            i64,
-            i64,
-            i64,
-            p,
-            i64,
-            ctypes.c_float,
-            p,
-            i64,
-            i64,
-            p,
-            p,
-            p,
-        ]
+        # fmt, y, ldy, T, H2, D, rot, steps, S, factor, layer, block_stride, data_bytes, ids, offsets,
+        # stored
+        lib.kv_store_quantized.argtypes = [i32, p, i64, i64, i64, i64, p, p, i64, ctypes.c_float]
+        lib.kv_store_quantized.argtypes += [p, i64, i64, p, p, p]
         lib.kv_store_quantized.restype = None
         lib.kv_fp8_codes.argtypes, lib.kv_fp8_codes.restype = [i32, p, i64, p], None
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -191,24 +179,29 @@ def store_quantized(
     slot_block_ids: torch.Tensor,  # [T] long
     slot_offsets: torch.Tensor,  # [T] long
     stored_values: bool,
-) -> torch.Tensor:  # [T, 2, KVH, D]: as stored (dequantized) when ``stored_values``, else rotated kv_new
-    """``PagedKVCache.write`` of a compact cache with the quantize and the scatter in C (one call instead
-    of ~20 small torch ops a layer, ~280 us inside a decode step): the rotation stays torch's matmul, the
-    codes are what ``kv_quant.quantize`` chooses (the same candidates and rounding; only the order its
-    error sums are added in differs, which can matter only on an exact tie between two candidates)."""
-    rows = kv_cache.rotate_queries(kv_new).contiguous()  # the same rotation as K and V's: x @ R
-    t, _, kvh, d = rows.shape
-    out = torch.empty_like(rows) if stored_values else None
-    steps = scale_steps(rows.device)
+) -> torch.Tensor:  # [T, 2, KVH, D]: as stored (dequantized) when ``stored_values``, else kv_new
+    """``PagedKVCache.write`` of a compact cache with the rotation, the quantize and the scatter in C (one
+    call instead of ~20 small torch ops a layer, ~280 us inside a decode step). The codes are what
+    ``kv_quant.quantize`` chooses for the same rotated rows (the same candidates and rounding; only the
+    order its error sums are added in differs, which can matter only on an exact tie between two
+    candidates). The rotation is the C kernel's ``x @ R`` for every write, prefill and decode alike
+    (the decode program makes the same call), not torch's matmul."""
+    kv_new = kv_new.contiguous()
+    t, two, kvh, d = kv_new.shape
+    rotation = kv_cache.rotation
+    out = torch.empty_like(kv_new) if stored_values else None
+    steps = scale_steps(kv_new.device)
     ids = slot_block_ids.to(torch.long).contiguous()
     offsets = slot_offsets.to(torch.long).contiguous()
     raw = kv_cache.raw
     lib.kv_store_quantized(
-        FORMAT_IDS[kv_cache.fmt.name], rows.data_ptr(), t, 2 * kvh, d, steps.data_ptr(), steps.numel(),
+        FORMAT_IDS[kv_cache.fmt.name], kv_new.data_ptr(), two * kvh * d, t, two * kvh, d,
+        None if rotation is None else rotation.data_ptr(), steps.data_ptr(), steps.numel(),
         kv_cache.scale_factor, raw.data_ptr() + layer * raw.stride(1), raw.stride(0), kv_cache.data_bytes,
-        ids.data_ptr(), offsets.data_ptr(), None if out is None else out.data_ptr(),
+        ids.data_ptr(), offsets.data_ptr(),
+        None if out is None else out.data_ptr(),
     )  # fmt: skip
-    return rows if out is None else out
+    return kv_new if out is None else out  # without stored values, callers read only the shape
 
 
 def decode_attention(call: StepCall, q: torch.Tensor, layer: int) -> torch.Tensor:
