@@ -119,24 +119,14 @@ def per_token_ms(
     to a busy machine, where whole-run differences are noise). Needs ``llama_cpp``."""
     from llama_cpp import Llama
 
-    from kvtier import LLM, SamplingParams
+    from kvtier import LLM
     from kvtier.models.loader import default_model_path
 
     llm = LLM(dtype="float32", num_threads=threads, weight_dtype=mode)
-    engine, step, ours, theirs = llm.engine, llm.engine.step, [], []
-
-    def timed(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        t = time.perf_counter()
-        out = step(*args, **kw)
-        ours.append(time.perf_counter() - t)
-        return out
-
-    engine.step = timed
+    steps, ours, theirs = _timed_steps(llm), [], []
     model = Llama(str(default_model_path()), n_threads=threads, n_ctx=512, verbose=False)
     for _ in range(rounds):
-        first = len(ours)
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
-        del ours[first]  # the prefill step
+        ours += [ms / 1e3 for ms in _decode_round(llm, steps, prompt, n)]
         model.reset()
         t = time.perf_counter()
         for i, _ in enumerate(model.generate(prompt, temp=0.0)):
