@@ -56,10 +56,10 @@ def _decode_round(llm, times: list[float], prompt: list[int], n: int) -> list[fl
     return [t * 1e3 for t in times[first + 1 :]]
 
 
-def read_gbs(x: torch.Tensor) -> float:
-    """Read bandwidth of one ``x.sum()`` over a large tensor (best of two), GB/s."""
+def read_gbs(x: torch.Tensor, repeat: int = 2) -> float:
+    """Read bandwidth of ``x.sum()`` over a large tensor (best of ``repeat``), GB/s."""
     best = float("inf")
-    for _ in range(2):
+    for _ in range(repeat):
         t = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t)
@@ -73,7 +73,7 @@ def modes_per_token(
     reversed every other round), and a ``read_bytes`` read's GB/s before each round."""
     modes = list(llms)
     steps = {m: _timed_steps(llm) for m, llm in llms.items()}
-    block = torch.ones(read_bytes // 4, dtype=torch.float32)  # 1 GiB: far past every cache
+    block = torch.ones(read_bytes // 4, dtype=torch.float32)  # 1 GiB by default: far past every cache
     for m, llm in llms.items():  # warm-up: first calls, page faults, thread choice
         _decode_round(llm, steps[m], prompt, 4)
     ms: dict[str, list[float]] = {m: [] for m in modes}

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvtier.args import add_engine_args
-from kvtier.bench.decode_ab import alternating_rows, per_token_ms
+from kvtier.bench.decode_ab import alternating_rows, per_token_ms, read_gbs
 
 
 @dataclass
@@ -73,7 +73,7 @@ def read_bandwidth_gbs() -> float:
     """Memory read bandwidth with the current torch threads: sum over a 1 GiB fp32 tensor."""
     x = torch.ones(2**28, dtype=torch.float32)
     x.sum()
-    return x.numel() * 4 / _best(lambda: x.sum(), 5) / 1e9
+    return read_gbs(x, 5)
 
 
 def weight_bytes_per_decode_step(model) -> int:  # noqa: ANN001 - kvtier.models.llama.LlamaModel

@@ -74,6 +74,7 @@ class DecodeProgram:
         self._layers: dict[tuple[int, int], ctypes.Array[_Layer] | None] = {}
         self.steps = 0  # steps run by the program (the tests check it ran)
         self._ops: tuple[int, ...] | None = None  # the fused and attention functions' addresses
+        self._store: tuple[int, int] = (0, 0)  # kv_rope, kv_store_quantized: a compact pool's write
         quant = [lin for layer in model.layers for lin in layer.linears if isinstance(lin, QuantLinear)]
         self.qmatmul = _address(quant[0].lib.kv_qmatmul) if quant else 0
         # a quantized o/down with a bias adds x + (a @ W + b) through a scratch row (QuantLinear.residual)

@@ -110,10 +110,10 @@ void kv_silu_mul(const float *gu, float *out, int64_t T, int64_t I) {
  * into column chunks (only as many as threads beyond one per range need, and at most ACC / M floats
  * wide). A work item (range, chunk) streams the chunk's floats of the range's rows, four rows at a
  * time, into that range's partial sums [M, N] (L1/L2); the partials are then added in range order
- * and y = (y +) bias + sum. OpenMP hands
- * each thread a run of consecutive items, range-major: on two threads each reads one contiguous half
- * of w, the hardware prefetchers' best case (cutting columns instead had both threads read alternate
- * pieces of every row: ~17 against ~23 GB/s over this model's shapes on a 2-core EPYC).
+ * and y = (y +) bias + sum. OpenMP hands each thread a run of consecutive items, range-major: on two
+ * threads each reads one contiguous half of w, the hardware prefetchers' best case (cutting columns
+ * instead had both threads read alternate pieces of every row: ~17 against ~23 GB/s over this
+ * model's shapes on a 2-core EPYC).
  *
  * A column's result depends on neither the thread count nor M nor the chunking: the ranges are fixed
  * by K alone, each summed in k order, then added in order. Processes that chose different thread

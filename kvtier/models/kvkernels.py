@@ -198,8 +198,7 @@ def store_quantized(
         FORMAT_IDS[kv_cache.fmt.name], kv_new.data_ptr(), two * kvh * d, t, two * kvh, d,
         None if rotation is None else rotation.data_ptr(), steps.data_ptr(), steps.numel(),
         kv_cache.scale_factor, raw.data_ptr() + layer * raw.stride(1), raw.stride(0), kv_cache.data_bytes,
-        ids.data_ptr(), offsets.data_ptr(),
-        None if out is None else out.data_ptr(),
+        ids.data_ptr(), offsets.data_ptr(), None if out is None else out.data_ptr(),
     )  # fmt: skip
     return kv_new if out is None else out  # without stored values, callers read only the shape
 

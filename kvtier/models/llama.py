@@ -112,10 +112,10 @@ class LlamaLayer:
     ):
         c = config
         H, KVH, D, I = c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
-        packed, g = packed or {}, "layers." + prefix.split(".")[2] + "."
+        packed, cached, g = packed or {}, cached or {}, "layers." + prefix.split(".")[2] + "."
 
         def linear(name: str, dense: Callable[[], torch.Tensor], b: torch.Tensor | None, shape: tuple):
-            return _make_linear(packed, lib, g + name, dense, b, cached or {}, shape, dtype)
+            return _make_linear(packed, lib, g + name, dense, b, cached, shape, dtype)
 
         def get(name: str) -> torch.Tensor:
             return w[prefix + name].to(dtype)

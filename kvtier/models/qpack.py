@@ -281,15 +281,12 @@ def cached_dense(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Ten
         return {}
 
 
-def keep_dense(loaded: LoadedModel, dtype: torch.dtype, dense: dict[str, torch.Tensor]) -> bool:
-    """Store ``dense`` (group -> [K, N]) for later starts; False where there is no conversion directory
+def keep_dense(loaded: LoadedModel, dtype: torch.dtype, dense: dict[str, torch.Tensor]) -> None:
+    """Store ``dense`` (group -> [K, N]) for later starts; nothing where there is no conversion directory
     or it cannot be written (then the next start transposes again)."""
     target = _dense_target(loaded, dtype)
     if target is None or not dense:
-        return False
-    try:
-        with _conversion_lock(target.parent.parent, loaded.fingerprint):
-            _save_tensors(dense, target, {"layout": f"kvtier-dense-v{DENSE_VERSION}"})
-    except Exception:  # a full or read-only cache (OSError, safetensors' own errors): no start fails on it
-        return False
-    return True
+        return
+    # a full or read-only cache (OSError, safetensors' own errors) fails no start
+    with contextlib.suppress(Exception), _conversion_lock(target.parent.parent, loaded.fingerprint):
+        _save_tensors(dense, target, {"layout": f"kvtier-dense-v{DENSE_VERSION}"})
