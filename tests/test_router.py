@@ -135,9 +135,9 @@ def post(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> 
     return httpx.post(url + path, json=body, headers=AUTH, timeout=60)
 
 
-def explain(router: Proc, body: dict[str, Any]) -> dict[str, Any]:
+def explain(router: Proc, body: dict[str, Any], endpoint: str = "chat") -> dict[str, Any]:
     body = {k: v for k, v in body.items() if v is not None}
-    r = httpx.post(router.url + "/router/explain", json={"endpoint": "chat", "request": body}, headers=AUTH)
+    r = httpx.post(router.url + "/router/explain", json={"endpoint": endpoint, "request": body}, headers=AUTH)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -151,10 +151,12 @@ def load_settled(router: Proc, *replicas: Proc) -> None:
         wait_for(lambda r=replica, n=checks: replica_state(router, r)["health_checks"] >= n + 2, 5)
 
 
-def goes_to(router: Proc, body: dict[str, Any], replica: Proc | str) -> dict[str, Any] | None:
+def goes_to(
+    router: Proc, body: dict[str, Any], replica: Proc | str, endpoint: str = "chat"
+) -> dict[str, Any] | None:
     """The router's decision when it sends ``body`` to ``replica`` for a cache hit, else None."""
     url = replica if isinstance(replica, str) else replica.url
-    decided = explain(router, body)
+    decided = explain(router, body, endpoint)
     return decided if decided["ranking"][0] == url and decided["reason"] == "cache_hit" else None
 
 
@@ -194,6 +196,20 @@ def test_story_router_hashes_are_the_engines(cluster: dict[str, Any]) -> None:
             assert not set(hashes) & set(unsalted)
     decided = wait_for(lambda: goes_to(router, body, served), 5)
     assert decided["cached_tokens"] >= len(hashes) * BLOCK_SIZE - BLOCK_SIZE
+
+
+def test_a_batched_completion_goes_where_one_of_its_prompts_is(cluster: dict[str, Any]) -> None:
+    """A completion runs on one replica; then a two-prompt completion whose *second* prompt is that one
+    goes there, for a cache hit worth the held prompt's full blocks."""
+    router = cluster["router"]
+    held = long_system("batched")
+    r = post(router.url, {"prompt": held, "max_tokens": 2, "temperature": 0}, path="/v1/completions")
+    assert r.status_code == 200, r.text
+    served, prompt_tokens = r.headers["x-kvtier-replica"], r.json()["usage"]["prompt_tokens"]
+    load_settled(router, *cluster["replicas"])
+    batch = {"prompt": [long_system("never seen"), held], "max_tokens": 2, "temperature": 0}
+    decided = wait_for(lambda: goes_to(router, batch, served, endpoint="completions"), 5)
+    assert decided["cached_tokens"] >= prompt_tokens - BLOCK_SIZE
 
 
 def test_story_a_returning_conversation_goes_home(cluster: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
 from kvtier.kv_events import EventBatch, KVEvent, KVEventRecorder
-from kvtier.router.index import ReplicaIndex, remote_run
+from kvtier.router.index import ReplicaIndex, prompt_blocks, remote_run
 from kvtier.router.policy import Candidate, CostModel, cache_aware, decide, estimate
 from kvtier.router.prompt import Prompt, parse_prompt, tenant_salt
 from kvtier.stats import Medium
@@ -128,6 +128,35 @@ def test_story_index_follows_a_recorder_and_notices_gaps() -> None:
     assert len(index) == 0 and index.local_prefix(h) == 0
 
 
+def test_story_a_batched_completion_is_scored_on_every_prompt() -> None:
+    """A /v1/completions request with two prompts: b holds the second one's blocks, a holds nothing, and
+    the first prompt's blocks are in the remote tier. Every prompt counts, so b wins on cache."""
+    first, second = Prompt(list(range(16)), None), Prompt(list(range(100, 120)), None)
+    batch = Prompt(first.token_ids, None, (second.token_ids,))
+    chains = batch.all_block_hashes("id:float32", 4)
+    assert chains == [first.block_hashes("id:float32", 4), second.block_hashes("id:float32", 4)]
+    a_rec, b_rec = KVEventRecorder("a:1"), KVEventRecorder("b:1")
+    a, b = ReplicaIndex(), ReplicaIndex()
+    a_rec.blocks_stored(Medium.REMOTE, chains[0][:2])
+    b_rec.blocks_stored(Medium.DEVICE, chains[1])
+    assert a.apply(a_rec.end_step()) and b.apply(b_rec.end_step())
+    assert prompt_blocks(a, [a, b], chains) == (0, 2)  # the first prompt's remote run only
+    assert prompt_blocks(b, [a, b], chains) == (5, 2)  # all 5 blocks of the second, then the remote 2
+    candidates = [
+        Candidate(name, 0, 4 * local, 4 * remote)
+        for name, (local, remote) in (
+            ("a", prompt_blocks(a, [a, b], chains)),
+            ("b", prompt_blocks(b, [a, b], chains)),
+        )
+    ]
+    d = cache_aware(candidates, batch.num_tokens, COST, turn=0)
+    assert d.choice == 1 and d.reason == "cache_hit" and d.cached_tokens == 28
+    assert d.work == (36 - 8 + round(0.1 * 8), round(36 - 28 + 0.1 * 8))
+    # Scored on its first prompt alone (as before), the batch would have looked uncached everywhere:
+    only_first = [prompt_blocks(x, [a, b], chains[:1]) for x in (a, b)]
+    assert only_first == [(0, 2), (0, 2)]
+
+
 def test_index_is_bounded_and_forgets_the_oldest() -> None:
     h = _hashes(10)
     index = ReplicaIndex(max_blocks=4)
@@ -185,7 +214,9 @@ def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # no
     assert p is not None and p.cache_salt == "t1"
     assert p.token_ids == tok.encode_chat([{"role": "user", "content": "Hello, world!"}], True)[1]
     ids = parse_prompt(tok, "/v1/completions", {"prompt": [[5, 6, 7], [1]]})
-    assert ids == Prompt([5, 6, 7], None)
+    assert ids == Prompt([5, 6, 7], None, ([1],)) and ids.num_tokens == 4  # every prompt of the batch
+    texts = parse_prompt(tok, "/v1/completions", {"prompt": ["Hello", "world"], "cache_salt": "s"})
+    assert texts == Prompt(tok.encode("Hello"), "s", (tok.encode("world"),))
     assert parse_prompt(tok, "/v1/chat/completions", {"messages": "nope"}) is None
     assert parse_prompt(tok, "/v1/chat/completions", None) is None
     b = Prompt(list(range(10)), None).block_hashes("x:float32", 4)

@@ -27,7 +27,7 @@ import httpx
 
 from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
-from kvtier.router.index import DEFAULT_MAX_BLOCKS, remote_run
+from kvtier.router.index import DEFAULT_MAX_BLOCKS, prompt_blocks
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
@@ -140,7 +140,7 @@ class Router:
         if not healthy:
             raise NoReplica("no healthy replica")
         candidates, matched = self._candidates(healthy, prompt)
-        num_tokens = len(prompt.token_ids) if prompt is not None and matched else None
+        num_tokens = prompt.num_tokens if prompt is not None and matched else None
         turn = next(self._turn)
         decision = policies.decide(self.settings.policy, candidates, num_tokens, self.settings.cost, turn)
         self.metrics.latency.observe(time.perf_counter() - start)
@@ -168,7 +168,8 @@ class Router:
         return healthy[k:] + healthy[:k]
 
     async def block_hashes(self, path: str, body: Any, authorization: str) -> dict[str, Any]:
-        """``{"num_tokens", "per_replica": {url: [hex hash]}}`` as the router computes them."""
+        """``{"num_tokens", "per_replica": {url: [hex hash]}}`` of the first prompt, as the router computes
+        them (a batched completion's other prompts are scored too, but not listed here)."""
         prompt = await self.prompt(path, body, authorization)
         if prompt is None:
             return {"num_tokens": None, "per_replica": {}}
@@ -187,7 +188,7 @@ class Router:
             return [policies.Candidate(r.url, r.load) for r in healthy], False
         scorable = [r for r in healthy if r.scorable]
         indexes = [r.index for r in scorable]
-        chains: dict[tuple[str, int], list[BlockHash]] = {}
+        chains: dict[tuple[str, int], list[list[BlockHash]]] = {}
         out = []
         for r in healthy:
             if not r.scorable:
@@ -196,10 +197,8 @@ class Router:
             assert r.info is not None
             key = (r.info["cache_identity"], int(r.info["block_size"]))
             if key not in chains:
-                chains[key] = prompt.block_hashes(*key)
-            hashes = chains[key]
-            local = r.index.local_prefix(hashes)
-            remote = remote_run(indexes, hashes, local)
+                chains[key] = prompt.all_block_hashes(*key)
+            local, remote = prompt_blocks(r.index, indexes, chains[key])
             out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1], r.pending_prefill))
         return out, bool(scorable)
 

@@ -159,3 +159,17 @@ def remote_run(indexes: Sequence[ReplicaIndex], hashes: Sequence[BlockHash], sta
             break
         n += 1
     return n
+
+
+def prompt_blocks(
+    index: ReplicaIndex, indexes: Sequence[ReplicaIndex], chains: Sequence[Sequence[BlockHash]]
+) -> tuple[int, int]:
+    """``(local, remote)`` blocks of a request's prompts (one hash chain each) for the replica of
+    ``index``: each prompt's leading blocks on its own media, then the run right after them that some
+    replica announced in the remote tier, summed over the prompts."""
+    local = remote = 0
+    for hashes in chains:
+        held = index.local_prefix(hashes)
+        local += held
+        remote += remote_run(indexes, hashes, held)
+    return local, remote

@@ -55,14 +55,26 @@ def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
 
 @dataclass(frozen=True)
 class Prompt:
-    """What the router needs of a request: its token ids and its salt."""
+    """What the router needs of a request: its token ids and its salt. A completion may batch several
+    prompts: ``token_ids`` is the first, ``more`` the rest (the replica runs them all, so all count)."""
 
     token_ids: list[int]
     cache_salt: str | None
+    more: tuple[list[int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens the replica will have to hold, every prompt of the request together."""
+        return len(self.token_ids) + sum(len(ids) for ids in self.more)
 
     def block_hashes(self, cache_identity: str, block_size: int) -> list[BlockHash]:
+        """The first prompt's full-block hashes."""
+        return self.all_block_hashes(cache_identity, block_size)[0]
+
+    def all_block_hashes(self, cache_identity: str, block_size: int) -> list[list[BlockHash]]:
+        """Every prompt's full-block hashes, in the request's order."""
         root = root_hash((cache_identity, self.cache_salt or ""))
-        return hash_full_blocks(self.token_ids, block_size, root)
+        return [hash_full_blocks(ids, block_size, root) for ids in (self.token_ids, *self.more)]
 
 
 def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, scope: str) -> str | None:
@@ -82,7 +94,7 @@ def parse_prompt(
     scope: str = "shared",
     encoder: PieceEncoder | None = None,
 ) -> Prompt | None:
-    """The request's (first) prompt as token ids, or None when the body is not one the replica would
+    """The request's prompts as token ids, or None when the body is not one the replica would
     run (the replica then answers its own 400; the router routes such a request by load). ``encoder``
     tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
     from pydantic import ValidationError
@@ -99,8 +111,9 @@ def parse_prompt(
             request: Any = chat
         elif path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)
-            first = request.prompts()[0]
-            token_ids = tokenizer.encode(first) if isinstance(first, str) else list(first)
+            first, *rest = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+            salt = tenant_salt(authorization, request.user, request.cache_salt, scope)
+            return Prompt(first, salt, tuple(rest))
         else:
             return None
     except (ValidationError, APIError, ConfigError, ValueError, TypeError):
