@@ -211,10 +211,9 @@ def test_the_gemv_threads_are_chosen_per_process_and_never_change_the_result(
     lin = DenseLinear(torch.randn(256, 1024), None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     assert qlinear.dense_threads(lin, LIB, repeat=3) in (1, 2)
-    monkeypatch.setenv("KVTIER_KERNEL_PARALLEL_MIN", "0")
-    monkeypatch.setattr(qlinear, "PARALLEL_MIN", qlinear.SERIAL)
+    monkeypatch.setenv("KVTIER_KERNEL_PARALLEL_MIN", str(qlinear.SERIAL))
     assert qlinear.dense_threads(lin, LIB) == 1
-    monkeypatch.setattr(qlinear, "PARALLEL_MIN", qlinear.PARALLEL)
+    monkeypatch.setenv("KVTIER_KERNEL_PARALLEL_MIN", str(qlinear.PARALLEL))
     assert qlinear.dense_threads(lin, LIB) == 2
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert qlinear.dense_threads(lin, LIB) == 1

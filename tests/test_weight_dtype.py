@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvtier.config import ConfigError, EngineArgs
-from kvtier.models import qkernels, qpack
+from kvtier.models import qkernels, qlinear, qpack
 from kvtier.models.attention import teacher_forced_chunk
 from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
@@ -111,6 +111,26 @@ def test_a_tensor_type_without_kernel_runs_dense_and_stays_exact(tiny_gguf: Any,
     ids = list(range(5, 40))
     ref = logits_of(LlamaModel(loaded.config, loaded.weights, torch.float32, 512), ids, 64)
     assert rel_err(logits_of(quant, ids, 1), ref) < 1e-4
+
+
+@needs_kernels
+def test_two_models_in_one_process_keep_their_own_kernel_threads(
+    tiny_gguf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each model measures (here: is told) whether its kernel calls fork threads, and every one of its
+    quantized linears keeps that: a second engine loaded later does not change the first's."""
+    loaded = load_model(tiny_gguf(qtype="Q4_1").path, cache_dir=tmp_path)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setenv("KVTIER_KERNEL_PARALLEL_MIN", str(qlinear.SERIAL))
+    serial = model_for(loaded, "gguf")
+    monkeypatch.setenv("KVTIER_KERNEL_PARALLEL_MIN", "0")
+    parallel = model_for(loaded, "gguf")
+    for model, want, threads in ((serial, qlinear.SERIAL, 1), (parallel, 0, 2)):
+        linears = [lin for layer in model.layers for lin in layer.linears] + [model.lm_head]
+        assert model.parallel_min == want and {lin.parallel_min for lin in linears} == {want}
+        assert qlinear._threads(linears[0].N * linears[0].K, linears[0].parallel_min) == threads
+    ids = list(range(5, 30))
+    assert torch.equal(logits_of(serial, ids, 1), logits_of(parallel, ids, 1))  # rows split, sums not
 
 
 @needs_kernels

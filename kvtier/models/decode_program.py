@@ -84,14 +84,14 @@ class DecodeProgram:
     def _lin(self, lin: QuantLinear | DenseLinear, rows: int) -> _Lin:
         if isinstance(lin, QuantLinear):
             bias = None if lin.bias is None else lin.bias.data_ptr()
-            threads = qlinear._threads(rows * lin.N * lin.K)
+            threads = qlinear._threads(rows * lin.N * lin.K, lin.parallel_min)
             return _Lin(0, lin.qid, lin.data.data_ptr(), lin._scale_ptr, bias, lin.K, lin.N, threads)
         assert lin.gemv is not None
         bias = None if lin.b is None else lin.b.data_ptr()
         return _Lin(1, 0, lin.w_t.data_ptr(), None, bias, lin.K, lin.N, lin.gemv[1])
 
     def _layers_for(self, rows: int) -> ctypes.Array[_Layer] | None:
-        key = (rows, qlinear.PARALLEL_MIN)
+        key = (rows, self.model.parallel_min)
         if key not in self._layers:
             layers = self.model.layers
             ok = all(_linear_ok(lin, rows) for layer in layers for lin in layer.linears)

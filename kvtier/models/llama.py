@@ -23,7 +23,7 @@ from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.decode_program import DecodeProgram
 from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate_dense
+from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate, calibrate_dense
 
 Packed = dict  # group name -> (block type, uint8 rows, scale | None): kvtier/models/qpack.py
 
@@ -181,6 +181,7 @@ class LlamaModel:
         # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
         self.ops, self.torch_ops = ops_for(dtype, self.rope), TorchOps(self.rope)
         self.gemv_times = self._choose_gemv()
+        self.parallel_min = self._choose_parallel()
         # a decode step's layers in one C call where it covers the step (kvtier/models/decode_program.py)
         self.program = DecodeProgram(self) if isinstance(self.ops, FusedOps) else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
@@ -194,6 +195,19 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             linears.update({f"layers.{i}.{n}": getattr(layer, n) for n in ("qkv", "o", "gate_up", "down")})
         return {g: lin.w_t for g, lin in linears.items() if isinstance(lin, DenseLinear)}
+
+    def _choose_parallel(self) -> int | None:
+        """Quantized weights: whether their kernel calls fork threads here, measured on the largest layer
+        GEMV (layer 0's gate|up) and set on every QuantLinear. None: no quantized linear."""
+        quant = [lin for layer in self.layers for lin in layer.linears] + [self.lm_head]
+        quant = [lin for lin in quant if isinstance(lin, QuantLinear)]
+        if not quant:
+            return None
+        gate_up = self.layers[0].gate_up
+        parallel_min = calibrate(gate_up if isinstance(gate_up, QuantLinear) else quant[0])
+        for lin in quant:
+            lin.parallel_min = parallel_min
+        return parallel_min
 
     def _choose_gemv(self, layers: int = 8) -> dict[str, float]:
         """fp32 dense weights: per weight group, MKL or the AVX2 GEMV of ``fused.c`` for decode rows,

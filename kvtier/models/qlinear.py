@@ -33,14 +33,20 @@ from kvtier.models.qkernels import BLOCK_BYTES, QTYPES
 PREFILL_ROWS = 32  # from this many rows on, dequantize-then-matmul beats the kernel (measured)
 # Weights x rows from which a kernel call forks OpenMP threads: on a busy machine a fork/join costs more
 # than it saves (a layer's GEMV measured ~35x slower), on a quiet one two threads halve it.
-# ``calibrate`` picks one of the two at load time; $KVTIER_KERNEL_PARALLEL_MIN fixes it.
+# ``calibrate`` picks one of the two for a model at load time (each QuantLinear carries it, so two
+# engines in one process keep their own); $KVTIER_KERNEL_PARALLEL_MIN fixes it.
 SERIAL, PARALLEL = 1 << 62, 1 << 18
-PARALLEL_MIN = int(os.environ.get("KVTIER_KERNEL_PARALLEL_MIN", SERIAL))
 
 
-def _threads(work: int) -> int:
+def fixed_parallel_min() -> int | None:
+    """The threshold ``$KVTIER_KERNEL_PARALLEL_MIN`` fixes, or None when it is not set."""
+    value = os.environ.get("KVTIER_KERNEL_PARALLEL_MIN")
+    return None if value is None else int(value)
+
+
+def _threads(work: int, parallel_min: int) -> int:
     """OpenMP threads for a kernel call over ``work`` weight-rows: torch's thread count when big enough."""
-    return torch.get_num_threads() if work >= PARALLEL_MIN else 1
+    return torch.get_num_threads() if work >= parallel_min else 1
 
 
 _scratch = threading.local()
@@ -64,13 +70,15 @@ PARALLEL_GAIN = 0.95
 
 def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
     """Time one row through ``linear`` ``repeat`` times on one thread and on torch's threads, call by
-    call, alternating; set and return ``PARALLEL_MIN``: calls go parallel only when the median parallel
-    call was clearly faster here. Medians, not totals: one preempted call among a handful (a total of 5
-    measured) flipped the choice between two runs on a quiet machine, halving int8 decode; a machine
-    busy enough to stall most fork/joins still shows in the median."""
-    global PARALLEL_MIN
-    if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ or torch.get_num_threads() < 2:
-        return PARALLEL_MIN
+    call, alternating; return the ``parallel_min`` for its model: calls go parallel only when the median
+    parallel call was clearly faster here. Medians, not totals: one preempted call among a handful (a
+    total of 5 measured) flipped the choice between two runs on a quiet machine, halving int8 decode; a
+    machine busy enough to stall most fork/joins still shows in the median."""
+    fixed = fixed_parallel_min()
+    if fixed is not None:
+        return fixed
+    if torch.get_num_threads() < 2:
+        return SERIAL
     x = torch.randn(1, linear.K)
     y = torch.empty(1, linear.N)
     lin = linear
@@ -79,8 +87,7 @@ def calibrate(linear: QuantLinear, repeat: int = 21) -> int:
         args = (lin.qid, lin.data.data_ptr(), lin._scale_ptr, x.data_ptr(), y.data_ptr(), 1, lin.N, lin.K)
         lin.lib.kv_qmatmul(*args, 0, threads)
 
-    PARALLEL_MIN = PARALLEL if _parallel_pays(call, repeat) else SERIAL
-    return PARALLEL_MIN
+    return PARALLEL if _parallel_pays(call, repeat) else SERIAL
 
 
 def _parallel_pays(call: Callable[[int], None], repeat: int) -> bool:
@@ -182,8 +189,9 @@ def dense_threads(linear: DenseLinear, lib: ctypes.CDLL, repeat: int = 21) -> in
     many = torch.get_num_threads()
     if many < 2:
         return 1
-    if "KVTIER_KERNEL_PARALLEL_MIN" in os.environ:
-        return many if PARALLEL_MIN < SERIAL else 1
+    fixed = fixed_parallel_min()
+    if fixed is not None:
+        return many if fixed < SERIAL else 1
     x, y = torch.randn(1, linear.K), torch.empty(1, linear.N)
     args = (x.data_ptr(), 1, linear.w_t.data_ptr(), None, y.data_ptr(), linear.K, linear.N, 0)
     return many if _parallel_pays(lambda threads: lib.kv_sgemv_t(*args, threads), repeat) else 1
@@ -275,6 +283,9 @@ class QuantLinear:
         self.K = data.shape[1] // BLOCK_BYTES[qtype] * 32
         self._scale_ptr = None if self.scale is None else self.scale.data_ptr()
         self.nbytes = data.numel() + (0 if scale is None else 4 * self.N)
+        # weights x rows from which a call forks threads: the model's ``calibrate`` sets it
+        fixed = fixed_parallel_min()
+        self.parallel_min = SERIAL if fixed is None else fixed
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:  # [N, K] float32
         out = torch.empty(self.N, self.K, dtype=torch.float32) if out is None else out
@@ -309,7 +320,7 @@ class QuantLinear:
             self.N,
             self.K,
             accumulate,
-            _threads(T * self.N * self.K),
+            _threads(T * self.N * self.K, self.parallel_min),
         )
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:  # [T, K] -> [T, N]

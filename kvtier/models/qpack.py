@@ -248,13 +248,7 @@ def load_packed(
     lib = kernels()
     if lib is None:
         return {}, None
-    packed = packed_weights(loaded, weight_dtype)
-    if "layers.0.gate_up" in packed:  # the largest layer GEMV: does a second thread pay off here?
-        from kvtier.models.qlinear import QuantLinear, calibrate
-
-        qtype, data, scale = packed["layers.0.gate_up"]
-        calibrate(QuantLinear(lib, qtype, data, scale, None))
-    return packed, lib
+    return packed_weights(loaded, weight_dtype), lib
 
 
 def _dense_target(loaded: LoadedModel, dtype: torch.dtype) -> Path | None:
