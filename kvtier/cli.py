@@ -1,4 +1,4 @@
-"""``kvtier`` command line: generate · chat · serve · bench · demo · plan.
+"""``kvtier`` command line: generate · chat · serve · router · bench · demo · plan · cache.
 
 Engine flags have the names of ``LLM(...)`` keyword arguments (``--kv-device-blocks`` is
 ``kv_device_blocks``); :mod:`kvtier.args` makes them from ``EngineArgs``. ``generate`` and ``chat`` live
@@ -273,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_help = "capacity planner: KV pool, concurrency, decode and reload estimates"
     _lazy(sub, "plan", "kvtier.planner", plan_help)
+    cache_help = "what the model cache holds on disk (conversions, packed and fused weights); --clear"
+    _lazy(sub, "cache", "kvtier.models.cache_admin", cache_help)
     return parser
 
 

@@ -11,6 +11,7 @@ dense weight on MKL, more rows than the GEMV takes) run the loop.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,13 +104,17 @@ def quantized(loaded: Any, weight_dtype: str) -> LlamaModel:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_gguf_blocks_decode_bit_for_bit(tiny_gguf: Any, qtype: str) -> None:
-    loaded = load_model(str(tiny_gguf(qtype=qtype, num_heads=1, num_kv_heads=1).path))  # head_dim 64
+def test_gguf_blocks_decode_bit_for_bit(tiny_gguf: Any, tmp_path: Path, qtype: str) -> None:
+    gguf = tiny_gguf(qtype=qtype, num_heads=1, num_kv_heads=1)  # head_dim 64
+    loaded = load_model(str(gguf.path), cache_dir=tmp_path)
     story(quantized(loaded, "gguf"), [5, 19, 33])
 
 
-def test_int8_with_biases_decodes_bit_for_bit(tiny_llama_dir: Any) -> None:
+def test_int8_with_biases_decodes_bit_for_bit(
+    tiny_llama_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """attention_bias: a bias on qkv (added after the kernel) and on o (x + (a @ W + b), via scratch)."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # an HF model's packed rows: not the user's cache
     directory = tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128, attention_bias=True)
     model = quantized(load_model(str(directory)), "int8")
     assert model.layers[0].o.bias is not None
@@ -127,10 +132,12 @@ def test_dense_fp32_on_the_gemv_decodes_bit_for_bit(
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
-def test_compact_kv_decodes_bit_for_bit(tiny_gguf: Any, tiny_llama_dir: Any, kv_dtype: str) -> None:
+def test_compact_kv_decodes_bit_for_bit(
+    tiny_gguf: Any, tiny_llama_dir: Any, tmp_path: Path, kv_dtype: str
+) -> None:
     """A compact pool: RoPE, then the rotation, quantize and scatter of kv_store_quantized, then the
     compact attention, all inside the program, for quantized and dense weights."""
-    loaded = load_model(str(tiny_gguf(qtype="Q4_1", num_heads=1, num_kv_heads=1).path))
+    loaded = load_model(str(tiny_gguf(qtype="Q4_1", num_heads=1, num_kv_heads=1).path), cache_dir=tmp_path)
     story(quantized(loaded, "gguf"), [5, 19, 33], kv_dtype=kv_dtype)
     directory = tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128, attention_bias=True)
     loaded = load_model(str(directory))

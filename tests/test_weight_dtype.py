@@ -201,7 +201,10 @@ def test_auto_keeps_its_fused_weights_and_a_second_start_transposes_nothing(
 
 # ------------------------------------------------------------------------------ int8
 @needs_kernels
-def test_int8_quantizes_an_hf_model_per_channel(tiny_llama_dir: Any) -> None:
+def test_int8_quantizes_an_hf_model_per_channel(
+    tiny_llama_dir: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))  # an HF model's packed rows: not the user's cache
     loaded = load_model(tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64))
     quant = model_for(loaded, "int8")
     assert quant.layers[0].qkv.qtype == "INT8" and quant.lm_head.qtype == "INT8"

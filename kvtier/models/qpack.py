@@ -277,9 +277,9 @@ def cached_dense(loaded: LoadedModel, dtype: torch.dtype) -> dict[str, torch.Ten
 
 def keep_dense(loaded: LoadedModel, dtype: torch.dtype, dense: dict[str, torch.Tensor]) -> None:
     """Store ``dense`` (group -> [K, N]) for later starts; nothing where there is no conversion directory
-    or it cannot be written (then the next start transposes again)."""
+    or it cannot be written, or ``$KVTIER_KEEP_FUSED`` is ``0`` (then every start transposes again)."""
     target = _dense_target(loaded, dtype)
-    if target is None or not dense:
+    if target is None or not dense or os.environ.get("KVTIER_KEEP_FUSED", "1") == "0":
         return
     # a full or read-only cache (OSError, safetensors' own errors) fails no start
     with contextlib.suppress(Exception), _conversion_lock(target.parent.parent, loaded.fingerprint):
