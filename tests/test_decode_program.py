@@ -131,12 +131,12 @@ def test_dense_fp32_on_the_gemv_decodes_bit_for_bit(
     story(LlamaModel(loaded.config, loaded.weights, torch.float32, 256), [12])  # one sequence: no mask
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "int8", "bfloat16"])
 def test_compact_kv_decodes_bit_for_bit(
     tiny_gguf: Any, tiny_llama_dir: Any, tmp_path: Path, kv_dtype: str
 ) -> None:
-    """A compact pool: RoPE, then the rotation, quantize and scatter of kv_store_quantized, then the
-    compact attention, all inside the program, for quantized and dense weights."""
+    """A compact pool: RoPE, then the rotation, quantize and scatter of kv_store_quantized (bfloat16: the
+    rounding), then the compact attention, all inside the program, for quantized and dense weights."""
     loaded = load_model(str(tiny_gguf(qtype="Q4_1", num_heads=1, num_kv_heads=1).path), cache_dir=tmp_path)
     story(quantized(loaded, "gguf"), [5, 19, 33], kv_dtype=kv_dtype)
     directory = tiny_llama_dir(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128, attention_bias=True)
@@ -161,9 +161,9 @@ def test_steps_it_does_not_cover_run_the_loop(tiny_llama_dir: Any, monkeypatch: 
     too_many.prefill()
     too_many.decode_both_ways([1] * (GEMV_ROWS + 1))
     assert program.steps == 0  # more rows than the GEMV takes: the loop (MKL)
-    bf16 = Batch(model, [4, 9], kv_dtype="bfloat16")
-    bf16.decode_both_ways(bf16.prefill())
-    assert program.steps == 0  # a bf16 pool: the loop (torch writes, no decode kernel)
+    fp16 = Batch(model, [4, 9], kv_dtype="float16")
+    fp16.decode_both_ways(fp16.prefill())
+    assert program.steps == 0  # a float16 pool: the loop (torch writes, no decode kernel)
     model.layers[1].down.gemv = None  # one weight on MKL
     model.program = DecodeProgram(model)
     batch.decode_both_ways(tokens)

@@ -294,11 +294,11 @@ def test_real_model_attention_agrees_layer_by_layer_and_the_answer_is_the_same(
 
 # ------------------------------------------------------------------------------ the compact write
 @needs_kernel
-@pytest.mark.parametrize("kd", COMPACT)
+@pytest.mark.parametrize("kd", [*COMPACT, "bfloat16"])
 @pytest.mark.parametrize("factor", [1.0, 2.0])  # 2.0: the quality test's deliberately broken quantizer
 def test_c_write_stores_the_torch_writes_bytes(kd: str, factor: float) -> None:
     """Codes, scales and returned values of the C write equal ``PagedKVCache.write``'s bit for bit, on
-    magnitudes over six decades, an all-zero token and an all-zero head."""
+    magnitudes over six decades, an all-zero token and an all-zero head (bfloat16: the rounded rows)."""
     gen = torch.Generator().manual_seed(3)
     kv = torch.randn(40, 2, 3, 64, generator=gen) * torch.logspace(-3, 3, 40)[:, None, None, None]
     kv[3], kv[5, 0, 1] = 0, 0
@@ -314,6 +314,29 @@ def test_c_write_stores_the_torch_writes_bytes(kd: str, factor: float) -> None:
         assert torch.equal(caches[0].raw, caches[1].raw)
         assert torch.equal(got, want) if stored else got.shape == want.shape  # unstored: only the shape
     assert caches[1].raw[:, 0].count_nonzero() == 0  # layer 1 only
+
+
+@needs_kernel
+def test_c_bfloat16_rounding_is_torchs_at_ties_and_edges() -> None:
+    """Every tie (low half exactly 0x8000, after an even and an odd bfloat16), its neighbours, the
+    largest finite floats (which round to inf), infinities, NaN, subnormals and signed zeros."""
+    high = torch.randint(0, 1 << 16, (4096,), generator=torch.Generator().manual_seed(5), dtype=torch.int64)
+    bits = torch.cat([(high << 16) | low for low in (0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF)])
+    v = bits.to(torch.int32).view(torch.float32)
+    edges = [float("inf"), -float("inf"), float("nan"), 3.4028235e38, -3.4028235e38, 1e-40, -1e-45, 0.0, -0.0]
+    v = torch.cat([v[~v.isnan()], torch.tensor(edges)])
+    v = v[: v.numel() // 64 * 64].view(-1, 2, 1, 32)  # rows of [2, KVH, D] tokens
+    caches = [
+        PagedKVCache(KVFormat("bfloat16", torch.float32), 2, (1, v.shape[0], 1, 32), torch.device("cpu"))
+    ]
+    caches.append(
+        PagedKVCache(KVFormat("bfloat16", torch.float32), 2, (1, v.shape[0], 1, 32), torch.device("cpu"))
+    )
+    slots = torch.arange(v.shape[0])
+    want = caches[0].write(0, v, slots * 0, slots, True)
+    got = kvkernels.store_quantized(kvkernels.kernels(), caches[1], 0, v, slots * 0, slots, True)
+    assert torch.equal(caches[0].raw.view(torch.int16), caches[1].raw.view(torch.int16))  # NaN bits too
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @needs_kernel

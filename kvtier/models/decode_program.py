@@ -7,10 +7,10 @@ Python and ctypes around a few of C, ~1.5 ms of a ~10 ms ``gguf`` decode step of
 ``kv_decode_layers``, which calls them layer after layer: the result is bit for bit the loop's.
 
 It runs a step when everything the loop would do is one of those C calls: fp32 ``FusedOps`` on CPU, a
-step of decode rows only, a KV pool the decode kernel covers (plain float32, or compact fp8/int8 written
-by ``kv_store_quantized`` as the loop writes it), and every layer's linears
+step of decode rows only, a KV pool the decode kernel covers (plain float32, or compact fp8/int8 or
+bfloat16 written by ``kv_store_quantized`` as the loop writes it), and every layer's linears
 on a kernel (``QuantLinear`` below ``PREFILL_ROWS`` rows, ``DenseLinear`` with its GEMV chosen, up to
-``GEMV_ROWS`` rows). Anything else (prefill chunks, a bf16 pool, torch ops, MKL linears)
+``GEMV_ROWS`` rows). Anything else (prefill chunks, torch ops, MKL linears)
 returns False and the model runs its Python loop.
 """
 
@@ -119,7 +119,7 @@ class DecodeProgram:
         T = x.shape[0]
         if self.lib is None or not isinstance(ops, FusedOps) or not x.is_cpu or x.dtype != torch.float32:
             return False
-        compact = kvkernels.stores(kv_cache)  # written by kv_store_quantized, as write_kv does
+        compact = kvkernels.stores(kv_cache)  # fp8/int8/bf16: kv_store_quantized writes, as write_kv
         if d is None or meta.prefills or d.num_seqs != T or not (kv_cache.writes_float32_rows or compact):
             return False
         c = model.config

@@ -1,5 +1,6 @@
 /* kvtier decode attention: one query token per sequence over the paged K/V pool, read in place; and
- * the compact write (kv_store_quantized, at the end): a step's new K/V quantized into its slots.
+ * the compact write (kv_store_quantized, at the end): a step's new K/V quantized into its slots (or
+ * rounded, for a bfloat16 pool).
  *
  * The pool is PagedKVCache.raw (kvtier/models/kv_quant.py). Compact (fp8/int8): uint8 [NB, L,
  * layer_bytes]; one layer row of one block (data_bytes = BS * 2 * KVH * D, one byte per element):
@@ -446,11 +447,41 @@ static void quantize_row(int fmt, const float *y, int64_t D, const float *steps,
  * y + t * ldy), rotated here by rot ([D, D], or NULL: stored as they are) before quantizing; the pool
  * layer as in kv_decode_attention; slot t is row offsets[t] of block block_ids[t]. stored: the rows'
  * dequantized values [T, H2, D] (in the rotated basis) or NULL. One rotation for every
- * write (prefill chunks and decode steps alike), so a token's codes do not depend on how it was run. */
+ * write (prefill chunks and decode steps alike), so a token's codes do not depend on how it was run.
+ * fmt KV_BF16: a bfloat16 pool ([NB, L, BS, H2, D] elements; rot, steps and scales unused). */
+/* fp32 -> bfloat16 rounded to nearest, ties to even; NaN -> 0x7FC0: torch's conversion, bit for bit. */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* A bfloat16 pool's write (kv_store_quantized with KV_BF16): each row rounded into its slot, no
+ * rotation and no scale; stored: the rows as read back. */
+static void store_bf16(const float *y, int64_t ldy, int64_t T, int64_t H2, int64_t D, uint8_t *layer,
+                       int64_t block_stride, const int64_t *block_ids, const int64_t *offsets, float *stored) {
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *slot = (uint16_t *)(layer + block_ids[t] * block_stride) + offsets[t] * H2 * D;
+        const float *src = y + t * ldy;
+        for (int64_t j = 0; j < H2 * D; j++) {
+            slot[j] = bf16_bits(src[j]);
+            if (stored) {
+                uint32_t u = (uint32_t)slot[j] << 16;
+                memcpy(stored + t * H2 * D + j, &u, 4);
+            }
+        }
+    }
+}
+
 void kv_store_quantized(int fmt, const float *y, int64_t ldy, int64_t T, int64_t H2, int64_t D,
                         const float *rot, const float *steps, int64_t S, float factor,
                         uint8_t *layer, int64_t block_stride, int64_t data_bytes, const int64_t *block_ids,
                         const int64_t *offsets, float *stored) {
+    if (fmt == KV_BF16) {
+        store_bf16(y, ldy, T, H2, D, layer, block_stride, block_ids, offsets, stored);
+        return;
+    }
     float buf[MAX_D] __attribute__((aligned(32)));
     for (int64_t t = 0; t < T; t++) {
         uint8_t *row = layer + block_ids[t] * block_stride;

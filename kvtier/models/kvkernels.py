@@ -166,14 +166,16 @@ class StepCall:
 
 
 def stores(kv_cache: PagedKVCache) -> bool:
-    """Whether ``store_quantized`` covers this cache's writes: compact (fp8/int8) on CPU, float32 compute."""
+    """Whether ``store_quantized`` covers this cache's writes: compact (fp8/int8) or bfloat16 on CPU,
+    float32 compute (a bfloat16 row is rounded as torch's conversion rounds it, bit for bit)."""
     fmt = kv_cache.fmt
-    return fmt.quantized and fmt.compute == torch.float32 and kv_cache.raw.device.type == "cpu"
+    covered = fmt.quantized or fmt.name == "bfloat16"
+    return covered and fmt.compute == torch.float32 and kv_cache.raw.device.type == "cpu"
 
 
 def store_quantized(
     lib: ctypes.CDLL,
-    kv_cache: PagedKVCache,  # compact: raw uint8 [NB, L, layer_bytes]
+    kv_cache: PagedKVCache,  # compact: raw uint8 [NB, L, layer_bytes]; bfloat16 [NB, L, BS, 2, KVH, D]
     layer: int,
     kv_new: torch.Tensor,  # [T, 2, KVH, D] float32, the model's basis
     slot_block_ids: torch.Tensor,  # [T] long
@@ -193,12 +195,13 @@ def store_quantized(
     steps = scale_steps(kv_new.device)
     ids = slot_block_ids.to(torch.long).contiguous()
     offsets = slot_offsets.to(torch.long).contiguous()
-    raw = kv_cache.raw
+    raw, esize = kv_cache.raw, kv_cache.raw.element_size()
+    data_bytes = kv_cache.data_bytes if kv_cache.scales is not None else raw[0, 0].numel() * esize
     lib.kv_store_quantized(
         FORMAT_IDS[kv_cache.fmt.name], kv_new.data_ptr(), two * kvh * d, t, two * kvh, d,
         None if rotation is None else rotation.data_ptr(), steps.data_ptr(), steps.numel(),
-        kv_cache.scale_factor, raw.data_ptr() + layer * raw.stride(1), raw.stride(0), kv_cache.data_bytes,
-        ids.data_ptr(), offsets.data_ptr(), None if out is None else out.data_ptr(),
+        kv_cache.scale_factor, raw.data_ptr() + layer * raw.stride(1) * esize, raw.stride(0) * esize,
+        data_bytes, ids.data_ptr(), offsets.data_ptr(), None if out is None else out.data_ptr(),
     )  # fmt: skip
     return kv_new if out is None else out  # without stored values, callers read only the shape
 
