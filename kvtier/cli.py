@@ -70,6 +70,9 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 disables")
     g.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]: against any repeat")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]: per repeat")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 disables (HF's)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
 
@@ -86,6 +89,9 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         seed=ns.sampling_seed,
         stop=ns.stop,
         ignore_eos=ns.ignore_eos,
+        presence_penalty=ns.presence_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        repetition_penalty=ns.repetition_penalty,
     )
 
 

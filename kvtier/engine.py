@@ -324,7 +324,8 @@ class LLMEngine:
             seq = s.seq
             for i in range(seq.params.n) if seq.forks_on_prompt_done else [seq.index]:
                 sid = seq_id_for(seq.request_id, i)
-                requests.append(SampleRequest(row, sid, i, seq.params, self._banned(seq)))
+                penalties = (seq.token_ids, seq.num_prompt_tokens) if seq.params.penalized else ()
+                requests.append(SampleRequest(row, sid, i, seq.params, self._banned(seq), *penalties))
                 targets.append((seq, i))
         results = self.sampler.sample(logits, requests)
         seqs = [self._seq_for(parent, i) for parent, i in targets]

@@ -10,6 +10,7 @@ from kvtier.config import ConfigError
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 300  # OpenAI's limit
+_MAX_REPETITION_PENALTY = 10.0
 _GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (logits / 1e-300 would be inf)
 
 
@@ -36,6 +37,13 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Penalties on tokens already there (OpenAI's and vLLM's meanings; 0 / 1 disable them):
+    # logit -= frequency_penalty * (times generated) + presence_penalty * (generated at all), and
+    # repetition_penalty (HF's, over prompt and output): a positive logit divided by it, a negative one
+    # multiplied.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +97,12 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         self._validate_logit_bias(number, integer)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        top = _MAX_REPETITION_PENALTY
+        if not 0.0 < number("repetition_penalty", self.repetition_penalty) <= top:
+            raise ConfigError(f"repetition_penalty must be in (0, {top:g}], got {self.repetition_penalty}")
 
     def _validate_logit_bias(self, number: Any, integer: Any) -> None:
         if len(self.logit_bias) > _MAX_LOGIT_BIAS:
@@ -100,6 +114,11 @@ class SamplingParams:
                 raise ConfigError(f"logit_bias keys must be token ids (>= 0), got {token_id}")
             if not -100.0 <= number("logit_bias", bias) <= 100.0:
                 raise ConfigError(f"logit_bias values must be in [-100, 100], got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (they then depend on the tokens so far)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -182,3 +182,30 @@ def test_d_prefix_caching_with_shared_prefixes(cases, reference) -> None:
     assert by_name["long"].num_cached_tokens >= 1000
     assert by_name["shared-system-b"].num_cached_tokens > 0
     assert llm.engine.kv.stats.prefix_cache_hits > 0
+
+
+def test_e_repetition_penalty_is_hfs(llm_exact: LLM, hf_default_model, cases) -> None:
+    """Greedy with ``repetition_penalty`` 1.3 equals transformers' ``generate(repetition_penalty=1.3)``
+    (its logits processor: prompt and generated tokens, positive scores divided, negative multiplied);
+    the near-tie rule reads the gaps of HF's penalized scores."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3)
+    plain = llm_exact.generate([c.token_ids for c in cases], GREEDY)
+    outs = llm_exact.generate([c.token_ids for c in cases], params)
+    changed = 0
+    for case, out, before in zip(cases, outs, plain, strict=True):
+        with torch.no_grad():
+            gen = hf_default_model.generate(
+                torch.tensor([case.token_ids]),
+                attention_mask=torch.ones(1, len(case.token_ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                repetition_penalty=1.3,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=2,
+            )
+        tokens = gen.sequences[0, len(case.token_ids) :].tolist()
+        gaps = [float((lambda t: t[0] - t[1])(torch.topk(sc[0].float(), 2).values)) for sc in gen.scores]
+        assert_matches(case.name, out.outputs[0].token_ids, (tokens, gaps))
+        changed += out.outputs[0].token_ids != before.outputs[0].token_ids
+    assert changed  # the penalty changed some answer: the test compares something

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.sampling_params import SamplingParams
-from kvtier.worker.sampler import Sampler, SampleRequest
+from kvtier.worker.sampler import Sampler, SampleRequest, _penalize
 
 VOCAB = 1000
 
@@ -126,3 +126,47 @@ def test_bias_and_bans_edit_a_copy_and_plain_rows_are_read_in_place() -> None:
     assert out[0][1].top == {1: pytest.approx(float(torch.log_softmax(before[0], -1)[1]))}
     out = Sampler().sample(logits, [SampleRequest(0, "a", 0, plain), SampleRequest(1, "b", 0, plain)])
     assert [token for token, _ in out] == [1, 2] and torch.equal(logits, before)
+
+
+def test_penalties_follow_their_definitions_in_order() -> None:
+    """Prompt [3], output [0, 0, 2]: repetition (HF's: prompt and output, positive logits divided,
+    negative multiplied), then frequency (per repeat) and presence (once), on a copy of the row."""
+    logits = torch.tensor([[5.0, 4.5, 1.0, -2.0, 0.5]])
+    before = logits.clone()
+    tokens, prompt_len = [3, 0, 0, 2], 1
+
+    def edited(**penalties: float) -> tuple[int, list[float]]:
+        params = SamplingParams(temperature=0.0, logprobs=1, **penalties)
+        req = SampleRequest(0, "s", 0, params, (), tokens, prompt_len)
+        rows = logits.clone()
+        _penalize(rows[0], req)
+        token, lp = Sampler().sample(logits, [req])[0]
+        assert torch.equal(logits, before)  # the model's logits are not edited ...
+        assert lp.top == {
+            0: pytest.approx(float(torch.log_softmax(before[0], -1)[0]))
+        }  # ... logprobs are theirs
+        return token, rows[0].tolist()
+
+    assert edited(frequency_penalty=0.3) == (1, pytest.approx([4.4, 4.5, 0.7, -2.0, 0.5]))
+    assert edited(presence_penalty=0.7) == (1, pytest.approx([4.3, 4.5, 0.3, -2.0, 0.5]))
+    assert edited(repetition_penalty=2.0) == (1, pytest.approx([2.5, 4.5, 0.5, -4.0, 0.5]))
+    assert edited(presence_penalty=-1.0) == (0, pytest.approx([6.0, 4.5, 2.0, -2.0, 0.5]))  # encourages
+    both = edited(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
+    assert both == (1, pytest.approx([2.5 - 2.0 - 0.5, 4.5, 0.5 - 1.0 - 0.5, -4.0, 0.5]))
+    assert edited() == (0, pytest.approx(before[0].tolist()))  # no penalty: nothing changes
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -2.1),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 11),
+    ],
+)
+def test_penalties_out_of_range_are_refused(name: str, value: float) -> None:
+    from kvtier.config import ConfigError
+
+    with pytest.raises(ConfigError, match=name):
+        SamplingParams(**{name: value})

@@ -121,6 +121,25 @@ def test_completions_greedy_equals_offline_generate(client: OpenAI, reference: L
     assert r.choices[0].text == ref[1].outputs[0].text
 
 
+def test_penalties_reach_the_sampler(client: OpenAI, reference: LLM) -> None:
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the server's answer is
+    the offline engine's with the same SamplingParams, and they change a greedy answer."""
+    prompt = "List the days of the week: Monday, Tuesday, Monday, Tuesday,"
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.4}
+    plain = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
+    ref = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, **penalties))
+    r = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.5,
+        frequency_penalty=1.0,
+        extra_body={"repetition_penalty": 1.4},
+    )
+    assert r.choices[0].text == ref[0].outputs[0].text != plain
+
+
 def test_raw_sse_stream(server: BackgroundServer, reference: LLM) -> None:
     """The wire format itself: each event is ``data: `` and one JSON chunk; the chunks carry the
     greedy text and one finish reason, then the usage chunk, then ``data: [DONE]`` once."""

@@ -97,7 +97,10 @@ BAD_CHAT = [
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"presence_penalty": 1.0}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": "high"}, "repetition_penalty"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"cache_salt": 7}, "cache_salt"),
 ]

@@ -67,7 +67,8 @@ class APIError(Exception):
 
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
-_PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias"}
+_PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
+_PARAM_NAMES |= {"repetition_penalty"}
 # Parameters that change the answer and are not implemented: a 400 naming them, unless at their default.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
@@ -179,6 +180,7 @@ class GenerationRequest(_Request):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, int | float] | None = None
+    repetition_penalty: float | None = None  # HF's / vLLM's: over prompt and output tokens
     priority: int = 0  # lower runs first (vLLM's meaning)
 
     @property
@@ -189,9 +191,6 @@ class GenerationRequest(_Request):
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
                 raise bad_request(f"{name} is not supported by this server", name)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported (only 0)", name)
         lo, hi = PRIORITY_RANGE
         if not lo <= self.priority <= hi:
             raise bad_request(
@@ -220,6 +219,9 @@ class GenerationRequest(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             logit_bias=self._logit_bias(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
         try:
             return SamplingParams(**kwargs)

@@ -1,5 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, logit bias, per-sequence seeded generators,
-logprobs (of the model's own distribution, before any bias).
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, per-sequence seeded
+generators, logprobs (of the model's own distribution, before any penalty or bias).
+
+A row's logits are edited in this order: the repetition penalty (prompt and output tokens), the
+frequency and presence penalties (output tokens), the logit bias, then the tokens banned while
+``min_tokens`` are not out yet.
 
 Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
 ``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
@@ -9,6 +13,7 @@ whatever else shares its batch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +29,10 @@ class SampleRequest:
     index: int  # the sequence's index within its request
     params: SamplingParams
     banned_token_ids: tuple[int, ...] = ()  # EOS/stop ids while min_tokens are not out yet
+    # the sequence's tokens so far (prompt, then output) and how many are the prompt's: read only when
+    # ``params.penalized`` (a reference to the sequence's own list, not a copy)
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
 
 
 _CANDIDATES = 256  # top-k/top-p first look at this many most likely tokens
@@ -32,6 +41,22 @@ _CANDIDATES = 256  # top-k/top-p first look at this many most likely tokens
 def _seed_for(seed: int, index: int) -> int:
     digest = hashlib.sha256(f"kvtier-sample:{seed}:{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _penalize(row: torch.Tensor, r: SampleRequest) -> None:
+    """Apply ``r``'s penalties to its logits ``row`` [V] in place (vLLM's definitions and order)."""
+    p, vocab = r.params, row.shape[0]
+    ids = torch.tensor(r.token_ids, dtype=torch.long)
+    ids = ids[ids < vocab]  # a token id past the logits (a tokenizer's added tokens) has no logit
+    if p.repetition_penalty != 1.0 and ids.numel():
+        seen = ids.unique()
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    out = torch.tensor(r.token_ids[r.num_prompt_tokens :], dtype=torch.long)
+    out = out[out < vocab]
+    if (p.frequency_penalty or p.presence_penalty) and out.numel():
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
 class Sampler:
@@ -61,12 +86,14 @@ class Sampler:
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
         index = [r.row for r in reqs]
-        edits = any(r.params.logit_bias or r.banned_token_ids for r in reqs)
+        edits = any(r.params.logit_bias or r.banned_token_ids or r.params.penalized for r in reqs)
         if not edits and index == list(range(logits.shape[0])):
             rows = logits  # one row per sequence, nothing to edit: read in place (a decode step's usual case)
         else:
             rows = logits.index_select(0, torch.tensor(index, dtype=torch.long))  # [M, V], edited below
         for i, r in enumerate(reqs):
+            if r.params.penalized:
+                _penalize(rows[i], r)
             if r.params.logit_bias:
                 bias_ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
                 rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
