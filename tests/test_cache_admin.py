@@ -112,3 +112,6 @@ def test_bad_cache_flags_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
     assert err.startswith("kvtier: error:") and "derived" in err and len(err.splitlines()) == 1
     assert main(["cache", "--cache-dir", str(tmp_path / "none")]) == 0
     assert "holds nothing yet" in capsys.readouterr().out
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["cache", "--cache-dir", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a directory")

@@ -182,12 +182,13 @@ def clear(root: Path, scope: str) -> tuple[int, int]:
                 freed += _size(path) if path.exists() else 0
                 shutil.rmtree(path, ignore_errors=True)
             removed += 1
-        kernels = (
-            [root / "kernels"] if scope == "all" and (root / "kernels").is_dir() else stale_kernels(root)
-        )
-        for path in kernels:
+        every = [root / "kernels"] if (root / "kernels").is_dir() else []
+        for path in every if scope == "all" else stale_kernels(root):
             freed += _size(path)
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed += 1
     return removed, freed
 
@@ -234,13 +235,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="remove derived files (rebuilt when needed), stale entries, or all of the cache",
     )
     p.add_argument(
-        "--cache-dir", default=None, help="the cache root (default: $KVTIER_CACHE_DIR or ~/.cache)"
+        "--cache-dir",
+        default=None,
+        help="the cache root (default: $KVTIER_CACHE_DIR or ~/.cache/kvtier/models)",
     )
     p.set_defaults(func=main)
 
 
 def main(ns: argparse.Namespace) -> int:
     root = Path(ns.cache_dir).expanduser() if ns.cache_dir else loader.default_cache_dir()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"the cache root {root} is not a directory")
     if not root.is_dir():
         print(f"kvtier cache: {root} holds nothing yet")
         return 0
