@@ -9,9 +9,10 @@
                                        step's SwapPlan (a request whose prefix is still being read from
                                        disk is held back; if nothing at all can run, wait briefly for a read)
         _move_blocks(out.swap)         the plan's device→host stores, then host→device loads
-        logits = _execute(out)         one forward over the step's flattened tokens; the scheduler then
-                                       publishes the blocks that became full (prefix cache, write-through)
-        samples = _sample(out, logits) one token per sampling row; n > 1: children fork from the prompt here
+        result = _execute(out)         one forward over the step's flattened tokens (sampling rows' logits,
+                                       prompt logprobs); the scheduler then publishes the blocks that
+                                       became full (prefix cache, write-through)
+        samples = _sample(out, result.logits)  one token per sampling row; n > 1: children fork here
         outputs = _update(samples)     stop conditions, text deltas, finished requests leave
 
 With KV events on (``kv_events_url``), the device pool and every tier tell a ``KVEventRecorder`` what
@@ -58,7 +59,7 @@ from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.stats import EngineStats, Medium
 from kvtier.tier_stack import build_tiers
 from kvtier.tiers.base import TierIdentity
-from kvtier.worker.runner import ModelRunner
+from kvtier.worker.runner import ModelRunner, StepLogits
 from kvtier.worker.sampler import Sampler, SampleRequest
 
 PromptType = str | list[int] | Mapping[str, Any]
@@ -213,6 +214,8 @@ class LLMEngine:
         )
         if params.logprobs is not None:
             seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no context: no logprob
         request = Request(request_id, list(token_ids), params, [seq], prompt=text)
         if arrival_time is not None:
             request.arrival_time = seq.arrival_time = arrival_time
@@ -276,8 +279,8 @@ class LLMEngine:
         if out.is_empty:
             return []
         t0 = time.perf_counter()
-        logits = self._execute(out)
-        outputs = self._update(self._sample(out, logits))
+        result = self._execute(out)
+        outputs = self._update(self._sample(out, result.logits))
         # The whole step (forward, sampling, outputs) is what a stream waits between tokens.
         prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
         self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
@@ -304,16 +307,19 @@ class LLMEngine:
         self.tiers.complete_plan(plan)
         self.cost_model.observe_transfer(moved.nbytes, moved.seconds)
 
-    def _execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def _execute(self, out: SchedulerOutput) -> StepLogits:
         """One forward pass; afterwards the step's K/V exist and the scheduler advances."""
         now = time.monotonic()
         for s in out.scheduled:
             if s.seq.first_scheduled_time is None:
                 s.seq.first_scheduled_time = now
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
-        logits = self.runner.execute(out)
+        result = self.runner.execute(out)
+        for seq, entries in result.prompt_logprobs:
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs.extend(entries)
         self.scheduler.advance(out)
-        return logits
+        return result
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
         """A token for every sequence whose chunk reached its newest token. A prompt with n > 1

@@ -86,6 +86,7 @@ class OutputProcessor:
             num_cached_tokens=seq0.num_cached_tokens or 0,
             cached_tokens_by_tier=dict(seq0.cached_tokens_by_tier),
             metrics=request_metrics(request),
+            prompt_logprobs=None if seq0.prompt_logprobs is None else list(seq0.prompt_logprobs),
         )
 
     def forget(self, request: Request) -> None:

@@ -37,3 +37,6 @@ class RequestOutput:
     # Monotonic seconds (kvtier.output_processor.request_metrics): arrival_time, first_scheduled_time,
     # first_token_time, last_token_time, finished_time; spans queue_time, prefill_time, ttft, e2e.
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first; the list grows
+    # while the prompt is prefilled in chunks, and is complete from the first output with a token on)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

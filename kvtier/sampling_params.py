@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs reported per generated token
+    # logprobs of every prompt token after the first (and top-k alternatives), as vLLM's: the prompt
+    # is then computed whole, without prefix-cache hits (a cached block has K/V but no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -96,6 +99,9 @@ class SamplingParams:
                 raise ConfigError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        top = self.prompt_logprobs
+        if top is not None and not 0 <= integer("prompt_logprobs", top) <= _MAX_LOGPROBS:
+            raise ConfigError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {top}")
         self._validate_logit_bias(number, integer)
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= number(name, getattr(self, name)) <= 2.0:

@@ -70,6 +70,8 @@ class Sequence:
     disk_wait_deadline: float | None = None  # set while its prefix is being read from disk
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # params.prompt_logprobs: entry j is prompt token j's (None for token 0), filled as prefill runs
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -97,6 +99,11 @@ class Sequence:
     def num_remaining_tokens(self) -> int:
         """Tokens still to compute: more than 1 while the prompt is being prefilled, 1 when decoding."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still lack their logprobs (its prefill must then compute them all)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def forks_on_prompt_done(self) -> bool:

@@ -209,3 +209,49 @@ def test_e_repetition_penalty_is_hfs(llm_exact: LLM, hf_default_model, cases) ->
         assert_matches(case.name, out.outputs[0].token_ids, (tokens, gaps))
         changed += out.outputs[0].token_ids != before.outputs[0].token_ids
     assert changed  # the penalty changed some answer: the test compares something
+
+
+def assert_prompt_logprobs_are_hfs(hf, ids: list[int], got: list, k: int) -> None:
+    """Entry j (j >= 1) is token j's logprob under transformers' teacher-forced logits at position
+    j - 1, its alternatives the top ``k`` there (values; ids may swap at exact ties)."""
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)  # [P, V]
+    assert len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        entry = got[j]
+        assert entry.token_id == ids[j]
+        assert abs(entry.logprob - float(ref[j - 1, ids[j]])) < 1e-4, j
+        top = sorted(entry.top.values(), reverse=True)
+        assert top == pytest.approx(torch.topk(ref[j - 1], k).values.tolist(), abs=1e-4)
+
+
+def test_f_prompt_logprobs_are_hfs_teacher_forced(hf_default_model, cases) -> None:
+    """Act 1: a prompt prefilled in chunks of 16 tokens, after another request cached its prefix: the
+    request computes the prompt whole (no cache hit) and every prompt token's logprob is transformers'.
+    Act 2: every case at once in a pool so small that sequences are preempted (recompute) mid-prefill:
+    the entries are still one per prompt token, each transformers'."""
+    llm = LLM(dtype="float32", max_num_batched_tokens=16)
+    case = max(cases, key=lambda c: len(c.token_ids))
+    llm.generate([case.token_ids], GREEDY)  # its blocks are now cached
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    out = llm.generate([case.token_ids], params)[0]
+    assert out.num_cached_tokens == 0
+    assert_prompt_logprobs_are_hfs(hf_default_model, case.token_ids, out.prompt_logprobs, 3)
+    assert llm.generate([case.token_ids], GREEDY)[0].num_cached_tokens > 0  # others still hit the cache
+
+    longest = max(len(c.token_ids) for c in cases) + MAX_TOKENS
+    blocks = -(-longest // 16) + 8
+    tight = LLM(
+        dtype="float32",
+        kv_device_blocks=blocks,
+        max_model_len=blocks * 16,
+        max_num_batched_tokens=128,
+        enable_prefix_caching=False,
+        max_num_partial_prefills=0,
+        max_step_ms=0,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    outs = tight.generate([c.token_ids for c in cases], params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for c, o in zip(cases, outs, strict=True):
+        assert_prompt_logprobs_are_hfs(hf_default_model, c.token_ids, o.prompt_logprobs, 1)

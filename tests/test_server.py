@@ -140,6 +140,44 @@ def test_penalties_reach_the_sampler(client: OpenAI, reference: LLM) -> None:
     assert r.choices[0].text == ref[0].outputs[0].text != plain
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(
+    client: OpenAI, server: BackgroundServer, reference: LLM
+) -> None:
+    """``echo``: the text is prompt + completion; with ``logprobs`` every prompt token is listed, the
+    first with null logprob and alternatives, the others with the offline engine's prompt logprobs;
+    offsets run over the whole text. The loglikelihood request of lm-evaluation-harness's
+    ``local-completions`` (context + continuation, max_tokens 1, logprobs 1, echo) then scores the
+    continuation as the engine does."""
+    context, continuation = "The capital of France is", " Paris"
+    ids = reference.tokenizer.encode(context + continuation)
+    ref = reference.generate(
+        [context + continuation], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    )
+    want = ref[0].prompt_logprobs
+    r = client.completions.create(
+        model=MODEL, prompt=context + continuation, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = r.choices[0]
+    assert choice.text == context + continuation + ref[0].outputs[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in want[1:]], abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert "".join(lp.tokens[: len(ids)]) == context + continuation
+    ctx_len = len(reference.tokenizer.encode(context))
+    score = sum(lp.token_logprobs[ctx_len : len(ids)])  # lm-eval: token_logprobs[ctxlen:-1]
+    assert score == pytest.approx(sum(e.logprob for e in want[ctx_len:]), abs=1e-3) and score < 0
+    plain = client.completions.create(model=MODEL, prompt=context, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(context) and plain.choices[0].logprobs is None
+    body = {"model": MODEL, "prompt": context, "max_tokens": 3, "temperature": 0, "echo": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+    ) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert texts[0] == context and "".join(texts) == plain.choices[0].text  # the prompt, then the rest
+
+
 def test_raw_sse_stream(server: BackgroundServer, reference: LLM) -> None:
     """The wire format itself: each event is ``data: `` and one JSON chunk; the chunks carry the
     greedy text and one finish reason, then the usage chunk, then ``data: [DONE]`` once."""

@@ -47,7 +47,7 @@ from typing import Any
 
 from kvtier.config import SchedulerConfig
 from kvtier.kv.hashing import hash_block, root_hash
-from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
@@ -288,7 +288,12 @@ class Scheduler:
             if not self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
                 raise _Stop
         else:
-            computed = self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
+            # prompt logprobs need every prompt token's logits: no cache hit for such a prefill
+            computed = (
+                NO_COMPUTED_BLOCKS
+                if seq.needs_prompt_logprobs
+                else self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
+            )
             if computed.lower.num_pending_blocks and self._waits_for_disk(seq):
                 return None  # its prefix is being read from disk; the next ones may go first
             rest = seq.num_tokens - computed.num_computed_tokens

@@ -434,7 +434,9 @@ class _Opened:
         """``fn(*args)`` on the tokenizer pool (never the event loop)."""
         return await prompts.off_loop(self.request.app.state.pool, fn, *args)
 
-    async def complete(self, kind: Kind, given: list[PromptType], param: str, logprobs: bool) -> Response:
+    async def complete(
+        self, kind: Kind, given: list[PromptType], param: str, logprobs: bool, echo: bool = False
+    ) -> Response:
         """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
         body, state = self.body, self.request.app.state
         check_open(self.request)
@@ -461,6 +463,7 @@ class _Opened:
             body.n,
             logprobs=logprobs,
             include_usage=body.include_usage,
+            echo=echo,
         )
         return await respond(self.request, fmt, streams, body.stream)
 
@@ -506,7 +509,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     encoded = await opened.off_loop(
         prompts.encode_prompts, tokenizer, given, opened.params.max_tokens, max_model_len
     )
-    return await opened.complete("text", encoded, "prompt", logprobs=body.logprobs is not None)
+    logprobs = body.logprobs is not None
+    return await opened.complete("text", encoded, "prompt", logprobs=logprobs, echo=body.echo)
 
 
 # ---------------------------------------------------------------------------------- other routes

@@ -187,7 +187,9 @@ class GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
                 raise bad_request(f"{name} is not supported by this server", name)
@@ -218,6 +220,7 @@ class GenerationRequest(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -278,13 +281,13 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        """``echo``: the prompt comes back before the completion, with its tokens' logprobs when
+        ``logprobs`` is set (the first token's is null), as OpenAI's legacy completions do."""
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise bad_request("best_of is not supported (only equal to n)", "best_of")
-        return self._params(self.max_tokens, self.logprobs)
+        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""

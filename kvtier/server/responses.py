@@ -1,6 +1,7 @@
 """OpenAI response bodies and SSE chunks built from ``RequestOutput``s (chat and text completions).
 
-A streamed response is, per choice: (chat only) a ``role`` chunk, content chunks as text arrives, a chunk
+A streamed response is, per choice: (chat only) a ``role`` chunk, (text with ``echo``) the prompt and its
+logprobs, content chunks as text arrives, a chunk
 with the ``finish_reason`` and an empty delta; then, with ``stream_options.include_usage``, one chunk
 with ``choices: []`` and the ``usage``; then ``data: [DONE]``. ``usage`` carries OpenAI's
 ``prompt_tokens_details.cached_tokens`` and kvtier's ``kvtier.cached_tokens_by_tier``.
@@ -63,6 +64,7 @@ class Formatter:
         *,
         logprobs: bool,
         include_usage: bool = False,
+        echo: bool = False,
     ):
         self.kind = kind
         self.tokenizer = tokenizer
@@ -71,6 +73,8 @@ class Formatter:
         self.n = n
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.echo = echo  # text completions: each choice starts with its prompt (and its logprobs)
+        self._echoed: set[int] = set()  # streamed choices whose prompt went out already
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice -> logprob entries already sent
         self._text_offset: dict[int, int] = {}  # choice -> characters already sent (text logprobs)
@@ -107,19 +111,34 @@ class Formatter:
                     }
                 )
             return {"content": content}
+        return self._text_logprobs(index, [(e.token_id, e) for e in entries])
+
+    def _text_logprobs(self, index: int, items: list[tuple[int, TokenLogprobs | None]]) -> dict[str, Any]:
+        """Legacy completions' logprobs of ``(token id, entry)`` items; an echoed prompt's first token
+        has no entry (null logprob, null alternatives)."""
         tokens, offsets = [], []
         offset = self._text_offset.get(index, 0)
-        for e in entries:
-            tokens.append(self._text(e.token_id))
+        for token_id, _ in items:
+            tokens.append(self._text(token_id))
             offsets.append(offset)
             offset += len(tokens[-1])
         self._text_offset[index] = offset
         return {
             "tokens": tokens,
-            "token_logprobs": [_finite(e.logprob) for e in entries],
-            "top_logprobs": [{self._text(t): _finite(v) for t, v in e.top.items()} for e in entries],
+            "token_logprobs": [None if e is None else _finite(e.logprob) for _, e in items],
+            "top_logprobs": [
+                None if e is None else {self._text(t): _finite(v) for t, v in e.top.items()} for _, e in items
+            ],
             "text_offset": offsets,
         }
+
+    def _prompt_echo(self, index: int, out: RequestOutput) -> tuple[str, dict[str, Any] | None]:
+        """``echo``: a choice's prompt text, and its tokens' logprobs (with ``logprobs``)."""
+        text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+        if not self.logprobs:
+            return text, None
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return text, self._text_logprobs(index, list(zip(out.prompt_token_ids, entries, strict=True)))
 
     def _new_logprobs(self, index: int, completion: CompletionOutput) -> list[TokenLogprobs]:
         entries = completion.logprobs or []
@@ -162,6 +181,10 @@ class Formatter:
                 index = prompt_index * self.n + c.index
                 if index in done:
                     continue
+                if self.echo and index not in self._echoed:
+                    self._echoed.add(index)
+                    text, lp = self._prompt_echo(index, out)
+                    yield self._chunk([self._delta_choice(index, text, lp, None)])
                 new = self._new_logprobs(index, c) if self.logprobs else []
                 if c.text_delta or new:
                     lp = self._logprobs(index, new)
@@ -189,16 +212,19 @@ class Formatter:
         for prompt_index, out in enumerate(finals):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 index = prompt_index * self.n + c.index
-                lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None
                 if self.kind == "chat":
+                    lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None
                     message = {"role": "assistant", "content": c.text}
                     choices.append(
                         {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
                     )
-                else:
-                    choices.append(
-                        {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
-                    )
+                    continue
+                prompt, prompt_lp = self._prompt_echo(index, out) if self.echo else ("", None)
+                lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None  # offsets go on
+                if prompt_lp is not None and lp is not None:
+                    lp = {key: prompt_lp[key] + lp[key] for key in lp}
+                text, finish = prompt + c.text, c.finish_reason
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
         return {
             "id": self.request_id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",

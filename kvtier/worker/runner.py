@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+from kvtier.sequence import Sequence, TokenLogprobs
+from kvtier.worker.sampler import prompt_logprobs
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -20,6 +24,42 @@ def allocate_kv_pool(
     c = model.config
     fmt = KVFormat(kv_dtype or _DTYPE_NAMES[model.dtype], model.dtype)
     return PagedKVCache(fmt, num_blocks, (c.num_layers, block_size, c.num_kv_heads, c.head_dim), device)
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows turned into logits at once ([256, V] float32: ~50 MB)
+
+
+@dataclass
+class StepLogits:
+    """What a forward pass hands to sampling: the logits of the rows that sample, and the prompt
+    logprobs it computed (``SamplingParams.prompt_logprobs``), per sequence, in prompt order."""
+
+    logits: torch.Tensor  # [N, V] float32: the scheduled seqs whose ``samples`` is True, in row order
+    prompt_logprobs: list[tuple[Sequence, list[TokenLogprobs]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _PromptRows:
+    """Rows [row, row + count) of the step's hidden states predict prompt tokens first..first+count-1."""
+
+    seq: Sequence
+    row: int
+    first: int
+    count: int
+
+
+def _prompt_rows(s: ScheduledSeq, row: int) -> _PromptRows | None:
+    """The rows of chunk ``s`` (its first token at hidden row ``row``) whose logits give prompt tokens
+    still lacking a logprob: position p predicts token p + 1, for tokens up to the prompt's last."""
+    seq = s.seq
+    if not seq.needs_prompt_logprobs:
+        return None
+    assert seq.prompt_logprobs is not None
+    c, have = s.num_computed_tokens, len(seq.prompt_logprobs)
+    lo, hi = max(c, have - 1), min(c + s.num_new_tokens, seq.num_prompt_tokens - 1)
+    if lo != have - 1 or hi <= lo:  # nothing new here (a gap cannot be: its prefill took no cache hit)
+        return None
+    return _PromptRows(seq, row + lo - c, lo + 1, hi - lo)
 
 
 class ModelRunner:
@@ -47,15 +87,37 @@ class ModelRunner:
         self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns logits [N, V] (float32) for the scheduled seqs whose ``samples`` is
-        True, in row order (decodes, then prefills)."""
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run the step: logits [N, V] (float32) for the scheduled seqs whose ``samples`` is True, in
+        row order (decodes, then prefills), and the prompt logprobs of the chunks that want them."""
         self.copy_blocks(out.block_copies)
         input_ids, positions, meta, logits_rows = self._prepare(out)
-        hidden = self.model.forward(input_ids, positions, self.cache, meta)
+        hidden = self.model.forward(input_ids, positions, self.cache, meta)  # [T, hidden]
+        wanted = [r for r in self._prompt_rows(out) if r is not None]
+        found = [(r.seq, self._prompt_logprobs(hidden, r)) for r in wanted]
         if len(logits_rows) != hidden.shape[0]:
             hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
-        return self.model.compute_logits(hidden)
+        return StepLogits(self.model.compute_logits(hidden), found)
+
+    @staticmethod
+    def _prompt_rows(out: SchedulerOutput) -> list[_PromptRows | None]:
+        """Each chunk's prompt-logprob rows, its first token's row counted as ``_prepare`` lays them out."""
+        rows = [_prompt_rows(s, i) for i, s in enumerate(out.decodes)]
+        start = len(out.decodes)
+        for s in out.prefills:
+            rows.append(_prompt_rows(s, start))
+            start += s.num_new_tokens
+        return rows
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, r: _PromptRows) -> list[TokenLogprobs]:
+        k = r.seq.params.prompt_logprobs or 0
+        targets = r.seq.token_ids[r.first : r.first + r.count]
+        entries: list[TokenLogprobs] = []
+        for i in range(0, r.count, PROMPT_LOGITS_ROWS):  # bounded memory: [rows, V] at a time
+            n = min(PROMPT_LOGITS_ROWS, r.count - i)
+            logits = self.model.compute_logits(hidden[r.row + i : r.row + i + n])
+            entries += prompt_logprobs(logits.float(), targets[i : i + n], k)
+        return entries
 
     # ----------------------------------------------------------------------------------------
     def _prepare(

@@ -59,6 +59,17 @@ def _penalize(row: torch.Tensor, r: SampleRequest) -> None:
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """Prompt tokens' logprobs: row i of ``logits`` [m, V] predicted ``targets[i]``; top-``k`` each."""
+    lp = torch.log_softmax(logits, dim=-1)  # [m, V]
+    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    tops: list[dict[int, float]] = [{} for _ in chosen]
+    if k > 0:
+        values, ids = torch.topk(lp, k)  # [m, k]
+        tops = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return [TokenLogprobs(t, c, top) for t, c, top in zip(targets, chosen, tops, strict=True)]
+
+
 class Sampler:
     def __init__(self, engine_seed: int = 0):
         self.engine_seed = engine_seed
