@@ -176,6 +176,18 @@ def test_echo_returns_the_prompt_and_its_logprobs(
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert texts[0] == context and "".join(texts) == plain.choices[0].text  # the prompt, then the rest
+    # max_tokens 0 with echo: the prompt alone, scored (a prompt-scoring client's request)
+    scored = client.completions.create(
+        model=MODEL, prompt=context + continuation, max_tokens=0, logprobs=1, echo=True
+    )
+    assert scored.choices[0].text == context + continuation and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    body = {**body, "max_tokens": 0, "logprobs": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == context and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_raw_sse_stream(server: BackgroundServer, reference: LLM) -> None:

@@ -118,7 +118,7 @@ BAD_COMPLETION = [
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": "x", "max_tokens": -2}, "max_tokens"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "logprobs": 1, "echo": True, "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone)
     ({}, "prompt"),
 ]
 

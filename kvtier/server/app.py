@@ -435,7 +435,13 @@ class _Opened:
         return await prompts.off_loop(self.request.app.state.pool, fn, *args)
 
     async def complete(
-        self, kind: Kind, given: list[PromptType], param: str, logprobs: bool, echo: bool = False
+        self,
+        kind: Kind,
+        given: list[PromptType],
+        param: str,
+        logprobs: bool,
+        echo: bool = False,
+        prompt_only: bool = False,
     ) -> Response:
         """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
         body, state = self.body, self.request.app.state
@@ -464,6 +470,7 @@ class _Opened:
             logprobs=logprobs,
             include_usage=body.include_usage,
             echo=echo,
+            prompt_only=prompt_only,
         )
         return await respond(self.request, fmt, streams, body.stream)
 
@@ -510,7 +517,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts.encode_prompts, tokenizer, given, opened.params.max_tokens, max_model_len
     )
     logprobs = body.logprobs is not None
-    return await opened.complete("text", encoded, "prompt", logprobs=logprobs, echo=body.echo)
+    return await opened.complete(
+        "text", encoded, "prompt", logprobs=logprobs, echo=body.echo, prompt_only=body.prompt_only
+    )
 
 
 # ---------------------------------------------------------------------------------- other routes

@@ -282,12 +282,21 @@ class CompletionRequest(GenerationRequest):
 
     def sampling_params(self) -> SamplingParams:
         """``echo``: the prompt comes back before the completion, with its tokens' logprobs when
-        ``logprobs`` is set (the first token's is null), as OpenAI's legacy completions do."""
+        ``logprobs`` is set (the first token's is null), as OpenAI's legacy completions do; with
+        ``max_tokens`` 0, the prompt alone (a prompt-scoring request)."""
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
             raise bad_request("best_of is not supported (only equal to n)", "best_of")
-        return self._params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        prompt_logprobs = self.logprobs if self.echo else None
+        if self.prompt_only:  # one token is sampled (from the prefill's own logits) and not returned
+            return self._params(1, self.logprobs, prompt_logprobs)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (and its logprobs) alone, no completion."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""

@@ -28,10 +28,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(finals: list[RequestOutput]) -> dict[str, Any]:
-    """Token counts over the requests of one API call (one per prompt)."""
+def usage(finals: list[RequestOutput], completions: bool = True) -> dict[str, Any]:
+    """Token counts over the requests of one API call (one per prompt); ``completions`` False: the
+    completions are not returned (``echo`` with ``max_tokens`` 0) and count 0."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in finals)
-    completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    completion_tokens = sum(len(c.token_ids) for o in finals for c in o.outputs) if completions else 0
     cached = sum(o.num_cached_tokens for o in finals)
     by_tier = dict.fromkeys(TIERS, 0)
     for o in finals:
@@ -65,6 +66,7 @@ class Formatter:
         logprobs: bool,
         include_usage: bool = False,
         echo: bool = False,
+        prompt_only: bool = False,
     ):
         self.kind = kind
         self.tokenizer = tokenizer
@@ -75,6 +77,7 @@ class Formatter:
         self.include_usage = include_usage
         self.echo = echo  # text completions: each choice starts with its prompt (and its logprobs)
         self._echoed: set[int] = set()  # streamed choices whose prompt went out already
+        self.prompt_only = prompt_only  # echo with max_tokens 0: the sampled token is not returned
         self.created = int(time.time())
         self._sent_logprobs: dict[int, int] = {}  # choice -> logprob entries already sent
         self._text_offset: dict[int, int] = {}  # choice -> characters already sent (text logprobs)
@@ -185,13 +188,14 @@ class Formatter:
                     self._echoed.add(index)
                     text, lp = self._prompt_echo(index, out)
                     yield self._chunk([self._delta_choice(index, text, lp, None)])
-                new = self._new_logprobs(index, c) if self.logprobs else []
-                if c.text_delta or new:
+                new = self._new_logprobs(index, c) if self.logprobs and not self.prompt_only else []
+                if (c.text_delta or new) and not self.prompt_only:
                     lp = self._logprobs(index, new)
                     yield self._chunk([self._delta_choice(index, c.text_delta, lp, None)])
                 if c.finish_reason is not None:
                     done.add(index)
-                    yield self._chunk([self._delta_choice(index, None, None, c.finish_reason)])
+                    finish = "length" if self.prompt_only else c.finish_reason
+                    yield self._chunk([self._delta_choice(index, None, None, finish)])
             if out.finished:
                 finals[prompt_index] = out
         if self.include_usage:
@@ -201,7 +205,7 @@ class Formatter:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage([finals[i] for i in sorted(finals)]),
+                "usage": usage([finals[i] for i in sorted(finals)], not self.prompt_only),
             }
             yield sse(body)
         yield DONE
@@ -220,6 +224,11 @@ class Formatter:
                     )
                     continue
                 prompt, prompt_lp = self._prompt_echo(index, out) if self.echo else ("", None)
+                if self.prompt_only:
+                    choices.append(
+                        {"index": index, "text": prompt, "logprobs": prompt_lp, "finish_reason": "length"}
+                    )
+                    continue
                 lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None  # offsets go on
                 if prompt_lp is not None and lp is not None:
                     lp = {key: prompt_lp[key] + lp[key] for key in lp}
@@ -231,6 +240,6 @@ class Formatter:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(finals),
+            "usage": usage(finals, not self.prompt_only),
             "system_fingerprint": None,
         }
