@@ -326,6 +326,22 @@ def test_the_error_contract_is_the_replicas(cluster: dict[str, Any]) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "url"
 
 
+def test_the_tokenizer_routes_pass_through(cluster: dict[str, Any]) -> None:
+    """/tokenize and /detokenize through the router answer as a replica does, errors included."""
+    router, replica = cluster["router"], cluster["replicas"][0]
+    body = {"prompt": "The cache remembers."}
+    mine = httpx.post(router.url + "/tokenize", json=body, headers=AUTH, timeout=30)
+    theirs = httpx.post(replica.url + "/tokenize", json=body, headers=AUTH, timeout=30)
+    assert mine.status_code == 200 and mine.json() == theirs.json()
+    back = httpx.post(router.url + "/detokenize", json={"tokens": mine.json()["tokens"]}, headers=AUTH)
+    assert back.json() == {"prompt": body["prompt"]}
+    bad = httpx.post(router.url + "/tokenize", json={}, headers=AUTH, timeout=30)
+    assert (
+        bad.status_code == 400
+        and bad.json() == httpx.post(replica.url + "/tokenize", json={}, headers=AUTH).json()
+    )
+
+
 def test_polling_mode_without_redis_says_so_and_still_routes_by_cache(cluster: dict[str, Any]) -> None:
     """A second router, no --kv-remote-url: /metrics says polling; it finds a conversation's home."""
     replicas = cluster["replicas"]

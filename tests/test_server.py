@@ -190,6 +190,30 @@ def test_echo_returns_the_prompt_and_its_logprobs(
     assert "".join(texts) == context and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_tokenize_counts_what_a_completion_reports(client: OpenAI, server: BackgroundServer) -> None:
+    """/tokenize of a prompt or of messages counts the usage.prompt_tokens the same request reports;
+    /detokenize gives the text back; bad bodies are OpenAI-shaped 400s, another model a 404."""
+    text = "Caches keep what was computed."
+    done = client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0)
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert r["count"] == len(r["tokens"]) == done.usage.prompt_tokens and r["max_model_len"] > 0
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, temperature=0)
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert r["count"] == chat.usage.prompt_tokens
+    for path, body, status, param in (
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/detokenize", {"tokens": [1, -3]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    ):
+        bad = httpx.post(server.url + path, json=body)
+        assert bad.status_code == status and bad.json()["error"]["param"] == param, (path, body, bad.text)
+
+
 def test_raw_sse_stream(server: BackgroundServer, reference: LLM) -> None:
     """The wire format itself: each event is ``data: `` and one JSON chunk; the chunks carry the
     greedy text and one finish reason, then the usage chunk, then ``data: [DONE]`` once."""

@@ -143,7 +143,7 @@ def test_malformed_bodies_unknown_models_and_routes(client: TestClient) -> None:
     assert rejected and float(rejected[-1].split()[-1]) >= 2
 
 
-def test_api_key_guards_v1_only() -> None:
+def test_api_key_guards_v1_and_the_tokenizer_routes() -> None:
     for client, _ in _app_client(api_key="sekrit"):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
             err = assert_error(client.post("/v1/chat/completions", json=CHAT, headers=headers), 401)
@@ -154,6 +154,9 @@ def test_api_key_guards_v1_only() -> None:
         ok = {"Authorization": "Bearer sekrit"}
         assert client.get("/v1/models", headers=ok).status_code == 200
         assert_error(client.post("/v1/completions", json={}, headers=ok), 400)
+        assert_error(client.post("/tokenize", json={"prompt": "a"}), 401)  # the tokenizer routes too
+        assert_error(client.post("/tokenize", json={"prompt": "a"}, headers=ok), 503)  # loading
+        assert_error(client.post("/detokenize", json={"tokens": [1]}, headers=ok), 503)
         assert client.get("/health").status_code == 503  # loading, but no key needed
         assert client.get("/metrics").status_code == 200
 

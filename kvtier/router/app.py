@@ -4,6 +4,7 @@
 
     POST /v1/chat/completions  POST /v1/completions    choose a replica (kvtier.router.core), forward
     GET  /v1/models  GET /v1/models/{id}               forwarded to a healthy replica
+    POST /tokenize   POST /detokenize                  forwarded to a healthy replica
     GET  /health     200 while some replica is healthy, else 503
     GET  /metrics    the router's own metrics (kvtier_router:..., kvtier.router.metrics)
     GET  /router/state                                 mode, policy, tokenizer, each replica
@@ -164,11 +165,17 @@ async def models(request: Request) -> Response:
     return await _pass(request, "/v1/models" if model is None else f"/v1/models/{model}")
 
 
-async def _pass(request: Request, path: str) -> Response:
-    """A GET that any healthy replica answers (not counted as routed)."""
+async def _pass(request: Request, path: str, method: str = "GET") -> Response:
+    """A request that any healthy replica answers (not counted as routed): a GET, or a POST whose
+    body goes along (the tokenizer routes: every replica serves the same model)."""
     router: Router = request.app.state.router
     route = Route(router.any_replicas(), Decision((), "other", 0))
-    return await forward(router, request, route, path, b"", "GET", count=False)
+    body = await read_body(request) if method == "POST" else b""
+    return await forward(router, request, route, path, body, method, count=False)
+
+
+async def tokenize(request: Request) -> Response:
+    return await _pass(request, request.url.path, "POST")
 
 
 async def health(request: Request) -> Response:
@@ -230,6 +237,8 @@ ROUTES = [
     Endpoint("/v1/completions", keyed(completions), methods=["POST"]),
     Endpoint("/v1/models", keyed(models), methods=["GET"]),
     Endpoint("/v1/models/{model:path}", keyed(models), methods=["GET"]),
+    Endpoint("/tokenize", keyed(tokenize), methods=["POST"]),
+    Endpoint("/detokenize", keyed(tokenize), methods=["POST"]),
     Endpoint("/health", health, methods=["GET"]),
     Endpoint("/metrics", prometheus_metrics, methods=["GET"]),
     Endpoint("/router/state", state, methods=["GET"]),

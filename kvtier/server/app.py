@@ -76,6 +76,7 @@ from kvtier.server.protocol import (
     validation_error,
 )
 from kvtier.server.responses import DONE, Formatter, Kind, sse
+from kvtier.server.tokenize_routes import tokenize_router
 from kvtier.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1
@@ -180,6 +181,7 @@ def create_app(
     app.include_router(v1)
     app.include_router(kv_router(check_key))  # GET /v1/kv/info, /v1/kv/blocks
     app.include_router(dashboard_router(app, check_key))  # GET /dashboard, /v1/kv/dashboard
+    app.include_router(tokenize_router(check_key))  # POST /tokenize, /detokenize
     app.include_router(root)
     return app
 

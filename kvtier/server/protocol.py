@@ -262,11 +262,12 @@ class ChatCompletionRequest(GenerationRequest):
         return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (OpenAI's ``developer`` role is ``system``)."""
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return conversation_of(self.messages)
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (OpenAI's ``developer`` role is ``system``)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
 
 
 PromptInput = Text | list[Text] | list[int] | list[list[int]]

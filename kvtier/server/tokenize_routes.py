@@ -1,0 +1,83 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's): the served model's own tokenizer, no forward pass.
+
+::
+
+    POST /tokenize    {"model"?, "prompt": "text"}
+                      {"model"?, "messages": [...], "add_generation_prompt": true}
+                      -> {"count": 5, "max_model_len": 8192, "tokens": [id, ...]}
+    POST /detokenize  {"model"?, "tokens": [id, ...]} -> {"prompt": "text"}
+
+A ``prompt`` is tokenized as ``/v1/completions`` tokenizes it, ``messages`` rendered and tokenized as
+``/v1/chat/completions`` does, so ``count`` is the ``usage.prompt_tokens`` such a request reports.
+Both need the API key when the server has one (like ``/v1``); errors are OpenAI-shaped (400 for a
+body that has neither or both inputs, or a token id the tokenizer does not know; 404 for another
+model's name; 503 while the model loads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from kvtier.config import ConfigError
+from kvtier.server import prompts
+from kvtier.server.async_engine import AsyncEngine, EngineNotReady
+from kvtier.server.protocol import ChatMessage, Text, _Request, bad_request, conversation_of
+from kvtier.tokenizer import Tokenizer
+
+
+class TokenizeRequest(_Request):
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: list[int]
+
+
+def _tokenizer(request: Request, model: str | None) -> tuple[Tokenizer, int]:
+    from kvtier.server.app import check_model  # the app module imports this one
+
+    check_model(request.app.state.settings, model)
+    engine: AsyncEngine = request.app.state.engine
+    if not engine.ready or engine.tokenizer is None or engine.max_model_len is None:
+        raise EngineNotReady(engine.not_ready_reason())
+    return engine.tokenizer, engine.max_model_len
+
+
+def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("send either prompt or messages", "prompt")
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt)
+    assert body.messages is not None
+    try:
+        return tokenizer.encode_chat(conversation_of(body.messages), body.add_generation_prompt)[1]
+    except ConfigError as exc:
+        raise bad_request(exc, "messages") from None
+
+
+def tokenize_router(check_key: Callable[[Request], None]) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(check_key)])
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        tokenizer, max_model_len = _tokenizer(request, body.model)
+        tokens = await prompts.off_loop(request.app.state.pool, _tokenize, tokenizer, body)
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        tokenizer, _ = _tokenizer(request, body.model)
+        unknown = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if unknown:
+            raise bad_request(f"tokens holds ids the tokenizer does not know: {unknown[:5]}", "tokens")
+        text = await prompts.off_loop(request.app.state.pool, tokenizer.decode, body.tokens)
+        return {"prompt": text}
+
+    return router
