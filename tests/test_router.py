@@ -210,6 +210,9 @@ def test_a_batched_completion_goes_where_one_of_its_prompts_is(cluster: dict[str
     batch = {"prompt": [long_system("never seen"), held], "max_tokens": 2, "temperature": 0}
     decided = wait_for(lambda: goes_to(router, batch, served, endpoint="completions"), 5)
     assert decided["cached_tokens"] >= prompt_tokens - BLOCK_SIZE
+    # Prompt logprobs (echo + logprobs): the replica computes the prompt whole, so no cache counts.
+    scored = explain(router, {"prompt": held, "max_tokens": 1, "echo": True, "logprobs": 1}, "completions")
+    assert scored["reason"] == "load" and scored["cached_tokens"] == 0
 
 
 def test_story_a_returning_conversation_goes_home(cluster: dict[str, Any]) -> None:

@@ -217,6 +217,9 @@ def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # no
     assert ids == Prompt([5, 6, 7], None, ([1],)) and ids.num_tokens == 4  # every prompt of the batch
     texts = parse_prompt(tok, "/v1/completions", {"prompt": ["Hello", "world"], "cache_salt": "s"})
     assert texts == Prompt(tok.encode("Hello"), "s", (tok.encode("world"),))
+    scored = parse_prompt(tok, "/v1/completions", {"prompt": "Hello", "echo": True, "logprobs": 1})
+    assert scored is not None and scored.uncached  # prompt logprobs: the replica takes no cache hit
+    assert not parse_prompt(tok, "/v1/completions", {"prompt": "Hello", "echo": True}).uncached
     assert parse_prompt(tok, "/v1/chat/completions", {"messages": "nope"}) is None
     assert parse_prompt(tok, "/v1/chat/completions", None) is None
     b = Prompt(list(range(10)), None).block_hashes("x:float32", 4)

@@ -198,7 +198,7 @@ class Router:
             key = (r.info["cache_identity"], int(r.info["block_size"]))
             if key not in chains:
                 chains[key] = prompt.all_block_hashes(*key)
-            local, remote = prompt_blocks(r.index, indexes, chains[key])
+            local, remote = (0, 0) if prompt.uncached else prompt_blocks(r.index, indexes, chains[key])
             out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1], r.pending_prefill))
         return out, bool(scorable)
 

@@ -61,6 +61,8 @@ class Prompt:
     token_ids: list[int]
     cache_salt: str | None
     more: tuple[list[int], ...] = ()
+    # the replica computes it whole, taking no cache hit (prompt logprobs: ``echo`` with ``logprobs``)
+    uncached: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +115,8 @@ def parse_prompt(
             request = CompletionRequest.model_validate(body)
             first, *rest = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
             salt = tenant_salt(authorization, request.user, request.cache_salt, scope)
-            return Prompt(first, salt, tuple(rest))
+            uncached = request.echo and request.logprobs is not None
+            return Prompt(first, salt, tuple(rest), uncached)
         else:
             return None
     except (ValidationError, APIError, ConfigError, ValueError, TypeError):
