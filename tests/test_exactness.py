@@ -151,12 +151,12 @@ def test_b_batched_with_small_chunked_prefill(cases, reference) -> None:
     check_all(llm, cases, reference, outs)
 
 
-def test_c_tiny_pool_forces_preemption(cases, reference) -> None:
-    # The short prompts are admitted first; the long one then prefills in 128-token chunks, and as
-    # everything grows the pool runs dry: the most recently admitted sequence is preempted (recompute).
+def tight_pool(cases: list[Case]) -> LLM:
+    """The short prompts are admitted first; the long one then prefills in 128-token chunks, and as
+    everything grows the pool runs dry: the most recently admitted sequence is preempted (recompute)."""
     longest = max(len(c.token_ids) for c in cases) + MAX_TOKENS
     blocks = -(-longest // 16) + 8
-    llm = LLM(
+    return LLM(
         dtype="float32",
         kv_device_blocks=blocks,
         max_model_len=blocks * 16,
@@ -167,6 +167,10 @@ def test_c_tiny_pool_forces_preemption(cases, reference) -> None:
         max_num_partial_prefills=0,
         max_step_ms=0,
     )
+
+
+def test_c_tiny_pool_forces_preemption(cases, reference) -> None:
+    llm = tight_pool(cases)
     outs = llm.generate([c.token_ids for c in cases], GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     check_all(llm, cases, reference, outs)
@@ -239,17 +243,7 @@ def test_f_prompt_logprobs_are_hfs_teacher_forced(hf_default_model, cases) -> No
     assert_prompt_logprobs_are_hfs(hf_default_model, case.token_ids, out.prompt_logprobs, 3)
     assert llm.generate([case.token_ids], GREEDY)[0].num_cached_tokens > 0  # others still hit the cache
 
-    longest = max(len(c.token_ids) for c in cases) + MAX_TOKENS
-    blocks = -(-longest // 16) + 8
-    tight = LLM(
-        dtype="float32",
-        kv_device_blocks=blocks,
-        max_model_len=blocks * 16,
-        max_num_batched_tokens=128,
-        enable_prefix_caching=False,
-        max_num_partial_prefills=0,
-        max_step_ms=0,
-    )
+    tight = tight_pool(cases)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
     outs = tight.generate([c.token_ids for c in cases], params)
     assert tight.engine.scheduler.num_preemptions > 0
