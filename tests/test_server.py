@@ -176,6 +176,14 @@ def test_echo_returns_the_prompt_and_its_logprobs(
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
     assert texts[0] == context and "".join(texts) == plain.choices[0].text  # the prompt, then the rest
+    # lm-eval's tokenized batch: token-id prompts, one choice each, in prompt order
+    other = reference.tokenizer.encode("Caches keep what was computed")
+    batch = client.completions.create(
+        model=MODEL, prompt=[ids, other], max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [len(ids) + 1, len(other) + 1]
+    assert batch.choices[0].logprobs.token_logprobs[:-1] == pytest.approx(lp.token_logprobs[:-1], abs=1e-4)
     # max_tokens 0 with echo: the prompt alone, scored (a prompt-scoring client's request)
     scored = client.completions.create(
         model=MODEL, prompt=context + continuation, max_tokens=0, logprobs=1, echo=True
