@@ -1,4 +1,4 @@
-"""``kvtier`` command line: generate · chat · serve · router · bench · demo · plan · cache.
+"""``kvtier`` command line: generate · chat · serve · router · bench · demo · plan · score · cache.
 
 Engine flags have the names of ``LLM(...)`` keyword arguments (``--kv-device-blocks`` is
 ``kv_device_blocks``); :mod:`kvtier.args` makes them from ``EngineArgs``. ``generate`` and ``chat`` live
@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_help = "capacity planner: KV pool, concurrency, decode and reload estimates"
     _lazy(sub, "plan", "kvtier.planner", plan_help)
+    score_help = "perplexity of a text and its most surprising tokens (prompt logprobs, in windows)"
+    _lazy(sub, "score", "kvtier.score", score_help)
     cache_help = "what the model cache holds on disk (conversions, packed and fused weights); --clear"
     _lazy(sub, "cache", "kvtier.models.cache_admin", cache_help)
     return parser
