@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-from kvtier.args import add_engine_args, engine_args_from
+from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
 from kvtier.config import ConfigError
 
 DEFAULT_WINDOW = 2048
@@ -54,7 +54,8 @@ def windows(token_ids: list[int], size: int) -> list[list[int]]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from kvtier.cli import _make_llm
+    from kvtier.llm import LLM
+    from kvtier.models.loader import resolve_model_path
     from kvtier.sampling_params import SamplingParams
 
     text = _text(ns)
@@ -62,7 +63,9 @@ def main(ns: argparse.Namespace) -> int:
         raise ConfigError("no text to score: pass it as an argument, with --file or on stdin")
     if ns.top < 0:
         raise ConfigError(f"--top must be >= 0, got {ns.top}")
-    llm = _make_llm(engine_args_from(ns))
+    args = engine_args_from(ns)
+    resolve_model_path(args.model)  # an unknown path fails now, not after loading torch
+    llm = LLM(args.model, **engine_kwargs(args))
     size = ns.window if ns.window is not None else min(llm.engine.max_model_len - 1, DEFAULT_WINDOW)
     if not 2 <= size < llm.engine.max_model_len:
         raise ConfigError(f"--window must be in [2, {llm.engine.max_model_len - 1}], got {size}")
