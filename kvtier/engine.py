@@ -61,6 +61,7 @@ from kvtier.tier_stack import build_tiers
 from kvtier.tiers.base import TierIdentity
 from kvtier.worker.runner import ModelRunner, StepLogits
 from kvtier.worker.sampler import Sampler, SampleRequest
+from kvtier.worker.structured import Grammars
 
 PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
@@ -104,7 +105,9 @@ class LLMEngine:
         )
         self.cost_model = CostModel(cache.block_bytes)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.cost_model)
-        self.sampler = Sampler(args.seed)
+        vocab = max(self.tokenizer.vocab_size, config.model.vocab_size)
+        grammars = Grammars(self.tokenizer.backend, vocab, self.eos_token_ids)
+        self.sampler = Sampler(args.seed, grammars)
         # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
         lower = [t.medium for t in self.tiers.tiers] if self.tiers is not None else []
         self.insight = CacheInsight(
@@ -246,6 +249,9 @@ class LLMEngine:
             for t in ids:
                 if not 0 <= t < vocab:
                     raise ConfigError(f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None:  # compiled now: a bad schema fails before queueing
+            assert self.sampler.grammars is not None
+            self.sampler.grammars.compile(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request now: its blocks go back to the pool before the next step."""

@@ -14,6 +14,40 @@ _MAX_REPETITION_PENALTY = 10.0
 _GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (logits / 1e-300 would be inf)
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match (exactly one field): a JSON schema, any JSON object, a regex, one of
+    some strings, or a Lark grammar (llguidance's dialect). Enforced token by token by masking the
+    logits to what keeps the output valid (``kvtier.worker.structured``)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [self.json is not None, self.json_object, self.regex is not None]
+        given += [self.choice is not None, self.grammar is not None]
+        if sum(given) != 1:
+            raise ConfigError(
+                "structured output takes exactly one of json, json_object, regex, choice, grammar"
+            )
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ConfigError("structured output choice must be a non-empty list of strings")
+
+    @property
+    def key(self) -> str:
+        """A stable text of the constraint (grammars are compiled once per key)."""
+        import json
+
+        return json.dumps(
+            [self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True, default=str
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request.
@@ -47,6 +81,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputs | None = None  # the output must match it (JSON, regex, ...)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -174,7 +174,10 @@ def test_serve_command_line() -> None:
 UNSUPPORTED = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    ({"guided_choice": []}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"logit_bias": {"abc": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -345,7 +345,8 @@ async def admit(
     except ConfigError as exc:
         _abort_all(streams)
         err = bad_request(exc)
-        err.param = err.param or param
+        structured = str(exc).startswith("structured output")  # a schema or grammar that does not compile
+        err.param = err.param or ("response_format" if structured else param)
         if "max_model_len" in str(exc):
             err.code = "context_length_exceeded"
         raise err from None

@@ -2,7 +2,7 @@
 
 Request models are strict (a string is not a number, ``true`` is not an integer) and accept unknown
 fields (clients send fields kvtier has no use for, such as ``metadata``), except the parameters that
-would change the answer and that kvtier does not implement (``tools``, ``response_format``, ...): those are
+would change the answer and that kvtier does not implement (``tools``, ``functions``, ...): those are
 a 400 naming the parameter, never silently ignored. Every string must be valid Unicode (a lone surrogate
 such as ``"\\ud800"`` is a 400). Ranges are checked by :meth:`SamplingParams.validate`, so the server and the
 Python API reject the same values.
@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.config import ConfigError
-from kvtier.sampling_params import SamplingParams
+from kvtier.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_STOP = 16  # stop strings are checked against every new token: a bounded list
 MAX_STOP_TOKEN_IDS = 256
@@ -75,11 +75,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -181,6 +176,12 @@ class GenerationRequest(_Request):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, int | float] | None = None
     repetition_penalty: float | None = None  # HF's / vLLM's: over prompt and output tokens
+    # structured output: OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     priority: int = 0  # lower runs first (vLLM's meaning)
 
     @property
@@ -222,6 +223,7 @@ class GenerationRequest(_Request):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
+            structured_outputs=self._structured(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -230,6 +232,42 @@ class GenerationRequest(_Request):
             return SamplingParams(**kwargs)
         except ConfigError as exc:
             raise bad_request(exc) from None
+
+    def _structured(self) -> StructuredOutputs | None:
+        """``response_format`` (text, json_object, json_schema) or a ``guided_*`` field, at most one."""
+        given: dict[str, Any] = {}
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            schema = fmt.get("json_schema")
+            if kind == "json_object":
+                given["json_object"] = True
+            elif kind == "json_schema":
+                if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+                    raise bad_request(
+                        'response_format json_schema takes {"json_schema": {"name": ..., "schema": {...}}}',
+                        "response_format",
+                    )
+                given["json"] = schema.get("schema", {})
+            elif kind != "text":
+                raise bad_request(
+                    f"response_format type must be text, json_object or json_schema, got {clip(kind)}",
+                    "response_format",
+                )
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
+            if getattr(self, name) is not None:
+                given[key] = getattr(self, name)
+        if self.guided_grammar is not None:
+            given["grammar"] = self.guided_grammar
+        if len(given) > 1:
+            raise bad_request(
+                "use one of response_format, guided_json, guided_regex, guided_choice, guided_grammar",
+                "response_format",
+            )
+        try:
+            return StructuredOutputs(**given) if given else None
+        except ConfigError as exc:
+            raise bad_request(exc, "response_format") from None
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as ``{id: bias}``."""

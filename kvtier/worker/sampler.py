@@ -20,6 +20,7 @@ import torch
 
 from kvtier.sampling_params import SamplingParams
 from kvtier.sequence import TokenLogprobs
+from kvtier.worker.structured import Grammars
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,9 @@ def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> lis
 
 
 class Sampler:
-    def __init__(self, engine_seed: int = 0):
+    def __init__(self, engine_seed: int = 0, grammars: Grammars | None = None):
         self.engine_seed = engine_seed
+        self.grammars = grammars  # structured output (kvtier/worker/structured.py)
         self._generators: dict[str, torch.Generator] = {}
         self._num_unseeded = 0
 
@@ -90,6 +92,19 @@ class Sampler:
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
+        if self.grammars is not None:
+            self.grammars.release(seq_id)
+
+    def _constrain(self, rows: torch.Tensor, i: int, logits: torch.Tensor, r: SampleRequest) -> None:
+        """Mask row ``i`` to the tokens ``r``'s grammar allows. Where the bans took every one of them
+        (min_tokens holding back the EOS that would close the grammar), the grammar wins."""
+        spec = r.params.structured_outputs
+        if spec is None or self.grammars is None:
+            return
+        allowed = self.grammars.allowed(r.seq_id, spec, rows.shape[1])  # bool [V]
+        rows[i].masked_fill_(~allowed, float("-inf"))
+        if not bool(torch.isfinite(rows[i]).any()):
+            rows[i] = logits[r.row].masked_fill(~allowed, float("-inf"))
 
     @torch.inference_mode()
     def sample(
@@ -97,7 +112,10 @@ class Sampler:
     ) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
         index = [r.row for r in reqs]
-        edits = any(r.params.logit_bias or r.banned_token_ids or r.params.penalized for r in reqs)
+        edits = any(
+            r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
+            for r in reqs
+        )
         if not edits and index == list(range(logits.shape[0])):
             rows = logits  # one row per sequence, nothing to edit: read in place (a decode step's usual case)
         else:
@@ -110,6 +128,7 @@ class Sampler:
                 rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
             if r.banned_token_ids:
                 rows[i, list(r.banned_token_ids)] = float("-inf")
+            self._constrain(rows, i, logits, r)
         tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this
         random_ids = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if random_ids:
@@ -117,6 +136,9 @@ class Sampler:
             probs = torch.softmax(rows[random_ids] / temps[:, None], dim=-1)  # [R, V]
             for j, i in enumerate(random_ids):
                 tokens[i] = self._draw(probs[j], reqs[i])
+        for token, r in zip(tokens, reqs, strict=True):
+            if r.params.structured_outputs is not None and self.grammars is not None:
+                self.grammars.consume(r.seq_id, token)
         return [
             (token, self._logprobs(logits[r.row], token, r.params.logprobs))
             for token, r in zip(tokens, reqs, strict=True)
