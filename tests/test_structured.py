@@ -61,3 +61,16 @@ def test_bad_specs_are_one_line_and_queue_nothing(llm: LLM) -> None:
         with pytest.raises(ConfigError, match="structured output"):
             llm.engine.add_request("x", SamplingParams(structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_kept_for_the_recent_specs_only(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.worker import structured
+
+    grammars = llm.engine.sampler.grammars
+    monkeypatch.setattr(structured, "MAX_GRAMMARS", 3)
+    specs = [StructuredOutputs(regex=f"a{{{i}}}") for i in range(1, 6)]
+    for spec in specs:
+        grammars.compile(spec)
+    assert list(grammars._grammars) == [s.key for s in specs[-3:]]

@@ -19,6 +19,7 @@ its token masks take ~0.1-2 ms on this vocabulary) is imported only when a reque
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch
 
 from kvtier.config import ConfigError
 from kvtier.sampling_params import StructuredOutputs
+
+MAX_GRAMMARS = 256  # compiled grammar texts kept (a schema used again skips its compile)
 
 
 class Grammars:
@@ -35,7 +38,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
         self._source = (tokenizer, vocab_size, list(eos_token_ids))
         self._tokenizer = None
-        self._grammars: dict[str, str] = {}
+        self._grammars: OrderedDict[str, str] = OrderedDict()  # the last MAX_GRAMMARS compiled, by key
         self._matchers: dict[str, object] = {}
 
     def _llg_tokenizer(self):  # noqa: ANN202 - llguidance.LLTokenizer, built once (~0.3 s)
@@ -52,6 +55,7 @@ class Grammars:
         """llguidance's grammar for ``spec``; ConfigError (one line) when it is not a valid one."""
         key = spec.key
         if key in self._grammars:
+            self._grammars.move_to_end(key)
             return self._grammars[key]
         tokenizer = self._llg_tokenizer()
         from llguidance import LLMatcher
@@ -76,6 +80,8 @@ class Grammars:
         if error and not error.startswith("WARNING"):
             raise ConfigError(f"structured output: {' '.join(error.split())[:300]}")
         self._grammars[key] = grammar
+        if len(self._grammars) > MAX_GRAMMARS:  # a server sees many schemas: keep the recent ones
+            self._grammars.popitem(last=False)
         return grammar
 
     # ------------------------------------------------------------------------- per sequence
