@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +42,6 @@ class StructuredOutputs:
     @property
     def key(self) -> str:
         """A stable text of the constraint (grammars are compiled once per key)."""
-        import json
-
         return json.dumps(
             [self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True, default=str
         )

@@ -27,6 +27,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +75,6 @@ def _status(path: Path, default: str | None) -> tuple[str, str]:
     serves any file with those bytes: it is in use when the GGUF that made it (its manifest's
     ``source``) or the default model still has that digest. Without a manifest, a directory holding
     only packed files is an HF directory's (``qpack.packed_weights``): its source is not recorded."""
-    import json
-
     try:
         source = str(json.loads((path / loader.MANIFEST).read_text())["source"])
     except (OSError, ValueError, KeyError, TypeError):

@@ -254,11 +254,9 @@ class GenerationRequest(_Request):
                     f"response_format type must be text, json_object or json_schema, got {clip(kind)}",
                     "response_format",
                 )
-        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
-            if getattr(self, name) is not None:
-                given[key] = getattr(self, name)
-        if self.guided_grammar is not None:
-            given["grammar"] = self.guided_grammar
+        for key in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{key}") is not None:
+                given[key] = getattr(self, f"guided_{key}")
         if len(given) > 1:
             raise bad_request(
                 "use one of response_format, guided_json, guided_regex, guided_choice, guided_grammar",

@@ -2,8 +2,8 @@
 generators, logprobs (of the model's own distribution, before any penalty or bias).
 
 A row's logits are edited in this order: the repetition penalty (prompt and output tokens), the
-frequency and presence penalties (output tokens), the logit bias, then the tokens banned while
-``min_tokens`` are not out yet.
+frequency and presence penalties (output tokens), the logit bias, the tokens banned while
+``min_tokens`` are not out yet, then the structured-output grammar's mask.
 
 Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
 ``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
@@ -47,15 +47,17 @@ def _seed_for(seed: int, index: int) -> int:
 def _penalize(row: torch.Tensor, r: SampleRequest) -> None:
     """Apply ``r``'s penalties to its logits ``row`` [V] in place (vLLM's definitions and order)."""
     p, vocab = r.params, row.shape[0]
-    ids = torch.tensor(r.token_ids, dtype=torch.long)
-    ids = ids[ids < vocab]  # a token id past the logits (a tokenizer's added tokens) has no logit
-    if p.repetition_penalty != 1.0 and ids.numel():
-        seen = ids.unique()
+
+    def known(ids: Sequence[int]) -> torch.Tensor:  # a token id past the logits (added tokens) has none
+        t = torch.tensor(ids, dtype=torch.long)
+        return t[t < vocab]
+
+    if p.repetition_penalty != 1.0:
+        seen = known(r.token_ids).unique()
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    out = torch.tensor(r.token_ids[r.num_prompt_tokens :], dtype=torch.long)
-    out = out[out < vocab]
-    if (p.frequency_penalty or p.presence_penalty) and out.numel():
+    if p.frequency_penalty or p.presence_penalty:
+        out = known(r.token_ids[r.num_prompt_tokens :])
         counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
@@ -178,9 +180,4 @@ class Sampler:
     def _logprobs(row: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
         if k is None:
             return None
-        lp = torch.log_softmax(row, dim=-1)
-        top: dict[int, float] = {}
-        if k > 0:
-            values, ids = torch.topk(lp, k)
-            top = dict(zip(ids.tolist(), values.tolist(), strict=True))
-        return TokenLogprobs(token, float(lp[token]), top)
+        return prompt_logprobs(row[None], [token], k)[0]
