@@ -177,6 +177,10 @@ UNSUPPORTED = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}, "guided_json": {}},
+        "response_format",
+    ),
     ({"guided_choice": []}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"logit_bias": {"abc": 5}}, "logit_bias"),

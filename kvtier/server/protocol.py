@@ -254,14 +254,14 @@ class GenerationRequest(_Request):
                     f"response_format type must be text, json_object or json_schema, got {clip(kind)}",
                     "response_format",
                 )
-        for key in ("json", "regex", "choice", "grammar"):
-            if getattr(self, f"guided_{key}") is not None:
-                given[key] = getattr(self, f"guided_{key}")
-        if len(given) > 1:
+        guided = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+        guided = {k: v for k, v in guided.items() if v is not None}
+        if len(given) + len(guided) > 1:  # counted apart: response_format json + guided_json is two
             raise bad_request(
                 "use one of response_format, guided_json, guided_regex, guided_choice, guided_grammar",
                 "response_format",
             )
+        given.update(guided)
         try:
             return StructuredOutputs(**given) if given else None
         except ConfigError as exc:
