@@ -219,9 +219,9 @@ def run_row(name: str, work: Workload, engine_kwargs: dict[str, Any], redis: Red
 def load_bandwidth(
     url: str, block_shape: tuple[int, ...], num_blocks: int = 256, batch: int = 32
 ) -> tuple[float, float, float]:
-    """GB/s (best of 5) of ``RedisBlockIO.read_batch`` (pipelined GETEX received into host buffers, then
-    validated: crc32s, header) on full-size blocks; of the same reads without the validation; and of
-    plain redis-py + hiredis ``GET`` of the same values (no validation either)."""
+    """GB/s (best of 5) of ``RedisBlockIO.read_batch`` (pipelined bounded GETRANGE + EXPIRE into host
+    buffers, then validated: crc32s, header) on full-size blocks; of the same reads without the
+    validation; and of plain redis-py + hiredis ``GET`` of the same values (no validation either)."""
     import hashlib
 
     from kvtier.tiers.base import BlockKey, TierIdentity

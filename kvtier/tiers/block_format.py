@@ -36,7 +36,10 @@ the payload and readers refuse a block whose MAC is missing or does not verify, 
 the secret can produce a block that loads. Writes go to a temp file in the same directory and are renamed
 into place, so a reader sees either a whole old file or a whole new one, never a torn block. Files are
 created 0600 and missing directories 0700 (whatever the umask), and no read or write follows a symlink
-(a symlinked block file or directory fails with ELOOP).
+(a symlinked block file or directory fails with ELOOP). Nothing but a regular file is ever read or
+written: every open adds ``O_NONBLOCK`` (a FIFO or device planted at a block's path opens at once
+instead of blocking the I/O thread for good) and checks ``fstat`` before the first byte
+(``open_regular``): anything else is a ``CorruptBlock``, a miss.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import hmac
 import itertools
 import os
 import re
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -219,18 +223,34 @@ def validate_header(
     return header
 
 
+def open_regular(path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None = None) -> int:
+    """``os.open`` with ``O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC`` added, then ``fstat``: a descriptor of a
+    regular file (back in blocking mode), or CorruptBlock for anything else (a FIFO, a device, a
+    socket, a directory: closed unread). A symlink is refused (OSError ELOOP), not followed."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise CorruptBlock(f"not a regular file (mode {stat.filemode(st_mode)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> os.stat_result:
-    """Check a block file's header and size without reading the payload; raises CorruptBlock. A
-    symlink is refused (OSError ELOOP), not followed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """Check a block file's header and size without reading the payload; raises CorruptBlock (also
+    for anything but a regular file). A symlink is refused (OSError ELOOP), not followed."""
+    fd = open_regular(path, os.O_RDONLY)
     try:
         raw = bytearray(HEADER_NBYTES)
         got = _read_exactly(fd, memoryview(raw))
-        stat = os.fstat(fd)
+        st = os.fstat(fd)
     finally:
         os.close(fd)
-    validate_header(memoryview(raw)[:got], stat.st_size, key, identity)
-    return stat
+    validate_header(memoryview(raw)[:got], st.st_size, key, identity)
+    return st
 
 
 _temp_ids = itertools.count()
@@ -310,8 +330,7 @@ def write_block_file(
     temp = f"{name}.tmp.{os.getpid()}.{_TEMP_TOKEN}.{next(_temp_ids)}"
     dir_fd = _open_parent(path)
     try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(temp, flags, FILE_MODE, dir_fd=dir_fd)
+        fd = open_regular(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE, dir_fd=dir_fd)
         try:
             os.fchmod(fd, FILE_MODE)  # the umask may have taken bits away
             _write_all(fd, (header, payload))
@@ -339,10 +358,11 @@ def _read_exactly(fd: int, buffer: memoryview) -> int:
 
 
 def _open_nofollow(path: str) -> int:
-    """Open a block file for reading; a symlinked file or directory is refused (ELOOP), not followed."""
+    """Open a block file for reading; a symlinked file or directory is refused (ELOOP), not followed,
+    and anything but a regular file is a CorruptBlock (``open_regular``)."""
     dir_fd = os.open(os.path.dirname(path) or ".", _NOFOLLOW_DIR)
     try:
-        return os.open(os.path.basename(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        return open_regular(os.path.basename(path), os.O_RDONLY, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
 
@@ -356,9 +376,9 @@ def read_block_file(
 ) -> None:
     """Read and fully validate block ``key`` into ``out`` (a writable buffer of the block's size).
 
-    Raises CorruptBlock if anything does not match (then ``out`` holds garbage and must not be used),
-    OSError (e.g. FileNotFoundError; ELOOP for a symlinked file or directory, never followed) if the
-    file cannot be read, ValueError if ``out`` is unsuitable.
+    Raises CorruptBlock if anything does not match or the path is not a regular file (then ``out``
+    holds garbage and must not be used), OSError (e.g. FileNotFoundError; ELOOP for a symlinked file
+    or directory, never followed) if the file cannot be read, ValueError if ``out`` is unsuitable.
     """
     payload = memoryview(out).cast("B")
     _check_size(payload, identity, "out")

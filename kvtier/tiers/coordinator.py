@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
 from kvtier.tiers.host import HostTier
 
 REPUBLISH_IN_FLIGHT = 32  # host blocks written again after an outage at once (each a copy in memory)
+IO_STALL_S = 5.0
+"""At shutdown (``flush``, ``close``), a tier whose worker finishes no read or write for this long is
+stuck (a hung disk, a mount gone away): it is turned off with one log line and its daemon thread left
+behind, so shutdown never waits on it."""
 
 
 class IOResultLike(Protocol):
@@ -59,6 +64,8 @@ class IOWorker(Protocol):
     def wait(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
     def drain(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
     def close(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    @property
+    def pending(self) -> int: ...
 
 
 class HostBytes(Protocol):
@@ -82,6 +89,7 @@ class ExternalLevel:
     storing: set[BlockKey] = field(default_factory=set)  # writes from the host tier in flight
     generation: int | None = None  # the tier's outage generation its host blocks were last written at
     republish: list[BlockKey] = field(default_factory=list)  # host blocks to write again, newest last
+    stalled: bool = False  # its worker finished nothing for IO_STALL_S at shutdown: never waited on again
 
     @property
     def active(self) -> bool:
@@ -442,15 +450,39 @@ class TierCoordinator:
             if level.active:
                 self._store_down(level, shared)
         for level in self.external:
-            for r in level.worker.drain(timeout):
-                self._apply(level, r)
+            self._settle(level, timeout)
 
-    def close(self) -> None:
-        """Stop the external tiers' workers (after the jobs already submitted)."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the external tiers' workers (after the jobs already submitted; a stalled one is left
+        behind: ``_settle``)."""
         for level in self.external:
-            for r in level.worker.close(timeout=30.0):
+            self._settle(level, timeout)
+            for r in level.worker.close(timeout=0.0 if level.stalled else IO_STALL_S):
                 self._apply(level, r)
             level.tier.close()
+
+    def _settle(self, level: ExternalLevel, timeout: float) -> None:
+        """Apply ``level``'s results until its worker has nothing pending or ``timeout`` passes. A
+        worker that finishes nothing for ``IO_STALL_S`` is stalled: its tier is turned off (one log
+        line) and it is not waited on again."""
+        deadline = time.monotonic() + timeout
+        progress = time.monotonic()  # when the worker last finished a job
+        while level.worker.pending and not level.stalled:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if now - progress >= IO_STALL_S:
+                level.stalled = True
+                level.tier.disable(
+                    f"block I/O stalled: no read or write finished in {IO_STALL_S:.0f} s "
+                    f"({level.worker.pending} pending), left behind"
+                )
+                return
+            results = level.worker.wait(min(deadline, progress + IO_STALL_S) - now)
+            if results:
+                progress = time.monotonic()
+            for r in results:
+                self._apply(level, r)
 
     def _apply(self, level: ExternalLevel, r: IOResultLike) -> None:
         tier = level.tier

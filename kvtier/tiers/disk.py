@@ -18,6 +18,10 @@ The directory is not trusted:
 - nothing follows a symlink: the start-up scan skips (and counts) symlinked shards and files, reads and
   writes refuse them (ELOOP, a miss or a failed store), and every removal goes through
   ``disk_dir.remove_inside``, which only unlinks entries of real shard directories of this directory;
+- nothing but a regular file is opened: every open adds ``O_NONBLOCK`` and checks ``fstat`` first, so
+  a FIFO or device at a block's path is a miss (removed), one at the ledger's name turns the tier off,
+  and the start-up probe has an unguessable name created ``O_EXCL``; at shutdown a worker that finishes
+  nothing for ``coordinator.IO_STALL_S`` turns the tier off (one line) instead of being waited on;
 - with a secret (``kv_remote_secret`` / ``$KVTIER_REMOTE_SECRET``, the remote tier's), blocks are signed
   and a block that was edited and re-checksummed, or is unsigned, is refused on load: a counted miss.
 
@@ -39,6 +43,7 @@ import errno
 import logging
 import os
 import re
+import secrets
 import stat
 import time
 from collections import Counter, OrderedDict
@@ -58,6 +63,7 @@ from kvtier.tiers.block_format import (
     ByteBuffer,
     CorruptBlock,
     check_block_file,
+    open_regular,
     read_block_file,
     write_block_file,
 )
@@ -345,8 +351,10 @@ class DiskTier(ExternalTier):
     # ------------------------------------------------------------------------ startup
     def _probe_directory(self) -> str | None:
         """Create the directory (``DIR_MODE``), write a probe file, open the ledger; the reason it is
-        unusable, or None. An existing directory keeps its mode (a warning if others may write it)."""
-        probe = os.path.join(self.directory, f".probe.{os.getpid()}{TEMP_MARKER}")
+        unusable, or None. An existing directory keeps its mode (a warning if others may write it).
+        The probe's name is unguessable and created ``O_EXCL``: nothing planted there (a FIFO would
+        block the open for good) is ever opened."""
+        probe = os.path.join(self.directory, f".probe.{secrets.token_hex(16)}{TEMP_MARKER}")
         try:
             if not os.path.isdir(self.directory):
                 os.makedirs(self.directory, mode=DIR_MODE, exist_ok=True)
@@ -356,20 +364,19 @@ class DiskTier(ExternalTier):
                     "(chmod 700 it, or set kv_remote_secret to sign blocks)",
                     self.directory,
                 )
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+            fd = open_regular(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
             try:
                 os.write(fd, b"\0")
             finally:
                 os.close(fd)
             self.ledger = DirectoryLedger(self.directory)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(probe)
             return (
                 f"cannot write to kv_disk_dir: {exc.strerror or exc} [{errno.errorcode.get(exc.errno or 0)}]"
             )
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)  # never anyone else's: the name is unguessable
         return None
 
     def _scan(self) -> None:

@@ -34,6 +34,7 @@ Torch-free.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -44,7 +45,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvtier.tiers.block_format import FILE_MODE
+from kvtier.tiers.block_format import FILE_MODE, CorruptBlock, open_regular
 
 LEDGER_NAME = ".kvtier-usage"
 PRESENCE_NAME = ".kvtier-engines"
@@ -70,10 +71,9 @@ class DirectoryLedger:
 
     def __init__(self, directory: str) -> None:
         self.path = os.path.join(directory, LEDGER_NAME)
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, FILE_MODE)
+        self._fd = _open_shared_file(self.path)
         weakref.finalize(self, os.close, self._fd)
-        self._presence_fd = os.open(os.path.join(directory, PRESENCE_NAME), flags, FILE_MODE)
+        self._presence_fd = _open_shared_file(os.path.join(directory, PRESENCE_NAME))
         weakref.finalize(self, os.close, self._presence_fd)
         fcntl.flock(self._presence_fd, fcntl.LOCK_SH)  # held for this tier's lifetime
         self._lock = threading.Lock()
@@ -110,6 +110,15 @@ class DirectoryLedger:
             return usage.num_blocks
 
 
+def _open_shared_file(path: str) -> int:
+    """Open (creating ``FILE_MODE``) one of the directory's shared files: a regular file, never a
+    symlink's target, or OSError (EINVAL for a FIFO or other non-file: it would block or fail later)."""
+    try:
+        return open_regular(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    except CorruptBlock as exc:
+        raise OSError(errno.EINVAL, str(exc), path) from exc
+
+
 def remove_inside(directory: str, path: str) -> bool:
     """Unlink ``path`` if it is an entry of a real shard directory directly under ``directory`` (a
     resolved path); never follows a symlink. Whether something was removed."""
@@ -131,7 +140,7 @@ def remove_inside(directory: str, path: str) -> bool:
 
 def tighten_mode(path: str, mode: int, *, directory: bool = False) -> None:
     """chmod a file or directory of ours (same owner, not a symlink) to ``mode`` if it is looser."""
-    flags = _NOFOLLOW_DIR if directory else os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = _NOFOLLOW_DIR if directory else os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     with contextlib.suppress(OSError):
         fd = os.open(path, flags)
         try:

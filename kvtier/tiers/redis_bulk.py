@@ -8,6 +8,11 @@ expected size is received with ``recv_into`` in two parts, the 4 KiB block heade
 buffer and the payload directly into the caller's ``out`` view. Nothing is copied in user space; the
 caller validates header and payload (checksums, MAC) before the bytes count as loaded.
 
+Reads are bounded before anything is allocated: a value is asked for with ``GETRANGE name 0 n``, so
+whatever sits under a block key (a 300 MB value written by anyone who can reach the store), at most
+one byte more than the block's size comes back, and a longer value is reported as ``Oversized``
+without being read whole.
+
 Connections come from a bounded pool (``max_connections``, waiting at most ``timeout_s`` for one); every
 socket operation has ``timeout_s``. A connection that failed mid-reply is closed, never reused. URLs
 are parsed by redis-py (``redis://[[user]:password@]host:port/db``, ``rediss://`` for TLS with optional
@@ -69,7 +74,7 @@ class _Stream:
 
 
 class BulkReader:
-    """Pipelined ``GET``/``GETEX`` whose replies land in caller-provided buffers."""
+    """Pipelined bounded reads (``GETRANGE`` + ``EXPIRE``), replies landing in the caller's buffers."""
 
     def __init__(self, url: str, *, timeout_s: float, max_connections: int = 2) -> None:
         self.options = parse_url(url)
@@ -143,14 +148,28 @@ class BulkReader:
     # ------------------------------------------------------------------------ reads
     def get_many(
         self, names: Sequence[bytes], ttl_s: int, heads: Sequence[memoryview], outs: Sequence[memoryview]
-    ) -> list[int | bytearray | Exception | None]:
-        """``GETEX name EX ttl_s`` (``GET`` if 0) for every name, one round trip. A value of exactly
-        ``heads[i].nbytes + outs[i].nbytes`` bytes lands in ``heads[i]`` then ``outs[i]`` and gives its
-        size; any other value is returned whole (a bytearray, for the caller to diagnose); a missing one
-        is None; an error reply is a ``ResponseError``. A broken connection raises."""
-        expiry = [b"EX", str(ttl_s).encode()] if ttl_s else []
-        command = [b"GETEX", b"GET"][not ttl_s]
-        payload = b"".join(pack_command(command, name, *expiry) for name in names)
+    ) -> list[BulkResult]:
+        """Read every name's value, bounded, in one round trip: ``GETRANGE name 0 n`` (``n`` =
+        ``heads[i].nbytes + outs[i].nbytes``, so at most ``n + 1`` bytes ever come back, whatever the
+        store holds) then ``EXPIRE name ttl_s`` (``EXISTS`` if 0: is it there at all).
+
+        ==================  ==========================================================================
+        the value holds     result
+        ==================  ==========================================================================
+        exactly n bytes     ``n``: the bytes landed in ``heads[i]`` then ``outs[i]``
+        more than n bytes   ``Oversized(n + 1)``: its first n bytes landed there too, the rest unread
+        1..n-1 bytes        a bytearray of them (for the caller to diagnose)
+        nothing (no key)    None
+        an error reply      a ``ResponseError`` (e.g. WRONGTYPE)
+        ==================  ==========================================================================
+
+        A broken connection raises."""
+        refresh = [b"EXPIRE", b"%d" % ttl_s] if ttl_s else [b"EXISTS"]
+        payload = b"".join(
+            pack_command(b"GETRANGE", name, b"0", b"%d" % (head.nbytes + out.nbytes))
+            + pack_command(refresh[0], name, *refresh[1:])
+            for name, head, out in zip(names, heads, outs, strict=False)
+        )
         stream = self._acquire()
         ok = False
         try:
@@ -162,22 +181,43 @@ class BulkReader:
             self._release(stream, ok)
 
     @staticmethod
-    def _reply(stream: _Stream, head: memoryview, out: memoryview) -> int | bytearray | Exception | None:
+    def _reply(stream: _Stream, head: memoryview, out: memoryview) -> BulkResult:
+        """The replies of one name: GETRANGE's bulk string, then EXPIRE's (or EXISTS') integer."""
         line = stream.readline()
         if line.startswith(b"-"):
-            return ResponseError(line[1:].decode("utf-8", "replace"))
-        if not line.startswith(b"$"):
-            raise RedisConnectionError(f"unexpected reply {line[:40]!r}")
-        size = int(line[1:])
-        if size < 0:
-            return None
-        if size == head.nbytes + out.nbytes:
-            stream.readinto(head)
-            stream.readinto(out)
-            result: int | bytearray = size
+            result: BulkResult = ResponseError(line[1:].decode("utf-8", "replace"))
+        elif line.startswith(b"$") and 0 <= int(line[1:]) <= head.nbytes + out.nbytes + 1:
+            result = _receive(stream, int(line[1:]), head, out)
         else:
-            result = bytearray(size)
-            stream.readinto(memoryview(result))
-        if stream.readline() != b"":
-            raise RedisConnectionError("a bulk reply did not end where its length said")
+            raise RedisConnectionError(f"unexpected reply {line[:40]!r}")
+        there = stream.readline()
+        if not there.startswith((b":", b"-")):
+            raise RedisConnectionError(f"unexpected reply {there[:40]!r}")
+        if there == b":0" and not result:
+            return None  # GETRANGE of a missing key is an empty string: EXPIRE/EXISTS tells them apart
         return result
+
+
+class Oversized(int):
+    """A value longer than the reader expected (at least this many bytes); only a bounded prefix was
+    received."""
+
+
+BulkResult = int | Oversized | bytearray | Exception | None
+
+
+def _receive(stream: _Stream, size: int, head: memoryview, out: memoryview) -> BulkResult:
+    """Receive one bulk string of ``size`` bytes (at most ``head + out + 1``) and its end of line."""
+    expected = head.nbytes + out.nbytes
+    if size >= expected:
+        stream.readinto(head)
+        stream.readinto(out)
+        if size > expected:
+            stream.readinto(memoryview(bytearray(size - expected)))
+        result: BulkResult = Oversized(size) if size > expected else size
+    else:
+        result = bytearray(size)
+        stream.readinto(memoryview(result))
+    if stream.readline() != b"":
+        raise RedisConnectionError("a bulk reply did not end where its length said")
+    return result

@@ -6,9 +6,11 @@ Three pieces, torch-free like the disk tier:
   lookups, one for the I/O worker), the circuit breaker and the error counts, shared by
 * :class:`RemoteTier`: the bookkeeping, on the scheduler's thread (what the coordinator calls), and
 * :class:`RedisBlockIO`: the block reads and writes, on the tier's ``BlockIOWorker`` thread, pipelined:
-  a batch of queued loads is one round trip of ``GETEX`` whose replies land straight in the host blocks
-  (``tiers/redis_bulk.py``: no parser copies); a batch of stores is one ``EXISTS`` round trip (blocks
-  already there are not sent again, their expiry is refreshed) and one of ``SET ... EX``.
+  a batch of queued loads is one round trip of bounded reads (``GETRANGE`` of at most a block's size
+  plus one byte, and ``EXPIRE``) whose replies land straight in the host blocks (``tiers/redis_bulk.py``:
+  no parser copies; at most ``READ_BATCH_BYTES`` per round trip, a longer batch is split); a batch of
+  stores is one ``EXISTS`` round trip (blocks already there are not sent again, their expiry is
+  refreshed) and one of ``SET ... EX``.
 
 Keys and values::
 
@@ -18,12 +20,16 @@ Keys and values::
                                   (version, model fingerprint, dtype, shape, key, crc32s, optional
                                   HMAC-SHA256) then the payload, written with one SET: never half a value
 
-Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry) and a hit refreshes it (``GETEX``),
+Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry) and a hit refreshes it (``EXPIRE``),
 so ``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
 evicts: ``contains`` is a local, bounded set of keys known to be there, and a load that finds nothing
 is a counted miss (``missing``). A value that is truncated, corrupt, written for another model, dtype or
 shape, or whose MAC does not verify is never loaded: a miss, counted by kind, and deleted if the store
-still holds that same value (a compare-and-delete script on the header).
+still holds that same value (a compare-and-delete script on the header and the size). A value longer
+than a block (header and payload) is never read whole, whoever wrote it: only its first block's worth
+of bytes arrives, it counts as ``foreign`` and is deleted if still that long with that header. So a
+writer without the secret can make loads miss (a slowdown), but cannot make a replica allocate more
+than ``READ_BATCH_BYTES`` per read round trip.
 
 Faults never fail a request: a refused, reset or timed-out command opens the breaker (one warning
 line); while it is open lookups return 0 and stores are dropped without touching the network, and a
@@ -58,7 +64,7 @@ from kvtier.tiers.block_format import (
     validate_header,
 )
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.redis_bulk import BulkReader
+from kvtier.tiers.redis_bulk import BulkReader, BulkResult, Oversized
 
 logger = logging.getLogger("kvtier.tiers.remote")
 INSTANCE_CHECK_S = 1.0  # how often a lookup may ask the store whether it restarted (one INFO round trip)
@@ -66,8 +72,18 @@ INSTANCE_CHECK_S = 1.0  # how often a lookup may ask the store whether it restar
 KEY_PREFIX = b"kvtier:v1:"
 URL_SCHEMES = ("redis", "rediss", "unix")
 
-# Deletes a bad value only if the store still holds it (a replica may have rewritten it since).
+READ_BATCH_BYTES = 64 << 20
+"""The most bytes one read round trip may ask for: a batch of larger blocks is split (one block at
+least per round trip). Every value is read bounded (``GETRANGE``), so this caps the replies in flight."""
+ANY_SIZE = (0, 1 << 62)
+
+# Deletes a bad value only if the store still holds it (a replica may have rewritten it since): the
+# same header bytes and a size within [ARGV[3], ARGV[4]] (an oversized value: still oversized).
 _DELETE_IF_SAME = """
+local size = redis.call('STRLEN', KEYS[1])
+if size < tonumber(ARGV[3]) or size > tonumber(ARGV[4]) then
+  return 0
+end
 if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
@@ -237,11 +253,12 @@ class RemoteStore:
             n += 1
         return n
 
-    def delete_if_same(self, name: bytes, value: ByteBuffer) -> None:
-        """Delete ``name`` if it still holds a value starting with ``value``'s header."""
+    def delete_if_same(self, name: bytes, value: ByteBuffer, sizes: tuple[int, int] = ANY_SIZE) -> None:
+        """Delete ``name`` if it still holds a value starting with ``value``'s header whose size is
+        within ``sizes`` (inclusive)."""
         head = bytes(memoryview(value)[:HEADER_NBYTES])
         try:
-            self._delete_if_same(keys=[name], args=[head, len(head)])
+            self._delete_if_same(keys=[name], args=[head, len(head), *sizes])
         except Exception as exc:  # noqa: BLE001 (best effort)
             self.failed(exc)
 
@@ -286,8 +303,16 @@ class RedisBlockIO:
         return pipe.execute(raise_on_error=False)
 
     def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
-        """``GETEX`` (refreshing the expiry) every block of ``jobs`` in one round trip, each payload
-        received straight into its ``out``, then validated there."""
+        """Read every block of ``jobs``, each payload received straight into its ``out`` and validated
+        there, in round trips of at most ``READ_BATCH_BYTES`` (``BulkReader.get_many``: bounded reads
+        that refresh the expiry)."""
+        per_round_trip = max(1, READ_BATCH_BYTES // (HEADER_NBYTES + self.identity.block_bytes))
+        errors: list[BaseException | None] = []
+        for start in range(0, len(jobs), per_round_trip):
+            errors += self._read_round_trip(jobs[start : start + per_round_trip])
+        return errors
+
+    def _read_round_trip(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
         store = self.store
         if not store.breaker.allow():
             return [StoreUnavailable("the remote store is not answering")] * len(jobs)
@@ -305,7 +330,7 @@ class RedisBlockIO:
         ]
 
     def _check(
-        self, job: tuple[BlockKey, object, ByteBuffer], value: Any, head: memoryview
+        self, job: tuple[BlockKey, object, ByteBuffer], value: BulkResult, head: memoryview
     ) -> BaseException | None:
         """Validate one reply: a value of the expected size already sits in ``head`` and ``out``."""
         key, address, out = job
@@ -315,6 +340,10 @@ class RedisBlockIO:
         if value is None:
             self.store.count("missing")
             return RemoteMiss("missing", "gone between lookup and load (evicted, expired or flushed)")
+        if isinstance(value, Oversized):  # not ours, whatever its header says: never read whole
+            self.store.count("foreign")
+            self.store.delete_if_same(address, head, (int(value), ANY_SIZE[1]))  # type: ignore[arg-type]
+            return RemoteMiss("foreign", f"a value over {int(value) - 1} B (header and block): not read")
         try:
             if isinstance(value, int):
                 header = validate_header(head, value, key, self.identity)
@@ -324,7 +353,8 @@ class RedisBlockIO:
         except CorruptBlock as exc:
             kind = corrupt_kind(exc)
             self.store.count(kind)
-            self.store.delete_if_same(address, head if isinstance(value, int) else value)  # type: ignore[arg-type]
+            size = value if isinstance(value, int) else len(value)
+            self.store.delete_if_same(address, head if isinstance(value, int) else value, (size, size))  # type: ignore[arg-type]
             return RemoteMiss(kind, str(exc))
         return None
 
