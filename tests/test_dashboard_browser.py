@@ -252,14 +252,14 @@ def test_the_router_serves_the_cluster_page(
         answer = httpx.post(router.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
         assert answer.status_code == 200, answer.text
         with Chromium(tmp_path) as browser:
-            page = browser.open(router.url + "/dashboard")
+            page = browser.open(router.url + "/dashboard?key=" + KEY)  # /router/state needs the key
             page.wait_for("document.querySelectorAll('#replicas tbody tr').length == 1")
             assert page.evaluate("document.getElementById('replica-view').hidden") is True
             row = "document.querySelector('#replicas tbody tr')"
             assert page.evaluate(f"{row}.querySelector('a').href") == server.url + "/dashboard"
             page.wait_for(f"{row}.textContent.includes('healthy')")
             assert "round_robin" in page.evaluate("document.getElementById('replica').textContent")
-            routed = httpx.get(router.url + "/router/state").json()["replicas"][0]["routed"]
+            routed = httpx.get(router.url + "/router/state", headers=AUTH).json()["replicas"][0]["routed"]
             assert sum(routed.values()) == 1
             reason, n = next(iter(routed.items()))
             page.wait_for(f"{row}.textContent.includes('{reason} {n}')")

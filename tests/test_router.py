@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 
 KEY = "router-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ADMIN_KEY = "router-admin-key"  # /admin takes this one only (kvtier.router.auth)
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 BLOCK_SIZE = 4
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -78,7 +80,8 @@ def replica_args(model: Path, redis_url: str, name: str) -> list[str]:
 
 
 def router_args(replicas: list[Proc], redis_url: str | None, model: Path, *extra: str) -> list[str]:
-    args = ["router", "--model", str(model), "--api-key", KEY, "--log-level", "warning", *extra]
+    keys = ["--api-key", KEY, "--admin-key", ADMIN_KEY]
+    args = ["router", "--model", str(model), *keys, "--log-level", "warning", *extra]
     for r in replicas:
         args += ["--replica", r.url]
     return args + (["--kv-remote-url", redis_url] if redis_url else [])
@@ -116,7 +119,7 @@ def wait_for(check: Callable[[], Any], timeout: float, step: float = 0.05) -> An
 
 
 def state(router: Proc) -> dict[str, Any]:
-    return httpx.get(router.url + "/router/state", timeout=5).json()
+    return httpx.get(router.url + "/router/state", headers=AUTH, timeout=5).json()
 
 
 def replica_state(router: Proc, replica: Proc) -> dict[str, Any]:
@@ -325,8 +328,10 @@ def test_the_error_contract_is_the_replicas(cluster: dict[str, Any]) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     models = httpx.get(router.url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["object"] == "model"
-    r = httpx.post(router.url + "/admin/replicas", json={"url": "ftp://x"}, headers=AUTH)
+    r = httpx.post(router.url + "/admin/replicas", json={"url": "ftp://x"}, headers=ADMIN)
     assert r.status_code == 400 and r.json()["error"]["param"] == "url"
+    r = httpx.post(router.url + "/admin/replicas", json={"url": "ftp://x"}, headers=AUTH)  # a client's key
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_the_tokenizer_routes_pass_through(cluster: dict[str, Any]) -> None:
@@ -461,9 +466,9 @@ def test_story_a_killed_replica_and_its_return(cluster: dict[str, Any]) -> None:
 
     replicas[1].start().wait_healthy()
     wait_for(lambda: replica_state(router, replicas[1])["index_source"] == "events", 5)
-    r = httpx.request("DELETE", router.url + "/admin/replicas", json={"url": replicas[1].url}, headers=AUTH)
+    r = httpx.request("DELETE", router.url + "/admin/replicas", json={"url": replicas[1].url}, headers=ADMIN)
     assert r.status_code == 200 and len(state(router)["replicas"]) == 1
-    r = httpx.post(router.url + "/admin/replicas", json={"url": replicas[1].url + "/"}, headers=AUTH)
+    r = httpx.post(router.url + "/admin/replicas", json={"url": replicas[1].url + "/"}, headers=ADMIN)
     assert r.status_code == 200
     assert r.json() == {"object": "router.replica", "url": replicas[1].url, "healthy": True}
     assert [rep["healthy"] for rep in state(router)["replicas"]] == [True, True]
@@ -511,7 +516,7 @@ def test_a_failure_before_the_first_byte_is_retried_once_elsewhere(cluster: dict
     for status in (503, 500):
         broken = broken_replica(info, status)
         try:
-            r = httpx.post(router.url + "/admin/replicas", json={"url": broken.url}, headers=AUTH)
+            r = httpx.post(router.url + "/admin/replicas", json={"url": broken.url}, headers=ADMIN)
             assert r.json()["healthy"] is True
             retried_before = sum(rep["routed"].get("retry", 0) for rep in state(router)["replicas"])
             served = []
@@ -528,7 +533,7 @@ def test_a_failure_before_the_first_byte_is_retried_once_elsewhere(cluster: dict
             retried = sum(rep["routed"].get("retry", 0) for rep in state(router)["replicas"])
             assert retried - retried_before == mine["routed"]["load"]
         finally:
-            httpx.request("DELETE", router.url + "/admin/replicas", json={"url": broken.url}, headers=AUTH)
+            httpx.request("DELETE", router.url + "/admin/replicas", json={"url": broken.url}, headers=ADMIN)
             broken.stop()
 
 

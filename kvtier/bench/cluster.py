@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from kvtier.bench.cluster_procs import Cluster, ReplicaSettings, StartError
+from kvtier.bench.cluster_procs import ADMIN_KEY, Cluster, ReplicaSettings, StartError
 from kvtier.bench.cluster_report import (
     ScenarioResult,
     evaluate_targets,
@@ -215,7 +215,8 @@ class Events:
         await asyncio.to_thread(warm, new.url)
         assert c.router is not None
         async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.post(c.router.url + "/admin/replicas", json={"url": new.url})
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            r = await client.post(c.router.url + "/admin/replicas", json={"url": new.url}, headers=admin)
         res.events["added"] = time.perf_counter() - self.t0
         res.extra["admin_status"] = r.status_code
         res.extra["new_replica"] = new.url

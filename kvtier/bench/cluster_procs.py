@@ -146,6 +146,9 @@ class ReplicaSettings:
         return out
 
 
+ADMIN_KEY = "kvtier-bench-admin"  # the router's admin key: loopback only, a benchmark's own cluster
+
+
 class Cluster:
     """Redis, replicas and a router for one scenario; ``with Cluster(...) as c:`` tears all down."""
 
@@ -209,8 +212,10 @@ class Cluster:
         return child
 
     def add_router(self, policy: str, remote_url: str | None, extra: Sequence[str] = ()) -> Child:
+        """The router, with ``ADMIN_KEY`` (the benchmark admits a replica at run time)."""
         port = free_port()
         argv = [self.python, "-m", "kvtier.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--admin-key", ADMIN_KEY]
         for r in self.replicas:
             argv += ["--replica", r.url]
         argv += ["--policy", policy]

@@ -4,11 +4,13 @@
 
     cli.py       flags -> RouterSettings; uvicorn
     app.py       the HTTP routes (the replicas' /v1 API, /health, /metrics, /router/state, /admin/replicas)
+    auth.py      the roles: client (--api-key), admin (--admin-key, off by default), metrics (--metrics-key)
+    body.py      request bodies: bounded, timed, parsed (bad or too deep JSON: a 400)
     proxy.py     one request through to a replica and back, byte for byte; retry before the first byte
     core.py      Router: the state, and choose() (which replicas, best first)
     policy.py    cache_aware / round_robin / least_loaded: pure functions over numbers
     prompt.py    a request's token ids and block hashes, exactly as the engine computes them
-    replicas.py  health checks, /v1/kv/info, load (/metrics)
+    replicas.py  health checks, /v1/kv/info, load (/metrics); admitting a replica at run time
     index.py     ReplicaIndex: the blocks one replica holds, per medium, bounded
     sync.py      keeping the indexes current: KV event streams (Redis) or polling /v1/kv/blocks
     metrics.py   kvtier_router:... Prometheus metrics

@@ -2,61 +2,92 @@
 
 ::
 
-    POST /v1/chat/completions  POST /v1/completions    choose a replica (kvtier.router.core), forward
-    GET  /v1/models  GET /v1/models/{id}               forwarded to a healthy replica
-    POST /tokenize   POST /detokenize                  forwarded to a healthy replica
-    GET  /health     200 while some replica is healthy, else 503
-    GET  /metrics    the router's own metrics (kvtier_router:..., kvtier.router.metrics)
-    GET  /router/state                                 mode, policy, tokenizer, each replica
+    route                                          key (kvtier.router.auth)   what
+    POST /v1/chat/completions  POST /v1/completions  client                     choose a replica
+                                                                               (kvtier.router.core), forward
+    GET  /v1/models  GET /v1/models/{id}           client                     forwarded to a healthy replica
+    POST /tokenize   POST /detokenize              client                     forwarded to a healthy replica
+    GET  /health                                   none                       200 while some replica is
+                                                                               healthy, else 503
+    GET  /metrics                                  metrics (or admin), if set the router's own metrics
+    GET  /router/state                             client or admin            mode, policy, each replica
     POST /router/explain  {"endpoint": "chat"|"completions", "request": {...}}
-                         the decision and block hashes the router would use, without sending
-    POST /admin/replicas {"url": ...}   DELETE /admin/replicas {"url": ...}   add or remove a replica
+                                                   client or admin            the decision and block
+                                                                               hashes, without sending
+    POST /admin/replicas {"url": ...}              admin (404 without         admit a replica (checked:
+    DELETE /admin/replicas {"url": ...}              --admin-key)             same model) or remove one
+    GET  /dashboard, /dashboard/static/{name}      none (no data in them)     the cluster page
 
-The ``/v1``, ``/router/explain`` and ``/admin`` routes need ``Authorization: Bearer <--api-key>`` when the
-router has one; the client's header is passed on to the replica, and the router's own calls to the
-replicas (``/v1/kv/...``) carry the key. Errors are OpenAI's JSON shape; a replica's own errors (400 for
-a bad body, 404 for an unknown model...) come back to the client unchanged.
+Only these routes reach a replica, each to a fixed path: ``/v1/models/{id}`` takes a model id that
+:func:`model_path` accepts (letters, digits, ``._:+@-``; no ``..``, no ``/``, no ``\\``, whatever the
+encoding: the path is matched after percent-decoding) and quotes it again; anything else is a 404 here.
+The client's ``Authorization`` header is passed on to the replica it is routed to (a replica given by
+``--replica`` or admitted by an admin, never another); the router's own calls to the replicas
+(``/v1/kv/...``) carry ``--api-key``. Errors are OpenAI's JSON shape, a failure of the router's own
+included (500, never plain text); a replica's own errors (400 for a bad body, 404 for an unknown
+model...) come back to the client unchanged. Bodies are bounded and timed (:mod:`kvtier.router.body`).
 
 Plain Starlette, not FastAPI (whose import alone costs more than half a second): the router answers
-within well under a second of starting; the replica's request models (``kvtier.server.protocol``) are
-imported on the tokenizer thread, meanwhile.
+within well under a second of starting; the replica's request models (``kvtier.server.protocol``, which
+``kvtier.server.limits`` imports: ~0.1 s, no torch) are the heaviest import.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+import re
+from collections.abc import AsyncIterator
+from urllib.parse import quote
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as Endpoint
 
+from kvtier.router.auth import check_admin, check_client, check_metrics, check_reader, guarded
+from kvtier.router.body import parse_json, read_body, read_json
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
 from kvtier.router.errors import RouterError
 from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import forward
+from kvtier.router.replicas import AdmissionRefused
 from kvtier.server.dashboard import page_routes
+from kvtier.server.limits import RequestLimits
 
 logger = logging.getLogger("kvtier.router")
-Handler = Callable[[Request], Awaitable[Response]]
+
+# A model id as the replicas name them ("SmolLM2-135M-Instruct", "tiny.gguf", "llama3:8b"): starts with a
+# letter or digit, so never "." or ".."; no "/", "\" or "%" (the path was percent-decoded already).
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+@-]{0,255}")
 
 
 def create_app(settings: RouterSettings) -> Starlette:
     """The app; ``app.state.router`` is its :class:`Router` (started with the app's lifespan)."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0))
-    handlers = {RouterError: _router_error, HTTPException: _http_error, NoReplica: _no_replica}
-    app = Starlette(routes=ROUTES, lifespan=_lifespan, exception_handlers=handlers)  # type: ignore[arg-type]
+    handlers = {
+        RouterError: _router_error,
+        HTTPException: _http_error,
+        NoReplica: _no_replica,
+        Exception: _internal_error,
+    }
+    body_limits = Middleware(
+        RequestLimits, max_bytes=settings.max_request_bytes, body_timeout=settings.timeout_body
+    )
+    app = Starlette(
+        routes=ROUTES,
+        lifespan=_lifespan,
+        exception_handlers=handlers,  # type: ignore[arg-type]
+        middleware=[body_limits],
+    )
     app.state.router = Router(settings, client)
     return app
 
@@ -95,60 +126,27 @@ async def _no_replica(request: Request, exc: Exception) -> Response:
     ).response()
 
 
-def check_key(request: Request) -> None:
-    """401 unless the request carries the router's ``--api-key`` (when it has one)."""
-    api_key = request.app.state.router.settings.api_key
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug of the router's own: OpenAI's 500, not plain text (Starlette re-raises it: uvicorn logs it)."""
+    return RouterError(500, "the router failed on this request", type="server_error").response()
+
+
+def model_path(model: str) -> str:
+    """``/v1/models/<model>`` for a valid model id (quoted again); a 404 for anything else."""
+    if not MODEL_ID.fullmatch(model):
         raise RouterError(
-            401,
-            "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
+            404, f"The model {model[:100]!r} does not exist", param="model", code="model_not_found"
         )
-
-
-def keyed(handler: Handler) -> Handler:
-    """``handler`` behind :func:`check_key`."""
-
-    async def checked(request: Request) -> Response:
-        check_key(request)
-        return await handler(request)
-
-    return checked
-
-
-async def read_body(request: Request) -> bytes:
-    """The body, at most ``--max-request-bytes`` (413 beyond, as the replicas answer)."""
-    limit = request.app.state.router.settings.max_request_bytes
-    too_large = RouterError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _json_or_none(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None  # forwarded as is: the replica answers its own 400
+    return "/v1/models/" + quote(model, safe="")
 
 
 # ---------------------------------------------------------------------------------------- routes
 async def _generate(request: Request, path: str) -> Response:
     router: Router = request.app.state.router
     body = await read_body(request)
+    given = parse_json(body)  # a bad or too deeply nested body: our 400, the replica never sees it
     authorization = request.headers.get("authorization", "")
-    route = await router.choose(path, _json_or_none(body), authorization, body_bytes=len(body))
+    route = await router.choose(path, given, authorization, body_bytes=len(body))
     return await forward(router, request, route, path, body)
 
 
@@ -161,13 +159,16 @@ async def completions(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    model = request.path_params.get("model")
-    return await _pass(request, "/v1/models" if model is None else f"/v1/models/{model}")
+    return await _pass(request, "/v1/models")
+
+
+async def model(request: Request) -> Response:
+    return await _pass(request, model_path(request.path_params["model"]))
 
 
 async def _pass(request: Request, path: str, method: str = "GET") -> Response:
     """A request that any healthy replica answers (not counted as routed): a GET, or a POST whose
-    body goes along (the tokenizer routes: every replica serves the same model)."""
+    body goes along (the tokenizer routes: every replica serves the same model). ``path``: fixed."""
     router: Router = request.app.state.router
     route = Route(router.any_replicas(), Decision((), "other", 0))
     body = await read_body(request) if method == "POST" else b""
@@ -175,7 +176,11 @@ async def _pass(request: Request, path: str, method: str = "GET") -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    return await _pass(request, request.url.path, "POST")
+    return await _pass(request, "/tokenize", "POST")
+
+
+async def detokenize(request: Request) -> Response:
+    return await _pass(request, "/detokenize", "POST")
 
 
 async def health(request: Request) -> Response:
@@ -196,7 +201,7 @@ async def state(request: Request) -> Response:
 async def explain(request: Request) -> Response:
     """What ``choose`` decides for ``request`` (nothing is sent), with the block hashes per replica."""
     router: Router = request.app.state.router
-    given = _json_or_none(await read_body(request))
+    given = await read_json(request)
     if not isinstance(given, dict) or given.get("endpoint") not in ("chat", "completions"):
         raise RouterError(
             400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint"
@@ -209,7 +214,7 @@ async def explain(request: Request) -> Response:
 
 
 async def _admin_url(request: Request) -> str:
-    given = _json_or_none(await read_body(request))
+    given = await read_json(request)
     url = given.get("url") if isinstance(given, dict) else None
     if not isinstance(url, str):
         raise RouterError(400, 'send {"url": "http://host:port"}', param="url")
@@ -217,7 +222,8 @@ async def _admin_url(request: Request) -> str:
 
 
 async def admin_replicas(request: Request) -> Response:
-    """POST: add a replica (checked at once); DELETE: remove one."""
+    """POST: admit a replica (it must answer and serve the same model, kvtier.router.replicas.admit);
+    DELETE: remove one."""
     router: Router = request.app.state.router
     url = await _admin_url(request)
     try:
@@ -225,24 +231,31 @@ async def admin_replicas(request: Request) -> Response:
             if not router.replicas.remove(url):
                 raise RouterError(404, f"no replica {url}", param="url", code="not_found")
             return JSONResponse({"object": "router.replica", "url": url, "deleted": True})
-        replica = router.replicas.add(url)
+        replica = await router.replicas.admit(url)
+    except AdmissionRefused as refused:
+        raise RouterError(refused.status, str(refused), param="url", code=refused.code) from None
     except ValueError as exc:
         raise RouterError(400, str(exc), param="url") from None
-    await router.replicas.check(replica)  # up at once when it answers
     return JSONResponse({"object": "router.replica", "url": replica.url, "healthy": replica.healthy})
 
 
+async def no_admin_route(request: Request) -> Response:
+    """Any other ``/admin/...`` path or method: 404 (after the admin check: 404 too while it is off)."""
+    raise RouterError(404, "Not Found", code="not_found")
+
+
 ROUTES = [
-    Endpoint("/v1/chat/completions", keyed(chat_completions), methods=["POST"]),
-    Endpoint("/v1/completions", keyed(completions), methods=["POST"]),
-    Endpoint("/v1/models", keyed(models), methods=["GET"]),
-    Endpoint("/v1/models/{model:path}", keyed(models), methods=["GET"]),
-    Endpoint("/tokenize", keyed(tokenize), methods=["POST"]),
-    Endpoint("/detokenize", keyed(tokenize), methods=["POST"]),
+    Endpoint("/v1/chat/completions", guarded(check_client, chat_completions), methods=["POST"]),
+    Endpoint("/v1/completions", guarded(check_client, completions), methods=["POST"]),
+    Endpoint("/v1/models", guarded(check_client, models), methods=["GET"]),
+    Endpoint("/v1/models/{model:path}", guarded(check_client, model), methods=["GET"]),
+    Endpoint("/tokenize", guarded(check_client, tokenize), methods=["POST"]),
+    Endpoint("/detokenize", guarded(check_client, detokenize), methods=["POST"]),
     Endpoint("/health", health, methods=["GET"]),
-    Endpoint("/metrics", prometheus_metrics, methods=["GET"]),
-    Endpoint("/router/state", state, methods=["GET"]),
-    Endpoint("/router/explain", keyed(explain), methods=["POST"]),
-    Endpoint("/admin/replicas", keyed(admin_replicas), methods=["POST", "DELETE"]),
-    *page_routes(cluster=True),  # GET /dashboard: the cluster's live page (kvtier/server/dashboard.py)
+    Endpoint("/metrics", guarded(check_metrics, prometheus_metrics), methods=["GET"]),
+    Endpoint("/router/state", guarded(check_reader, state), methods=["GET"]),
+    Endpoint("/router/explain", guarded(check_reader, explain), methods=["POST"]),
+    Endpoint("/admin/replicas", guarded(check_admin, admin_replicas), methods=["POST", "DELETE"]),
+    Endpoint("/admin/{rest:path}", guarded(check_admin, no_admin_route), methods=ALL_METHODS),  # no 405
+    *page_routes(cluster=True),  # GET /dashboard: the page and its static files, no data in them
 ]

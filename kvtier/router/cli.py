@@ -6,7 +6,18 @@
                   --replica http://127.0.0.1:8001 --replica http://127.0.0.1:8002 \\
                   [--kv-remote-url redis://127.0.0.1:6379/0] \\
                   [--policy cache_aware|round_robin|least_loaded] \\
-                  [--api-key KEY] [--model PATH] [--prefix-cache-scope shared|user]
+                  [--api-key KEY] [--admin-key KEY] [--metrics-key KEY] [--kv-read-key KEY] \\
+                  [--model PATH] [--prefix-cache-scope shared|user] \\
+                  [--timeout-header 10] [--timeout-body 30]
+
+The keys are roles (kvtier.router.auth): the client key for /v1 and /router, the admin key for /admin
+(off, 404, without it; never the client key), the metrics key for /metrics (open without it); the KV
+read key is the one the router presents to the replicas (their ``--kv-read-key``; default the client
+key). Every key flag defaults to its environment variable (KVTIER_API_KEY, KVTIER_ADMIN_KEY,
+KVTIER_METRICS_KEY, KVTIER_KV_READ_KEY), an empty one meaning none: a key in the environment stays
+out of ``ps``. uvicorn runs with kvtier serve's h11 protocol that times
+the request line and headers (``kvtier.server.limits.TimedH11Protocol``): a connection that has not sent
+its headers within --timeout-header is closed, so a slowloris cannot hold the router's descriptors.
 
 Importing this module is cheap (``kvtier --help`` may import it); FastAPI and uvicorn load in ``main``.
 Nothing the router imports pulls in torch.
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from kvtier.config import ConfigError
 from kvtier.router.policy import POLICIES, CostModel
@@ -43,8 +55,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key",
         default=os.environ.get("KVTIER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $KVTIER_API_KEY, else none); the router "
-        "passes the client's header on and uses the key for its own calls to the replicas",
+        help="the client key: /v1, /tokenize, /router need 'Authorization: Bearer KEY' (default: "
+        "$KVTIER_API_KEY, else none); the router passes the client's header on and, without "
+        "--kv-read-key, uses the key for its own calls to the replicas",
+    )
+    g.add_argument(
+        "--kv-read-key",
+        default=os.environ.get("KVTIER_KV_READ_KEY"),
+        help="the key the router sends on its own calls to the replicas (/v1/kv/info, /v1/kv/blocks): "
+        "the replicas' --kv-read-key (default: $KVTIER_KV_READ_KEY, else --api-key)",
+    )
+    g.add_argument(
+        "--admin-key",
+        default=os.environ.get("KVTIER_ADMIN_KEY"),
+        help="the admin key: /admin/replicas needs it and takes no other (default: $KVTIER_ADMIN_KEY, "
+        "else none: the /admin routes answer 404)",
+    )
+    g.add_argument(
+        "--metrics-key",
+        default=os.environ.get("KVTIER_METRICS_KEY"),
+        help="/metrics needs this key or the admin key (default: $KVTIER_METRICS_KEY, else none: "
+        "/metrics is open for Prometheus)",
     )
     g.add_argument(
         "--model",
@@ -90,6 +121,18 @@ def _add_tuning_args(p: argparse.ArgumentParser) -> None:
         "--max-request-bytes", type=int, default=4 * 2**20, help="largest request body (default 4 MiB)"
     )
     g.add_argument(
+        "--timeout-header",
+        type=float,
+        default=10.0,
+        help="seconds for a request line and headers; the connection is closed after (default 10; 0: none)",
+    )
+    g.add_argument(
+        "--timeout-body",
+        type=float,
+        default=30.0,
+        help="seconds for a request body; 408 after (default 30; 0: none)",
+    )
+    g.add_argument(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -103,7 +146,7 @@ def settings_from(ns: argparse.Namespace):  # noqa: ANN201 (RouterSettings, impo
 
     if not 0 <= ns.port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {ns.port}")
-    for flag in ("load_tokens", "remote_cost", "poll_interval"):
+    for flag in ("load_tokens", "remote_cost", "poll_interval", "timeout_header", "timeout_body"):
         value = getattr(ns, flag)
         if not 0 <= value < float("inf"):
             raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
@@ -116,18 +159,26 @@ def settings_from(ns: argparse.Namespace):  # noqa: ANN201 (RouterSettings, impo
         replicas = [normalize_url(u) for u in ns.replica]
     except ValueError as exc:
         raise ConfigError(f"--replica: {exc}") from None
+    keys = {
+        flag: getattr(ns, flag) or None for flag in ("api_key", "kv_read_key", "admin_key", "metrics_key")
+    }
+    others = (keys["api_key"], keys["kv_read_key"], keys["metrics_key"])
+    if keys["admin_key"] is not None and keys["admin_key"] in others:
+        raise ConfigError("--admin-key must differ from every other key (a role of its own)")
     cost = CostModel(remote_cost=ns.remote_cost, load_tokens=ns.load_tokens)
     return RouterSettings(
         replicas=replicas,
         policy=ns.policy,
         kv_remote_url=ns.kv_remote_url,
-        api_key=ns.api_key,
+        **keys,
         model=ns.model,
         prefix_cache_scope=ns.prefix_cache_scope,
         cost=cost,
         max_index_blocks=ns.max_index_blocks,
         max_request_bytes=ns.max_request_bytes,
         poll_interval=ns.poll_interval,
+        timeout_header=ns.timeout_header,
+        timeout_body=ns.timeout_body or None,
     )
 
 
@@ -151,8 +202,19 @@ def main(ns: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    # uvloop and httptools when installed (they are kvtier dependencies): with asyncio's own loop a
-    # request through the router took ~50 ms longer here (kvtier bench cluster measures the overhead)
-    config = uvicorn.Config(app, log_level=ns.log_level, timeout_keep_alive=5, loop="auto", http="auto")
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(app, settings, ns.log_level)).run(sockets=[sock])
     return 0
+
+
+def uvicorn_config(app: Any, settings: Any, log_level: str = "warning", loop: str = "auto") -> Any:
+    """uvicorn's settings for the router (a ``uvicorn.Config``): h11 with kvtier serve's header timeout
+    (``settings.timeout_header``; 0: plain h11), uvloop when installed (``loop="auto"``: with asyncio's
+    own loop a request through the router took ~50 ms longer here; ``kvtier bench cluster`` measures
+    the overhead). The body timeout is the app's own middleware (``kvtier.router.app``)."""
+    import uvicorn
+
+    from kvtier.server.limits import timed_h11_protocol
+
+    timeout = settings.timeout_header
+    http = timed_h11_protocol(timeout) if timeout else "h11"
+    return uvicorn.Config(app, log_level=log_level, timeout_keep_alive=5, loop=loop, http=http)

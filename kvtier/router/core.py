@@ -27,6 +27,7 @@ import httpx
 
 from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
+from kvtier.router.auth import Keys
 from kvtier.router.index import DEFAULT_MAX_BLOCKS, prompt_blocks
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
@@ -47,13 +48,18 @@ class RouterSettings:
     replicas: list[str]
     policy: str = "cache_aware"
     kv_remote_url: str | None = None
-    api_key: str | None = None
+    api_key: str | None = None  # the client role (kvtier.router.auth)
+    kv_read_key: str | None = None  # sent on the router's own calls to the replicas (None: api_key)
+    admin_key: str | None = None  # the admin role: /admin/... (None: those routes are 404)
+    metrics_key: str | None = None  # /metrics (None: open)
     model: str | None = None  # where the tokenizer comes from (None: the embedded default)
     prefix_cache_scope: str = "shared"
     cost: policies.CostModel = field(default_factory=policies.CostModel)
     max_index_blocks: int = DEFAULT_MAX_BLOCKS
     max_request_bytes: int = 4 * 2**20
     poll_interval: float = 1.0
+    timeout_header: float = 10.0  # seconds for a request line and headers (0: none; kvtier.router.cli)
+    timeout_body: float | None = 30.0  # seconds for a request body (408 after; None: none)
 
 
 class NoReplica(Exception):
@@ -73,9 +79,14 @@ class Router:
             raise ValueError(
                 f"--policy must be one of {', '.join(policies.POLICIES)}, got {settings.policy!r}"
             )
+        others = (settings.api_key, settings.kv_read_key, settings.metrics_key)
+        if settings.admin_key and settings.admin_key in others:
+            raise ValueError("--admin-key must differ from every other key")
         self.settings = settings
+        self.keys = Keys(settings.api_key or None, settings.admin_key or None, settings.metrics_key or None)
         self.client = client
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+        own_key = settings.kv_read_key or settings.api_key  # /v1/kv/info and /v1/kv/blocks on the replicas
+        headers = {"Authorization": f"Bearer {own_key}"} if own_key else {}
         self.replicas = ReplicaSet(
             client, headers, max_blocks=settings.max_index_blocks, fingerprint=lambda: self.fingerprint
         )

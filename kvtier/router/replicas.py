@@ -7,8 +7,8 @@ accepts connections but does not answer in time (busy, hung) is marked down afte
 checks in a row, so that one slow answer on a loaded machine does not empty the pool. A dead replica
 stops receiving requests within ``HEALTH_INTERVAL_S`` (0.5 s) of dying; a hung one within ~3 s.
 
-When it answers 200 again (or a new one is added) the router reads its ``GET /v1/kv/info`` (block
-size, cache identity, hash spec version, event stream). Its load comes with every health check:
+When it answers 200 again the router reads its ``GET /v1/kv/info`` (block size, cache identity, hash
+spec version, model fingerprint, event stream). Its load comes with every health check:
 ``kvtier serve`` puts ``num_requests_running``/``waiting`` in its ``/health`` answer (an older replica's
 are read from its ``GET /metrics``).
 
@@ -70,6 +70,7 @@ class Replica:
     timeouts: int = 0  # health checks timed out in a row
     checks: int = 0  # health checks answered 200: the load read is at most one round older than this count
     down: asyncio.Event = field(default_factory=asyncio.Event)  # set while marked down
+    identity: str | None = None  # admitted by an admin: the model fingerprint checked; None: by --replica
 
     @property
     def load(self) -> int:
@@ -92,6 +93,18 @@ class Replica:
         return "events" if self.following else "polling"
 
 
+class AdmissionRefused(Exception):
+    """A replica an admin asked to add failed the check: ``status`` (a 4xx) and ``code`` for the answer."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "replica_check_failed") -> None:
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def _short(fingerprint: Any) -> str:
+    return f"{str(fingerprint)[:12]}..." if fingerprint is not None else "none"
+
+
 class ReplicaSet:
     """The replicas, by URL; their health loop. ``headers`` go with the router's own calls (the key)."""
 
@@ -111,11 +124,80 @@ class ReplicaSet:
         self.changed = asyncio.Event()  # set when a replica comes up (the index sync wakes)
 
     def add(self, url: str) -> Replica:
+        """A ``--replica`` replica (trusted as configured; health-checked before it gets requests)."""
         url = normalize_url(url)
         if url not in self.replicas:
             self.replicas[url] = Replica(url, ReplicaIndex(self.max_blocks))
             logger.info("router: replica %s added", url)
         return self.replicas[url]
+
+    async def admit(self, url: str) -> Replica:
+        """Add a replica an admin named, once it proves it serves the same model (module docstring);
+        AdmissionRefused otherwise, ValueError for a URL that is not one. Already there: as it is."""
+        url = normalize_url(url)
+        if url in self.replicas:
+            return self.replicas[url]
+        expected = self.expected_fingerprint()
+        if expected is None:
+            raise AdmissionRefused(
+                "the router cannot check the replica's model yet: no tokenizer loaded and no --replica "
+                "replica has reported one model fingerprint; retry later",
+                status=409,
+                code="identity_unknown",
+            )
+        replica = Replica(url, ReplicaIndex(self.max_blocks), identity=expected)
+        info = await self._probe(replica)
+        replica.info, replica.problem = info, self._problem(info)
+        refused = self._identity_problem(replica, info)
+        if refused:
+            raise AdmissionRefused(f"{url} refused: {refused}")
+        if url not in self.replicas:  # another admission of it may have finished meanwhile
+            self.replicas[url] = replica
+            logger.warning("router: replica %s admitted (model %s)", url, _short(expected))
+            await self.check(replica)  # up at once
+        return self.replicas[url]
+
+    async def _probe(self, replica: Replica) -> dict[str, Any]:
+        """Its ``/health`` (200) and ``/v1/kv/info`` (a JSON object); AdmissionRefused naming the failure."""
+        try:
+            r = await self.client.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
+            if r.status_code != 200:
+                raise AdmissionRefused(f"{replica.url}/health answered {r.status_code}, not 200")
+            info = await self.get_json(replica, "/v1/kv/info", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPStatusError as exc:
+            raise AdmissionRefused(f"{replica.url}/v1/kv/info answered {exc.response.status_code}") from None
+        except (httpx.HTTPError, ValueError) as exc:
+            raise AdmissionRefused(
+                f"{replica.url} did not answer as a replica: {type(exc).__name__}: {exc}"
+            ) from None
+        if not isinstance(info, dict):
+            raise AdmissionRefused(f"{replica.url}/v1/kv/info is not a JSON object")
+        return info
+
+    def expected_fingerprint(self) -> str | None:
+        """The model a replica must serve: the router tokenizer's fingerprint, else the one every
+        ``--replica`` replica that reported reports; None when neither is known (or they disagree)."""
+        mine = self.fingerprint() if self.fingerprint is not None else None
+        if mine is not None:
+            return mine
+        known = {
+            r.info.get("model_fingerprint")
+            for r in self.replicas.values()
+            if r.identity is None and r.info is not None
+        }
+        known.discard(None)
+        return known.pop() if len(known) == 1 else None
+
+    def _identity_problem(self, replica: Replica, info: dict[str, Any]) -> str | None:
+        """Why an admitted replica may not serve (None: it may; a ``--replica`` one always may)."""
+        if replica.identity is None:
+            return None
+        mine = self.fingerprint() if self.fingerprint is not None else None
+        expected = mine or replica.identity
+        theirs = info.get("model_fingerprint")
+        if theirs != expected:
+            return f"its model fingerprint {_short(theirs)} is not the cluster's {_short(expected)}"
+        return None
 
     def remove(self, url: str) -> bool:
         return self.replicas.pop(normalize_url(url), None) is not None
@@ -175,6 +257,9 @@ class ReplicaSet:
 
     async def _identify(self, replica: Replica) -> None:
         info = await self.get_json(replica, "/v1/kv/info", timeout=HEALTH_TIMEOUT_S)
+        refused = self._identity_problem(replica, info)
+        if refused:
+            raise ValueError(refused)  # an admitted replica that now serves another model: stays down
         if replica.info is not None and info.get("events") != replica.info.get("events"):
             replica.following = replica.synced = False  # restarted: a new instance
         replica.info = info
@@ -206,10 +291,14 @@ class ReplicaSet:
         replica.waiting = int(values.get(b"num_requests_waiting", 0))
 
     def recheck_identity(self) -> None:
-        """After the router's tokenizer loaded: judge every replica's model again."""
+        """After the router's tokenizer loaded: judge every replica's model again (an admitted one
+        serving another model than the tokenizer's goes down)."""
         for replica in self.replicas.values():
             if replica.info is not None:
                 replica.problem = self._problem(replica.info)
+                refused = self._identity_problem(replica, replica.info)
+                if refused:
+                    self.mark_down(replica, refused)
 
     async def run(self, interval: float = HEALTH_INTERVAL_S) -> None:
         """Check every replica, forever, every ``interval`` seconds."""
