@@ -13,6 +13,9 @@
                                        prompt logprobs); the scheduler then publishes the blocks that
                                        became full (prefix cache, write-through)
         samples = _sample(out, result.logits)  one token per sampling row; n > 1: children fork here
+        _fail_rows(failures)           a row that could not be sampled ends its own request with an
+                                       error (finish_reason "error"); non-finite model logits also
+                                       quarantine the tier the corrupt blocks came from (row_faults.py)
         outputs = _update(samples)     stop conditions, text deltas, finished requests leave
 
 With KV events on (``kv_events_url``), the device pool and every tier tell a ``KVEventRecorder`` what
@@ -52,6 +55,7 @@ from kvtier.models.loader import LoadedModel, load_model
 from kvtier.models.qpack import cached_dense, keep_dense, load_packed
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
+from kvtier.row_faults import contain
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
@@ -60,11 +64,12 @@ from kvtier.stats import EngineStats, Medium
 from kvtier.tier_stack import build_tiers
 from kvtier.tiers.base import TierIdentity
 from kvtier.worker.runner import ModelRunner, StepLogits
-from kvtier.worker.sampler import Sampler, SampleRequest
+from kvtier.worker.sampler import RowError, Sampler, SampleRequest
 from kvtier.worker.structured import Grammars
 
 PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
+Failure = tuple[Sequence, RowError]  # (the sequence whose row sampled, why it could not)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIER_WAIT_S = 0.05  # how long a step with nothing to run waits for a lower-tier read
 
@@ -249,9 +254,10 @@ class LLMEngine:
             for t in ids:
                 if not 0 <= t < vocab:
                     raise ConfigError(f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
-        if params.structured_outputs is not None:  # compiled now: a bad schema fails before queueing
+        if params.structured_outputs is not None:  # a bad schema fails before queueing
             assert self.sampler.grammars is not None
-            self.sampler.grammars.compile(params.structured_outputs)
+            # pinned to params: compiled here only when the caller (the server) did not compile it first
+            self.sampler.grammars.prepare(params)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request now: its blocks go back to the pool before the next step."""
@@ -286,7 +292,10 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         result = self._execute(out)
-        outputs = self._update(self._sample(out, result.logits))
+        samples, failures = self._sample(out, result.logits)
+        failed = self._fail_rows(failures)
+        gone = {request.request_id for request in failed}
+        outputs = self._update([x for x in samples if x[0].request_id not in gone]) + self._emit(failed)
         # The whole step (forward, sampling, outputs) is what a stream waits between tokens.
         prefill_tokens = sum(s.num_new_tokens for s in out.prefills)
         self.cost_model.observe_step(len(out.decodes), prefill_tokens, time.perf_counter() - t0)
@@ -327,9 +336,10 @@ class LLMEngine:
         self.scheduler.advance(out)
         return result
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> list[Sample]:
-        """A token for every sequence whose chunk reached its newest token. A prompt with n > 1
-        samples n tokens from its one row; the children fork from the prompt before any append."""
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sample], list[Failure]]:
+        """A token for every sequence whose chunk reached its newest token, or the row's failure. A
+        prompt with n > 1 samples n tokens from its one row; the children fork from the prompt before
+        any append (not those of a request whose row failed)."""
         requests: list[SampleRequest] = []
         targets: list[tuple[Sequence, int]] = []  # (parent seq, child index) per sample request
         for row, s in enumerate(x for x in out.scheduled if x.samples):
@@ -340,8 +350,38 @@ class LLMEngine:
                 requests.append(SampleRequest(row, sid, i, seq.params, self._banned(seq), *penalties))
                 targets.append((seq, i))
         results = self.sampler.sample(logits, requests)
-        seqs = [self._seq_for(parent, i) for parent, i in targets]
-        return list(zip(seqs, results, strict=True))
+        failures = [(p, r) for (p, _), r in zip(targets, results, strict=True) if isinstance(r, RowError)]
+        failed = {parent.request_id for parent, _ in failures}
+        samples = [
+            (self._seq_for(parent, i), result)
+            for (parent, i), result in zip(targets, results, strict=True)
+            if parent.request_id not in failed
+        ]
+        return samples, failures
+
+    def _fail_rows(self, failures: list[Failure]) -> list[Request]:
+        """End each failed row's request with its error, no other request. Non-finite model logits
+        also contain the corrupt K/V (``kvtier.row_faults.contain``: the tier the blocks were loaded
+        from is quarantined), and every other live request holding a corrupt block ends too."""
+        errors: dict[str, str] = {}
+        for seq, error in failures:
+            errors.setdefault(seq.request_id, error.message)
+            if error.model:
+                held = contain(
+                    self.kv, self.runner.cache, self.tiers, self.requests, seq.seq_id, self._quarantine
+                )
+                for request_id in held:
+                    errors.setdefault(request_id, error.message)
+        failed = [self.requests[rid] for rid in errors if rid in self.requests]
+        for request in failed:
+            request.error = errors[request.request_id]
+            for seq in request.seqs:
+                if not seq.status.finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                    self.outputs.on_finish(seq)
+            for i in range(request.params.n):  # forks not made yet may have a generator already
+                self.sampler.release(seq_id_for(request.request_id, i))
+        return failed
 
     def _update(self, samples: list[Sample]) -> list[RequestOutput]:
         """Append the sampled tokens, apply stop conditions, and emit one output per touched request."""

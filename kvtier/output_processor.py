@@ -87,6 +87,7 @@ class OutputProcessor:
             cached_tokens_by_tier=dict(seq0.cached_tokens_by_tier),
             metrics=request_metrics(request),
             prompt_logprobs=None if seq0.prompt_logprobs is None else list(seq0.prompt_logprobs),
+            error=request.error,
         )
 
     def forget(self, request: Request) -> None:

@@ -13,7 +13,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string / stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
     text_delta: str = ""  # text added by the latest step (for streaming)
@@ -40,3 +40,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first; the list grows
     # while the prompt is prefilled in chunks, and is complete from the first output with a token on)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Set when the request ended with an error of its own (finish_reason "error"; no other request
+    # is affected): its sampling failed, or the model's logits for it were non-finite (corrupt K/V).
+    error: str | None = None

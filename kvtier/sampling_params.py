@@ -11,8 +11,13 @@ from kvtier.config import ConfigError
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 300  # OpenAI's limit
-_MAX_REPETITION_PENALTY = 10.0
-_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (logits / 1e-300 would be inf)
+# Every float the sampler applies stays finite in float32 on logits of O(100): a bound on each.
+_MAX_TEMPERATURE = 1e4  # logits / 1e4: a flat distribution already; more is no different
+_REPETITION_PENALTY = (1e-2, 10.0)  # a logit of 100 divided by 1e-2 is 1e4; 1e-300 would be inf
+_PENALTY = (-2.0, 2.0)  # presence/frequency (OpenAI's range)
+_LOGIT_BIAS = (-100.0, 100.0)  # OpenAI's range
+_MAX_INT = 2**63 - 1  # integer parameters (max_tokens, min_tokens, top_k, seed) fit 64 bits
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputs | None = None  # the output must match it (JSON, regex, ...)
+    # The compiled grammar of ``structured_outputs`` (kvtier.worker.structured.CompiledGrammar), pinned
+    # here when it is compiled (off the engine thread when served), so the engine never compiles again.
+    compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,67 +101,55 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def number(name: str, value: object) -> float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(f"{name} must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise ConfigError(f"{name} must be finite, got {value!r}")
-            return float(value)
-
-        def integer(name: str, value: object) -> int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{name} must be an integer, got {value!r}")
-            return value
-
-        if integer("n", self.n) < 1:
-            raise ConfigError(f"n must be at least 1, got {self.n}")
-        if number("temperature", self.temperature) < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < number("top_p", self.top_p) <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if integer("top_k", self.top_k) < 0:
-            raise ConfigError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
-        if not 0.0 <= number("min_p", self.min_p) <= 1.0:
-            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        """ConfigError (its message starts with the parameter's name) for any value out of range."""
+        self._validate_counts()
+        self._validate_floats()
         if self.seed is not None:
-            integer("seed", self.seed)
-        if self.max_tokens is not None and integer("max_tokens", self.max_tokens) < 1:
-            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if integer("min_tokens", self.min_tokens) < 0:
-            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ConfigError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
-            )
+            _integer("seed", self.seed)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ConfigError(f"stop must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ConfigError(f"stop_token_ids must be non-negative integers, got {t!r}")
-        if self.logprobs is not None and not 0 <= integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
+        if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         top = self.prompt_logprobs
-        if top is not None and not 0 <= integer("prompt_logprobs", top) <= _MAX_LOGPROBS:
+        if top is not None and not 0 <= _integer("prompt_logprobs", top) <= _MAX_LOGPROBS:
             raise ConfigError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {top}")
-        self._validate_logit_bias(number, integer)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= number(name, getattr(self, name)) <= 2.0:
-                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        top = _MAX_REPETITION_PENALTY
-        if not 0.0 < number("repetition_penalty", self.repetition_penalty) <= top:
-            raise ConfigError(f"repetition_penalty must be in (0, {top:g}], got {self.repetition_penalty}")
+        self._validate_logit_bias()
 
-    def _validate_logit_bias(self, number: Any, integer: Any) -> None:
+    def _validate_counts(self) -> None:
+        if _integer("n", self.n) < 1:
+            raise ConfigError(f"n must be at least 1, got {self.n}")
+        if _integer("top_k", self.top_k) < 0:
+            raise ConfigError(f"top_k must be >= 0 (or -1 to disable), got {self.top_k}")
+        if self.max_tokens is not None and _integer("max_tokens", self.max_tokens) < 1:
+            raise ConfigError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if _integer("min_tokens", self.min_tokens) < 0:
+            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+
+    def _validate_floats(self) -> None:
+        _number("temperature", self.temperature, 0.0, _MAX_TEMPERATURE)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("presence_penalty", self.presence_penalty, *_PENALTY)
+        _number("frequency_penalty", self.frequency_penalty, *_PENALTY)
+        _number("repetition_penalty", self.repetition_penalty, *_REPETITION_PENALTY)
+
+    def _validate_logit_bias(self) -> None:
         if len(self.logit_bias) > _MAX_LOGIT_BIAS:
             raise ConfigError(
                 f"logit_bias holds at most {_MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
             )
         for token_id, bias in self.logit_bias.items():
-            if integer("logit_bias", token_id) < 0:
+            if _integer("logit_bias", token_id) < 0:
                 raise ConfigError(f"logit_bias keys must be token ids (>= 0), got {token_id}")
-            if not -100.0 <= number("logit_bias", bias) <= 100.0:
-                raise ConfigError(f"logit_bias values must be in [-100, 100], got {bias}")
+            _number("logit_bias", bias, *_LOGIT_BIAS)
 
     @property
     def penalized(self) -> bool:
@@ -164,3 +160,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0, or so close to it that dividing the logits by it overflows (as vLLM does)."""
         return self.temperature < _GREEDY_BELOW
+
+
+def _integer(name: str, value: object) -> int:
+    """``value`` when it is an int (not a bool) that fits 64 bits; ConfigError naming ``name`` else."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if abs(value) > _MAX_INT:
+        raise ConfigError(f"{name} must fit in 64 bits, got {str(value)[:40]}")
+    return value
+
+
+def _number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
+    """``value`` as a float when it is a finite number in [low, high] ((low, high] with ``low_open``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    span = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    try:
+        number = float(value)  # an int past float's range: OverflowError
+    except OverflowError:
+        number = math.nan
+    inside = (low < number if low_open else low <= number) and number <= high
+    if not inside:  # NaN compares false: caught here too
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigError(f"{name} must be finite and in {span}, got {shown}")
+    return number

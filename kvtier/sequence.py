@@ -27,6 +27,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its row could not be sampled (kvtier.worker.sampler.RowError)
 
     @property
     def finished(self) -> bool:
@@ -34,6 +35,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_STOPPED,
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_ERROR,
         )
 
 
@@ -120,7 +122,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # the HTTP layer's, when served
     priority: int = 0
     tenant: str = ""
+    error: str | None = None  # why it ended with an error (its sequences are then FINISHED_ERROR)
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.params.n and all(s.status.finished for s in self.seqs)
+        """Every sequence finished (an erring request may end before its n > 1 forks exist)."""
+        complete = len(self.seqs) == self.params.n or self.error is not None
+        return complete and all(s.status.finished for s in self.seqs)

@@ -29,7 +29,8 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(waiting=[], kv_demand_blocks=lambda: 0)  # the queue's weight
         # Admission by KV capacity reads these (factor 0: off).
         self.config = SimpleNamespace(
-            scheduler=SimpleNamespace(kv_admission_factor=0.0), cache=SimpleNamespace(num_device_blocks=0)
+            scheduler=SimpleNamespace(kv_admission_factor=0.0, max_queue_wait_s=0.0),
+            cache=SimpleNamespace(num_device_blocks=0),
         )
         self.kv = SimpleNamespace(block_size=16)
         self.has_idle_work = False  # no canary checks waiting (kvtier/insight)

@@ -41,11 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.limits import KVAdmission, KVVerdict
 from kvtier.stats import EngineStats
+from kvtier.worker.structured import COMPILE_TIMEOUT_S, Grammars
 
 if TYPE_CHECKING:
     from kvtier.tokenizer import Tokenizer
@@ -60,6 +62,11 @@ class EngineNotReady(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """A step failed; the requests that were running in it are aborted."""
+
+
+class RequestFailed(EngineDeadError):
+    """This request alone ended with an error (its sampling failed, or its K/V was corrupt): raised on
+    its stream only; the engine and every other request go on."""
 
 
 class KVCapacityExceeded(RuntimeError):
@@ -162,6 +169,7 @@ class AsyncEngine:
         # Set from the engine when the model has loaded (fixed from then on; read from any thread).
         self.tokenizer: Tokenizer | None = None
         self.max_model_len: int | None = None
+        self.grammars: Grammars | None = None
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
@@ -256,6 +264,7 @@ class AsyncEngine:
         ``ConfigError`` for bad input and ``KVCapacityExceeded`` (nothing is queued then)."""
         if not self.ready:
             raise EngineNotReady(self.not_ready_reason())
+        await self._compile_grammar(params)  # off the engine thread; pinned to params
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = RequestStream(self, request_id)
@@ -299,6 +308,21 @@ class AsyncEngine:
             return f"the engine failed: {type(self.dead_error).__name__}: {self.dead_error}"
         return "the engine has stopped" if self._stopped else "the model is loading"
 
+    async def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params``' structured output on a compile thread (never the engine's) and pin it
+        to ``params``, so ``add_request`` finds it compiled; ConfigError when over a limit, invalid,
+        or not compiled within ``COMPILE_TIMEOUT_S``."""
+        if params.structured_outputs is None or self.grammars is None:
+            return
+        future = self.grammars.submit(params.structured_outputs)
+        try:
+            compiled = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise ConfigError(
+                f"structured output: the grammar did not compile within {COMPILE_TIMEOUT_S:g} s"
+            ) from None
+        params.compiled_grammar = compiled
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -306,6 +330,9 @@ class AsyncEngine:
                 continue  # aborted meanwhile
             if out.finished:
                 del self._streams[out.request_id]
+            if out.finished and out.error is not None:  # this request alone failed: its stream only
+                stream._queue.put_nowait(RequestFailed(f"the request failed: {out.error}"))
+                continue
             stream._queue.put_nowait(out)
 
     def _fail(self, request_ids: list[str] | None, exc: BaseException) -> None:
@@ -345,6 +372,8 @@ class AsyncEngine:
         self.kv_admission = KVAdmission(config.scheduler.kv_admission_factor, config.cache.num_device_blocks)
         _ = engine.tokenizer.max_token_chars  # computed once here, not on the event loop
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        sampler = getattr(engine, "sampler", None)  # thread-safe compiles (kvtier/worker/structured.py)
+        self.grammars = getattr(sampler, "grammars", None)
         self._engine = engine  # ready from here on
         self._loaded.set()
         if self._on_ready is not None:

@@ -179,7 +179,9 @@ class ModelRunner:
         table: list[int] = []
         for s in decodes:
             row = list(s.block_ids[:max_blocks])
-            table.extend(row + [0] * (max_blocks - len(row)))  # padding is masked out
+            # padding is masked out, but a zero weight times NaN is NaN: pad with the sequence's own
+            # first block, so one request's corrupt block never reaches another's attention
+            table.extend(row + row[:1] * (max_blocks - len(row)))
         mask = None
         if len(decodes) > 1 and min(context_lens) != max_context:
             lens = torch.tensor(context_lens, device=self.device)

@@ -8,19 +8,28 @@ frequency and presence penalties (output tokens), the logit bias, the tokens ban
 Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
 ``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
 whatever else shares its batch.
+
+A bad row fails alone: a row whose logits are non-finite as the model gave them (corrupt K/V), a row
+that turned non-finite through its parameters (values that bypassed ``SamplingParams.validate``), a
+grammar that failed, or any error editing or drawing one row gives that request a :class:`RowError`
+instead of a token; every other row samples exactly as it would have without it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvtier.sampling_params import SamplingParams
 from kvtier.sequence import TokenLogprobs
 from kvtier.worker.structured import Grammars
+
+logger = logging.getLogger("kvtier.sampler")
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,17 @@ class SampleRequest:
     token_ids: Sequence[int] = ()
     num_prompt_tokens: int = 0
 
+
+@dataclass(frozen=True)
+class RowError:
+    """Why a sequence got no token this step (its request then ends with this error, no other)."""
+
+    message: str
+    model: bool = False  # the model's own logits were non-finite (corrupt K/V?), not its parameters
+
+
+SampleResult = tuple[int, TokenLogprobs | None] | RowError
+_MODEL_ROW = "the model's logits are not finite (NaN or inf): corrupt K/V?"
 
 _CANDIDATES = 256  # top-k/top-p first look at this many most likely tokens
 
@@ -100,19 +120,30 @@ class Sampler:
     def _constrain(self, rows: torch.Tensor, i: int, logits: torch.Tensor, r: SampleRequest) -> None:
         """Mask row ``i`` to the tokens ``r``'s grammar allows. Where the bans took every one of them
         (min_tokens holding back the EOS that would close the grammar), the grammar wins."""
-        spec = r.params.structured_outputs
-        if spec is None or self.grammars is None:
+        if r.params.structured_outputs is None or self.grammars is None:
             return
-        allowed = self.grammars.allowed(r.seq_id, spec, rows.shape[1])  # bool [V]
+        allowed = self.grammars.allowed(r.seq_id, r.params, rows.shape[1])  # bool [V]
         rows[i].masked_fill_(~allowed, float("-inf"))
         if not bool(torch.isfinite(rows[i]).any()):
             rows[i] = logits[r.row].masked_fill(~allowed, float("-inf"))
 
+    def _edit(self, rows: torch.Tensor, i: int, logits: torch.Tensor, r: SampleRequest) -> None:
+        """Row ``i``'s penalties, bias, bans and grammar mask, in that order."""
+        if r.params.penalized:
+            _penalize(rows[i], r)
+        if r.params.logit_bias:
+            bias_ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
+            rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
+        if r.banned_token_ids:
+            rows[i, list(r.banned_token_ids)] = float("-inf")
+        self._constrain(rows, i, logits, r)
+
     @torch.inference_mode()
-    def sample(
-        self, logits: torch.Tensor, reqs: list[SampleRequest]
-    ) -> list[tuple[int, TokenLogprobs | None]]:
-        """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order."""
+    def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampleResult]:
+        """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order, or a
+        ``RowError`` for a request whose row cannot be sampled (no other row is affected)."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [N]: the model's own rows
+        errors = {i: RowError(_MODEL_ROW, model=True) for i, r in enumerate(reqs) if not finite[r.row]}
         index = [r.row for r in reqs]
         edits = any(
             r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
@@ -122,29 +153,48 @@ class Sampler:
             rows = logits  # one row per sequence, nothing to edit: read in place (a decode step's usual case)
         else:
             rows = logits.index_select(0, torch.tensor(index, dtype=torch.long))  # [M, V], edited below
-        for i, r in enumerate(reqs):
-            if r.params.penalized:
-                _penalize(rows[i], r)
-            if r.params.logit_bias:
-                bias_ids = torch.tensor(list(r.params.logit_bias), dtype=torch.long)
-                rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
-            if r.banned_token_ids:
-                rows[i, list(r.banned_token_ids)] = float("-inf")
-            self._constrain(rows, i, logits, r)
+            for i, r in enumerate(reqs):
+                if i not in errors:
+                    self._guard(errors, i, r, self._edit, rows, i, logits, r)
+            _check_edited(rows, errors)
         tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this
-        random_ids = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if random_ids:
-            temps = torch.tensor([reqs[i].params.temperature for i in random_ids], dtype=rows.dtype)
-            probs = torch.softmax(rows[random_ids] / temps[:, None], dim=-1)  # [R, V]
-            for j, i in enumerate(random_ids):
-                tokens[i] = self._draw(probs[j], reqs[i])
-        for token, r in zip(tokens, reqs, strict=True):
-            if r.params.structured_outputs is not None and self.grammars is not None:
-                self.grammars.consume(r.seq_id, token)
+        self._sample_random(rows, reqs, tokens, errors)
+        for i, (token, r) in enumerate(zip(tokens, reqs, strict=True)):
+            if i not in errors and r.params.structured_outputs is not None and self.grammars is not None:
+                self._guard(errors, i, r, self.grammars.consume, r.seq_id, token)
         return [
-            (token, self._logprobs(logits[r.row], token, r.params.logprobs))
-            for token, r in zip(tokens, reqs, strict=True)
+            errors[i] if i in errors else (token, self._logprobs(logits[r.row], token, r.params.logprobs))
+            for i, (token, r) in enumerate(zip(tokens, reqs, strict=True))
         ]
+
+    def _sample_random(
+        self, rows: torch.Tensor, reqs: list[SampleRequest], tokens: list[int], errors: dict[int, RowError]
+    ) -> None:
+        """Draw the tokens of the rows that sample (not greedy, not failed) into ``tokens``."""
+        random_ids = [i for i, r in enumerate(reqs) if not r.params.greedy and i not in errors]
+        if not random_ids:
+            return
+        temps = torch.tensor([reqs[i].params.temperature for i in random_ids], dtype=rows.dtype)
+        probs = torch.softmax(rows[random_ids] / temps[:, None], dim=-1)  # [R, V]
+        ok = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
+        for j, i in enumerate(random_ids):
+            if not ok[j]:
+                errors[i] = RowError("sampling failed: the probabilities are not finite (bad parameters)")
+                continue
+            drawn = self._guard(errors, i, reqs[i], self._draw, probs[j], reqs[i])
+            if drawn is not None:
+                tokens[i] = drawn
+
+    @staticmethod
+    def _guard(errors: dict[int, RowError], i: int, r: SampleRequest, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; an exception becomes row ``i``'s ``RowError`` (logged), never the batch's."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one row's failure must not end the step
+            message = str(exc) if str(exc).startswith("structured output") else f"sampling failed: {exc}"
+            logger.warning("%s: %s", r.seq_id, message)
+            errors[i] = RowError(message[:500])
+            return None
 
     def _draw(self, probs: torch.Tensor, r: SampleRequest) -> int:
         """One draw from ``probs`` [V] after top-k, top-p and min-p, with the sequence's generator.
@@ -181,3 +231,10 @@ class Sampler:
         if k is None:
             return None
         return prompt_logprobs(row[None], [token], k)[0]
+
+
+def _check_edited(rows: torch.Tensor, errors: dict[int, RowError]) -> None:
+    """Rows that the edits left NaN, +inf or with no finite logit fail (the model's rows were finite)."""
+    bad = torch.isnan(rows).any(dim=-1) | torch.isposinf(rows).any(dim=-1) | torch.isneginf(rows).all(dim=-1)
+    for i in torch.nonzero(bad).flatten().tolist():
+        errors.setdefault(i, RowError("sampling failed: the logits are not finite after the parameters"))
