@@ -82,7 +82,9 @@ def test_story_the_server_serves_advice_canary_state_and_lifts_a_quarantine(
         model=str(tiny_llama_dir()), kv_device_blocks=16, kv_host_gb=64 * 8192 / 2**30, canary_rate=1.0
     )
     srv = serve_in_thread(
-        create_app(lambda: LLM(**engine).engine, ServerSettings(model_name="m", api_key="k"))
+        create_app(
+            lambda: LLM(**engine).engine, ServerSettings(model_name="m", api_key="k", admin_key="admin")
+        )
     )
     auth = {"Authorization": "Bearer k"}
     try:
@@ -119,10 +121,13 @@ def test_story_the_server_serves_advice_canary_state_and_lifts_a_quarantine(
         assert isinstance(advice["advice"], list) and advice["sampling_rate"] == 1.0
         assert 'kvtier:kv_mrc_hit_ratio{size_factor="2",tier="host"}' in httpx.get(srv.url + "/metrics").text
 
-        r = httpx.post(srv.url + "/admin/kv/quarantine", json={"release": ["tape"]}, headers=auth)
+        admin = {"Authorization": "Bearer admin"}  # releasing a quarantine is the admin's, never a client's
+        r = httpx.post(srv.url + "/admin/kv/quarantine", json={"release": ["tape"]}, headers=admin)
         assert r.status_code == 400 and r.json()["error"]["param"] == "medium"
         assert httpx.post(srv.url + "/admin/kv/quarantine", json={"release": ["host"]}).status_code == 401
         r = httpx.post(srv.url + "/admin/kv/quarantine", json={"release": ["host"]}, headers=auth)
+        assert r.status_code == 401  # the client key
+        r = httpx.post(srv.url + "/admin/kv/quarantine", json={"release": ["host"]}, headers=admin)
         assert r.json() == {"released": ["host"], "quarantined": []}
 
         assert cli_main(["plan", "--from-server", srv.url, "--api-key", "k"]) == 0

@@ -1,7 +1,9 @@
 """Issue 15 (hostile input) against a real server on the default model: each numbered failure of the issue
 reproduced, then a property-based suite (hypothesis over the request schema, huge and invalid values
-included): every answer is 2xx, or a 4xx with OpenAI's JSON error body, never a 5xx, while ``/health``
-keeps answering in under 100 ms. The last test drains the server (what SIGTERM does)."""
+included, and since issue 31 the sampling parameters' extremes: 1e300, 1e-300, NaN, infinities, the edges
+of each range): every answer is 2xx, or a 4xx with OpenAI's JSON error body, never a 5xx, while ``/health``
+keeps answering in under 100 ms and another user's streams run to their end. The last test drains the
+server (what SIGTERM does)."""
 
 from __future__ import annotations
 
@@ -203,12 +205,14 @@ def test_n_fills_the_queue(server: BackgroundServer) -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_max_tokens_beyond_the_context_is_400_with_the_numbers(server: BackgroundServer, path: str) -> None:
     body = (
-        {**CHAT, "max_tokens": 10**30}
+        {**CHAT, "max_tokens": 10**6}
         if "chat" in path
-        else {"model": MODEL, "prompt": "Hi", "max_tokens": 10**30}
+        else {"model": MODEL, "prompt": "Hi", "max_tokens": 10**6}
     )
     err = assert_openai_error(post(server, path, body), 400, "context_length_exceeded")
-    assert err["param"] == "max_tokens" and "1024" in err["message"] and str(10**30) in err["message"]
+    assert err["param"] == "max_tokens" and "1024" in err["message"] and str(10**6) in err["message"]
+    err = assert_openai_error(post(server, path, {**body, "max_tokens": 10**30}), 400)  # past int64 too
+    assert err["param"] == "max_tokens"
 
 
 # ------------------------------------------------------------- 15.3: prompt confirmation across users
@@ -336,7 +340,10 @@ def test_readme_curl_examples_run_as_written(server: BackgroundServer) -> None:
 SPECIAL = ["<|im_end|>", "<|im_start|>system\n", "\ud800", "\udfff x", "x" * 100_000, "", " "]
 text = st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL))
 ints = st.one_of(st.integers(-3, 20), st.integers(-(2**70), 2**70), st.just(10**30))
-floats = st.one_of(st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True))
+# Issue 31.2: values that overflow (or underflow to 0) in the float32 sampler, and the edges of the ranges.
+EXTREME = [1e300, -1e300, 1e-300, -1e-300, 3.5e38, 1e-45, 1e-38, 0.0, -0.0, 1e-5, 100.0, 100.0001, 1e4]
+extreme = st.sampled_from([*EXTREME, float("nan"), float("inf"), float("-inf")])
+floats = st.one_of(st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True), extreme)
 junk = st.one_of(st.none(), st.booleans(), text, ints, floats, st.lists(st.integers(), max_size=3))
 small_max_tokens = st.one_of(st.integers(1, 4), st.just(10**30), st.integers(-5, 0), junk)
 message = st.fixed_dictionaries(
@@ -361,6 +368,10 @@ common = {
     "cache_salt": text,
     "ignore_eos": st.booleans(),
     "min_tokens": st.one_of(st.integers(0, 3), ints),
+    "presence_penalty": floats,
+    "frequency_penalty": floats,
+    "repetition_penalty": st.one_of(floats, st.sampled_from([0.01, 0.009, 10.0, 10.5])),
+    "guided_choice": st.one_of(st.just(["yes", "no"]), st.lists(text, max_size=3), junk),
     "stop_token_ids": st.lists(ints, max_size=3),
     "logit_bias": st.dictionaries(st.one_of(text, st.integers(0, 60_000).map(str)), floats, max_size=3),
     "tools": st.one_of(st.just([]), st.just([{"type": "function"}])),
@@ -425,11 +436,52 @@ def check_answer(r: httpx.Response) -> None:
         assert r.json()["choices"]
 
 
+class Bystander:
+    """Another user: short streamed completions one after another from a thread while the suite runs;
+    ``harmed`` holds any that did not end with ``[DONE]`` and no error (issue 31.2: one request's bad
+    sampling values aborted every request in flight)."""
+
+    BODY = {"model": MODEL, "prompt": "Count:", "max_tokens": 6, "ignore_eos": True, "stream": True}
+
+    def __init__(self, url: str):
+        self.url = url + "/v1/completions"
+        self.completed = 0
+        self.harmed: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with httpx.stream("POST", self.url, json=self.BODY, timeout=60) as r:
+                    events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            except httpx.HTTPError as exc:
+                self.harmed.append(repr(exc))
+                continue
+            if r.status_code == 503:  # the queue is full of the fuzzer's requests: wait, not harm
+                time.sleep(0.05)
+            elif (
+                r.status_code != 200 or events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events)
+            ):
+                self.harmed.append(f"{r.status_code} {events[-2:]}")
+            else:
+                self.completed += 1
+
+    def __enter__(self) -> Bystander:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @pytest.fixture()
 def fuzz_health(server: BackgroundServer) -> Iterator[HealthWatch]:
-    with HealthWatch(server.url) as watch:
+    with HealthWatch(server.url) as watch, Bystander(server.url) as bystander:
         yield watch
     watch.check()
+    assert bystander.completed and not bystander.harmed, (bystander.completed, bystander.harmed)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -440,6 +492,16 @@ def fuzz_health(server: BackgroundServer) -> Iterator[HealthWatch]:
     )
 )
 @example(body=("/v1/completions", {"model": MODEL, "prompt": "0", "max_tokens": 1, "temperature": 2e-246}))
+@example(body=("/v1/completions", {"model": MODEL, "prompt": "Hi", "temperature": 1e300, "min_tokens": 3}))
+@example(
+    body=("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "repetition_penalty": 1e-300})
+)
+@example(
+    body=(
+        "/v1/chat/completions",
+        {**CHAT, "temperature": 1e300, "guided_choice": ["yes", "no"], "min_tokens": 2},
+    )
+)
 def test_hostile_requests_are_never_5xx(
     server: BackgroundServer, fuzz_health: HealthWatch, body: tuple
 ) -> None:

@@ -4,11 +4,15 @@
 
     POST /v1/chat/completions   POST /v1/completions     (Bearer key when --api-key is set)
     GET  /v1/models             GET  /health (503 while loading)     GET /metrics (Prometheus)
+    GET  /openapi.json          (the client key, as /v1)
+
+Which key each route takes (client, KV reader, metrics, admin) is :mod:`.auth`'s table.
 
 ``create_app(factory, settings)`` returns the app; the model is built by ``factory`` on the engine
 thread when the app starts (see :mod:`kvtier.server.async_engine`), so ``/health`` answers at once.
 A request is checked in this order: body size and arrival time (413, 408: :mod:`.limits`), key (401),
-body shape (400), shutting down (503), model name (404), parameters and ``--max-n`` (400), prompt length
+body shape (400: parsed, its lists counted, then validated, off the event loop when big: :mod:`.bodies`),
+shutting down (503), model name (404), parameters and ``--max-n`` (400), prompt length
 (400; tokenized off the event loop: :mod:`.prompts`), engine loaded (503), a request that could never fit
 ``--max-queue`` (400), queue room (503 with ``Retry-After``), prompt (400, from the engine). Every error
 is OpenAI's JSON shape, an unexpected one too (a 500 with the traceback in the log).
@@ -33,10 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -54,13 +55,21 @@ from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.server import prompts
+from kvtier.server import bodies, prompts
 from kvtier.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineNotReady,
     KVCapacityExceeded,
     RequestStream,
+)
+from kvtier.server.auth import (
+    check_distinct,
+    check_key,
+    check_kv_reader,
+    check_metrics,
+    tenant_of,
+    tenant_salt,
 )
 from kvtier.server.dashboard import dashboard_router
 from kvtier.server.kv_routes import kv_router
@@ -93,6 +102,9 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     timeout_body: float | None = 30.0  # seconds to receive a request's body (408 after)
     prefix_cache_scope: str = "shared"  # "user": the prefix cache is salted per tenant
+    admin_key: str | None = None  # /admin/* (404 without it); never the api key (kvtier.server.auth)
+    kv_read_key: str | None = None  # /v1/kv/blocks, canary, advice, dashboard (else the api key)
+    metrics_key: str | None = None  # /metrics (open without it)
 
 
 class ShuttingDown(EngineNotReady):
@@ -154,7 +166,9 @@ def create_app(
     on_ready: Callable[[LLMEngine], None] | None = None,
 ) -> FastAPI:
     """The app; ``app.state.engine`` is its :class:`AsyncEngine`, ``app.state.metrics`` its metrics.
-    ``on_ready(engine)`` is called on the engine thread when the model has loaded."""
+    ``on_ready(engine)`` is called on the engine thread when the model has loaded. ConfigError when the
+    admin key equals another key."""
+    check_distinct(settings)
     metrics = ServerMetrics(lambda: engine.stats)
     engine = AsyncEngine(
         factory,
@@ -164,7 +178,7 @@ def create_app(
         on_ready=on_ready,
     )
     metrics.watch_kv_admission(lambda: engine.kv_admission)
-    app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
@@ -179,8 +193,8 @@ def create_app(
     app.add_exception_handler(EngineNotReady, _not_ready)
     app.add_exception_handler(Exception, _internal)
     app.include_router(v1)
-    app.include_router(kv_router(check_key))  # GET /v1/kv/info, /v1/kv/blocks
-    app.include_router(dashboard_router(app, check_key))  # GET /dashboard, /v1/kv/dashboard
+    app.include_router(kv_router())  # GET /v1/kv/info, /v1/kv/blocks, ...; POST /admin/kv/quarantine
+    app.include_router(dashboard_router(app, check_kv_reader))  # GET /dashboard, /v1/kv/dashboard
     app.include_router(tokenize_router(check_key))  # POST /tokenize, /detokenize
     app.include_router(root)
     return app
@@ -207,13 +221,8 @@ async def _api_error(request: Request, exc: APIError) -> JSONResponse:
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     request.app.state.metrics.reject("invalid_request")
     content_type = request.headers.get("content-type", "")
-    if request.method == "POST" and "json" not in content_type.lower():
-        return APIError(
-            400,
-            f"the request body must be JSON: send 'Content-Type: application/json' "
-            f"(got '{clip(content_type) or 'none'}')",
-            code="invalid_content_type",
-        ).response()
+    if request.method == "POST" and not bodies.is_json(content_type):
+        return bodies.content_type_error(content_type).response()
     return validation_error(list(exc.errors())).response()
 
 
@@ -237,21 +246,6 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
 
 
 # ---------------------------------------------------------------------------------------- checks
-def check_key(request: Request) -> None:
-    """The ``/v1`` routes' dependency: 401 unless the request carries the ``--api-key`` (when one is set)."""
-    api_key = request.app.state.settings.api_key
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(
-            401,
-            "Incorrect or missing API key (send 'Authorization: Bearer <key>').",
-            code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-
-
 def check_model(settings: ServerSettings, model: str | None) -> None:
     if model is not None and model != settings.model_name:
         raise APIError(
@@ -263,24 +257,6 @@ def check_open(request: Request) -> None:
     """503 once the server is draining (SIGTERM): the router sends the request elsewhere."""
     if request.app.state.draining:
         raise ShuttingDown("the server is shutting down; retry on another replica")
-
-
-def tenant_salt(request: Request, body: GenerationRequest) -> str | None:
-    """The request's ``cache_salt``; with ``--prefix-cache-scope user`` one derived from its tenant (the
-    key it presented and its ``user`` field; neither: the anonymous tenant) and its own salt."""
-    if request.app.state.settings.prefix_cache_scope != "user":
-        return body.cache_salt
-    _, _, key = request.headers.get("authorization", "").partition(" ")
-    parts = (key.strip(), body.user or "", body.cache_salt or "")
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def tenant_of(request: Request, body: GenerationRequest) -> str:
-    """The request's fair-share key: its API key and ``user`` field, hashed (neither: "")."""
-    _, _, key = request.headers.get("authorization", "").partition(" ")
-    if not key.strip() and not body.user:
-        return ""
-    return hashlib.sha256(json.dumps((key.strip(), body.user or "")).encode()).hexdigest()[:16]
 
 
 def check_fits(engine: AsyncEngine, num_prompts: int, n: int, param: str) -> None:
@@ -337,23 +313,28 @@ async def admit(
                 tenant=tenant,
             )
             streams.append(stream)
-    except KVCapacityExceeded as exc:
+    except (KVCapacityExceeded, ConfigError) as exc:
         _abort_all(streams)
-        metrics.reject("kv_capacity")
-        headers = {"Retry-After": str(exc.verdict.retry_after_s)}
-        raise APIError(503, str(exc), type="server_error", code="kv_capacity", headers=headers) from None
-    except ConfigError as exc:
-        _abort_all(streams)
-        err = bad_request(exc)
-        structured = str(exc).startswith("structured output")  # a schema or grammar that does not compile
-        err.param = err.param or ("response_format" if structured else param)
-        if "max_model_len" in str(exc):
-            err.code = "context_length_exceeded"
-        raise err from None
+        raise _refusal(exc, metrics, param) from None
     except BaseException:
         _abort_all(streams)
         raise
     return streams
+
+
+def _refusal(exc: Exception, metrics: ServerMetrics, param: str) -> APIError:
+    """The answer to a request the engine refused: 503 past capacity, 400 for bad input."""
+    if isinstance(exc, KVCapacityExceeded):
+        metrics.reject("kv_capacity")
+        headers = {"Retry-After": str(exc.verdict.retry_after_s)}
+        return APIError(503, str(exc), type="server_error", code="kv_capacity", headers=headers)
+    assert isinstance(exc, ConfigError)
+    err = bad_request(exc)
+    structured = str(exc).startswith("structured output")  # a schema or grammar that does not compile
+    err.param = err.param or ("response_format" if structured else param)
+    if "max_model_len" in str(exc):
+        err.code = "context_length_exceeded"
+    return err
 
 
 async def respond(request: Request, fmt: Formatter, streams: list[RequestStream], stream: bool) -> Response:
@@ -493,12 +474,13 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
 
 @v1.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(request: Request) -> Response:
+    body = await bodies.parse(request, ChatCompletionRequest)  # the body's lists counted, then validated
     opened = _open(request, body)
     conversation = body.conversation()
     tokenizer, max_model_len = opened.tokenizer()
     num_chars = sum(len(m["content"]) for m in conversation)
-    prompts.check_text_length(tokenizer, num_chars, max_model_len, "messages")
+    prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
     prompt = await opened.off_loop(
         prompts.render_chat, tokenizer, conversation, opened.params.max_tokens, max_model_len
     )
@@ -506,7 +488,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 
 @v1.post("/completions")
-async def completions(body: CompletionRequest, request: Request) -> Response:
+async def completions(request: Request) -> Response:
+    body = await bodies.parse(request, CompletionRequest)
     opened = _open(request, body)
     given = body.prompts()
     check_fits(request.app.state.engine, len(given), body.n, "prompt")  # before tokenizing them all
@@ -574,6 +557,13 @@ def _load(engine: AsyncEngine) -> dict[str, int]:
     return {"num_requests_running": running, "num_requests_waiting": engine.queue_depth()}
 
 
-@root.get("/metrics")
+@root.get("/openapi.json", include_in_schema=False, dependencies=[Depends(check_key)])
+async def openapi(request: Request) -> JSONResponse:
+    """The API's description, for clients only (the completion routes parse their bodies themselves:
+    :mod:`.bodies`; their fields are OpenAI's, see :mod:`.protocol`)."""
+    return JSONResponse(request.app.openapi())
+
+
+@root.get("/metrics", dependencies=[Depends(check_metrics)])
 async def prometheus_metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -5,7 +5,8 @@
     GET /dashboard                  the page (one HTML file; its script and style below; no key needed:
                                     it holds no data, its fetches carry the key)
     GET /dashboard/static/{name}    dashboard.js, dashboard.css (package data in kvtier/server/static/)
-    GET /v1/kv/dashboard            the page's data (the API key when the server has one):
+    GET /v1/kv/dashboard            the page's data: the KV reader's key (--kv-read-key, or the admin key;
+                                    without --kv-read-key the API key when the server has one; see auth.py)
 
     {"object": "kv.dashboard", "model", "replica_id", "time", "uptime_s", "block_size",
      "totals":  {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
@@ -334,14 +335,14 @@ async def _sampling(app: Starlette) -> AsyncIterator[None]:
             await task
 
 
-def dashboard_router(app: Starlette, check_key: Callable[[Request], None]) -> APIRouter:
-    """The page, its static files, and ``GET /v1/kv/dashboard`` (behind ``check_key``), for an app
+def dashboard_router(app: Starlette, check_reader: Callable[[Request], None]) -> APIRouter:
+    """The page, its static files, and ``GET /v1/kv/dashboard`` (behind ``check_reader``), for an app
     whose ``state`` has ``engine``, ``settings`` and ``started`` (``kvtier.server.app.create_app``)."""
     from fastapi import APIRouter, Depends
 
     app.state.dashboard_history = History()
     router = APIRouter(routes=page_routes(), lifespan=_sampling)  # type: ignore[arg-type]
-    data = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_key)])
+    data = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_reader)])
     data.add_api_route("/dashboard", dashboard_data, methods=["GET"])
     router.include_router(data)
     return router

@@ -28,19 +28,27 @@
 
 ``blocks`` is taken on the engine thread between two steps, so it is exactly the state after event batch
 ``seq`` of ``instance`` (``null`` without events): a router seeds its index from it and applies the
-stream's batches after ``seq`` (``kvtier.kv_events.BlockIndex.seed``). Both routes need the API key
-when the server has one; errors are OpenAI-shaped (400 for an unknown medium, 503 while loading).
+stream's batches after ``seq`` (``kvtier.kv_events.BlockIndex.seed``). Errors are OpenAI-shaped (400 for
+an unknown medium, 503 while loading).
+
+The keys (:mod:`.auth`)::
+
+    GET  /v1/kv/info                the client key (or the kv reader's, or the admin's): the router's check
+    GET  /v1/kv/blocks, /canary,    --kv-read-key or the admin key; without --kv-read-key the client key.
+         /advice                    Block hashes let a reader test guesses of other users' prompts
+    POST /admin/kv/quarantine       --admin-key only; 404 when the server has none
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from kvtier.engine import LLMEngine
 from kvtier.server.async_engine import AsyncEngine
+from kvtier.server.auth import check_admin, check_kv_info, check_kv_reader
+from kvtier.server.bodies import parse_json
 from kvtier.server.protocol import APIError
 from kvtier.stats import Medium
 
@@ -57,13 +65,14 @@ def _media(requested: list[str] | None) -> set[Medium] | None:
         raise APIError(400, f"unknown medium in {names!r}; valid: {valid}", param="medium") from None
 
 
-def kv_router(check_key: Callable[[Request], None]) -> APIRouter:
-    """The ``/v1/kv`` routes, behind the same key check as the other ``/v1`` routes; they read the
-    engine and the settings from ``request.app.state``."""
-    router = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_key)])
+def kv_router() -> APIRouter:
+    """The ``/v1/kv`` routes (each behind its role's key) and ``/admin/kv``; they read the engine and the
+    settings from ``request.app.state``."""
+    router = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_kv_reader)])
     _insight_routes(router)
+    info_router = APIRouter(prefix="/v1/kv", dependencies=[Depends(check_kv_info)])
 
-    @router.get("/info")
+    @info_router.get("/info")
     async def info(request: Request) -> dict[str, Any]:
         engine: AsyncEngine = request.app.state.engine
         answer = await engine.call(LLMEngine.kv_info)
@@ -94,8 +103,9 @@ def kv_router(check_key: Callable[[Request], None]) -> APIRouter:
         }
 
     outer = APIRouter()
+    outer.include_router(info_router)
     outer.include_router(router)
-    outer.include_router(_admin_router(check_key))
+    outer.include_router(_admin_router())
     return outer
 
 
@@ -113,12 +123,14 @@ def _insight_routes(router: APIRouter) -> None:
         return {"object": "kv.canary", **await engine.call(LLMEngine.kv_canary)}
 
 
-def _admin_router(check_key: Callable[[Request], None]) -> APIRouter:
-    """``POST /admin/kv/quarantine``: lift a tier's quarantine after the canary caught it."""
-    router = APIRouter(prefix="/admin/kv", dependencies=[Depends(check_key)])
+def _admin_router() -> APIRouter:
+    """``POST /admin/kv/quarantine``: lift a tier's quarantine after the canary caught it (the admin key;
+    404 without ``--admin-key``)."""
+    router = APIRouter(prefix="/admin/kv", dependencies=[Depends(check_admin)])
 
     @router.post("/quarantine")
-    async def quarantine(request: Request, body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+    async def quarantine(request: Request) -> dict[str, Any]:
+        body = parse_json(await request.body())  # read after the key: a stranger learns nothing from it
         names = body.get("release") if isinstance(body, dict) else None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise APIError(400, 'the body must be {"release": ["host", ...]}', param="release")

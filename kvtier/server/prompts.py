@@ -6,12 +6,17 @@
     ────────────────────────────────             ─────────────────────────────────────
     check_text_length(): characters /            render_chat(): the chat template, contents as text
       max_token_chars >= max_model_len: 400      encode_prompts(): each text prompt
-    check_context(): token-id prompts, 400       check_context(): prompt + max_tokens <= max_model_len
+    check_chat_length(): the same, plus one      check_context(): prompt + max_tokens <= max_model_len
+      token per message, 400
+    check_context(): token-id prompts, 400
 
 A token stands for at most ``Tokenizer.max_token_chars`` characters, so a text of ``c`` characters has at
 least ``c / max_token_chars`` tokens: a megabyte prompt for a 4k-token model is refused without
-tokenizing it. Tokenizing and rendering run on a bounded pool, so a big (but allowed) prompt delays only
-its own request, never ``/health`` or the other requests' streams.
+tokenizing it. A chat message costs at least one token whatever its content (the template marks each
+turn), so a conversation of more messages than ``max_model_len`` is refused before it is rendered, however
+empty its messages (:mod:`.bodies` has already refused more than 2048 of them). Tokenizing and rendering
+run on a bounded pool, so a big (but allowed) prompt delays only its own request, never ``/health`` or the
+other requests' streams.
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ def check_text_length(tokenizer: Tokenizer, num_chars: int, max_model_len: int, 
             f"{num_chars} characters, which is at least {at_least} tokens."
         )
         raise APIError(400, message, param=param, code="context_length_exceeded")
+
+
+def check_chat_length(tokenizer: Tokenizer, num_messages: int, num_chars: int, max_model_len: int) -> None:
+    """The cheap early check of a conversation: 400 (naming ``messages``) if its characters and its
+    messages (one token each at least) are surely too many tokens."""
+    at_least = num_chars // tokenizer.max_token_chars + num_messages
+    if at_least >= max_model_len:
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages have "
+            f"{num_chars} characters in {num_messages} messages, which is at least {at_least} tokens."
+        )
+        raise APIError(400, message, param="messages", code="context_length_exceeded")
 
 
 def render_chat(

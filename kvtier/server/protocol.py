@@ -5,7 +5,30 @@ fields (clients send fields kvtier has no use for, such as ``metadata``), except
 would change the answer and that kvtier does not implement (``tools``, ``functions``, ...): those are
 a 400 naming the parameter, never silently ignored. Every string must be valid Unicode (a lone surrogate
 such as ``"\\ud800"`` is a 400). Ranges are checked by :meth:`SamplingParams.validate`, so the server and the
-Python API reject the same values.
+Python API reject the same values; the API's own bounds come first, here, in one table (a 400 naming the
+field, before anything is queued), so every value that reaches the float32 sampler stays finite there::
+
+    field                          range                      why
+    ─────────────────────────────  ─────────────────────────  ────────────────────────────────────────────
+    temperature                    [0, 100]                   logits / temperature finite; < 1e-5 is greedy
+    top_p                          (0, 1]
+    top_k                          -1 (off), 0 (off) .. 2^31-1
+    min_p                          [0, 1]
+    presence_/frequency_penalty    [-2, 2]                    OpenAI's
+    repetition_penalty             [0.01, 10]                 a logit divided by it stays finite
+    logit_bias                     values [-100, 100],        OpenAI's; keys: token ids (the engine checks
+                                   at most 300 entries        them against the vocabulary)
+    seed                           [-2^63, 2^63 - 1]          int64
+    max_tokens, max_completion_    >= 1 (completions: >= 0    the top is the context: prompt + max_tokens
+      tokens                       with echo)                 over max_model_len is a 400 with the numbers
+    min_tokens                     [0, 2^31 - 1]              and at most max_tokens
+    logprobs (completions),        [0, 20]
+      top_logprobs (chat)
+    stop_token_ids                 each [0, 2^31 - 1], <= 256 the engine checks them against the vocabulary
+    n                              [1, --max-n]
+
+Every float field refuses NaN and infinities (``allow_inf_nan=False``; Python's ``json`` reads ``NaN``
+and ``Infinity``).
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``; a message quotes at most
 ``MAX_ECHO`` characters of what the client sent.
@@ -16,7 +39,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.config import ConfigError
@@ -28,6 +51,20 @@ MAX_PROMPTS = 2048  # prompts in one /v1/completions request (OpenAI's limit)
 MAX_ECHO = 64  # characters of a client's value quoted back in an error message
 MAX_MESSAGE = 2000  # characters of an error message
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a request's priority (vLLM's field: lower runs first)
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_INT32 = 2**31 - 1
+
+# The sampling parameters' ranges at the API (the table above).
+Temperature = Annotated[float, Field(ge=0.0, le=100.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=MAX_INT32)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # presence_penalty, frequency_penalty
+RepetitionPenalty = Annotated[float, Field(ge=0.01, le=10.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # a logit_bias value
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]  # min_tokens, a stop token id
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
 def clip(value: object, limit: int = MAX_ECHO) -> str:
@@ -68,7 +105,7 @@ class APIError(Exception):
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
 _PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
-_PARAM_NAMES |= {"repetition_penalty"}
+_PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority"}
 # Parameters that change the answer and are not implemented: a 400 naming them, unless at their default.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
@@ -90,6 +127,9 @@ def bad_request(exc: ConfigError | str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param, code="invalid_value" if param else None)
 
 
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
     """FastAPI's 422 (a pydantic error list) as OpenAI's 400."""
     if not errors:
@@ -105,7 +145,8 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
     text = f"{path}: {message}" if path else message
-    return APIError(400, text, param=loc[0] if loc else None, code="invalid_type")
+    code = "invalid_value" if err.get("type") in _RANGE_ERRORS else "invalid_type"
+    return APIError(400, text, param=loc[0] if loc else None, code=code)
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -123,7 +164,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -158,24 +199,24 @@ class GenerationRequest(_Request):
 
     model: Text | None = None
     n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     # kvtier / vLLM extensions
     cache_salt: Text | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, int | float] | None = None
-    repetition_penalty: float | None = None  # HF's / vLLM's: over prompt and output tokens
+    min_tokens: Count = 0
+    stop_token_ids: list[Count] | None = None
+    logit_bias: dict[str, Bias] | None = None
+    repetition_penalty: RepetitionPenalty | None = None  # HF's / vLLM's: over prompt and output tokens
     # structured output: OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | Text | None = None
@@ -189,8 +230,14 @@ class GenerationRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        api_names: dict[str, str] | None = None,
     ) -> SamplingParams:
+        """The request's ``SamplingParams``; a value they refuse is a 400 naming its field (``api_names``:
+        ``SamplingParams`` names that are another field in this request's API)."""
         for name, value in (self.model_extra or {}).items():
             if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
                 raise bad_request(f"{name} is not supported by this server", name)
@@ -231,7 +278,9 @@ class GenerationRequest(_Request):
         try:
             return SamplingParams(**kwargs)
         except ConfigError as exc:
-            raise bad_request(exc) from None
+            err = bad_request(exc)
+            err.param = (api_names or {}).get(err.param or "", err.param)
+            raise err from None
 
     def _structured(self) -> StructuredOutputs | None:
         """``response_format`` (text, json_object, json_schema) or a ``guided_*`` field, at most one."""
@@ -282,7 +331,7 @@ class ChatCompletionRequest(GenerationRequest):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
 
     def sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -295,7 +344,10 @@ class ChatCompletionRequest(GenerationRequest):
             raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
-        return self._params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._params(
+            max_tokens, top_logprobs, api_names={"logprobs": "top_logprobs", "max_tokens": param}
+        )
 
     def conversation(self) -> list[dict[str, str]]:
         return conversation_of(self.messages)
@@ -312,7 +364,7 @@ PromptInput = Text | list[Text] | list[int] | list[list[int]]
 class CompletionRequest(GenerationRequest):
     prompt: PromptInput
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
@@ -326,9 +378,10 @@ class CompletionRequest(GenerationRequest):
         if self.best_of not in (None, self.n):
             raise bad_request("best_of is not supported (only equal to n)", "best_of")
         prompt_logprobs = self.logprobs if self.echo else None
+        names = {"prompt_logprobs": "logprobs"}
         if self.prompt_only:  # one token is sampled (from the prefill's own logits) and not returned
-            return self._params(1, self.logprobs, prompt_logprobs)
-        return self._params(self.max_tokens, self.logprobs, prompt_logprobs)
+            return self._params(1, self.logprobs, prompt_logprobs, names)
+        return self._params(self.max_tokens, self.logprobs, prompt_logprobs, names)
 
     @property
     def prompt_only(self) -> bool:

@@ -34,11 +34,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("KVTIER_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVTIER_API_KEY, else none)",
-    )
+    _add_key_args(g)
     g.add_argument(
         "--max-queue",
         type=int,
@@ -57,6 +53,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     add_engine_args(p)
     p.set_defaults(func=main)
+
+
+def _add_key_args(g: argparse._ArgumentGroup) -> None:
+    """The roles' keys (kvtier/server/auth.py has the table); an empty value is no key."""
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("KVTIER_API_KEY") or None,
+        help="the client key: require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize and "
+        "/openapi.json (default: $KVTIER_API_KEY, else none)",
+    )
+    g.add_argument(
+        "--admin-key",
+        default=os.environ.get("KVTIER_ADMIN_KEY") or None,
+        help="the only key the /admin routes accept (POST /admin/kv/quarantine); without it they answer "
+        "404 (default: $KVTIER_ADMIN_KEY, else none)",
+    )
+    g.add_argument(
+        "--kv-read-key",
+        default=os.environ.get("KVTIER_KV_READ_KEY") or None,
+        help="the key of /v1/kv/blocks, /v1/kv/canary, /v1/kv/advice and /v1/kv/dashboard (block hashes "
+        "let a reader test guesses of other users' prompts); the admin key is accepted too; without it "
+        "they take --api-key, as the router expects (default: $KVTIER_KV_READ_KEY, else none)",
+    )
+    g.add_argument(
+        "--metrics-key",
+        default=os.environ.get("KVTIER_METRICS_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (or the admin key) on /metrics; without it /metrics is "
+        "open for Prometheus (default: $KVTIER_METRICS_KEY, else none)",
+    )
 
 
 def _add_limit_args(g: argparse._ArgumentGroup) -> None:
@@ -193,6 +218,9 @@ def serve_in_thread(
 
 
 def _check_flags(ns: argparse.Namespace) -> None:
+    from kvtier.server.auth import check_distinct
+
+    check_distinct(ns)
     if ns.max_queue is not None and ns.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {ns.max_queue}")
     if not 0 <= ns.port <= 65535:
@@ -222,6 +250,23 @@ def describe_tiers(engine: LLMEngine) -> str:
     return ", ".join(parts)
 
 
+def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSettings, imported lazily)
+    from kvtier.server.app import ServerSettings
+
+    return ServerSettings(
+        model_name=name,
+        api_key=ns.api_key,
+        admin_key=ns.admin_key,
+        kv_read_key=ns.kv_read_key,
+        metrics_key=ns.metrics_key,
+        max_queue=ns.max_queue,
+        max_n=ns.max_n,
+        max_request_bytes=ns.max_request_bytes,
+        timeout_body=ns.timeout_body or None,
+        prefix_cache_scope=ns.prefix_cache_scope,
+    )
+
+
 def main(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     _check_flags(ns)
@@ -232,7 +277,7 @@ def main(ns: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}"
 
-    from kvtier.server.app import ServerSettings, create_app
+    from kvtier.server.app import create_app
     from kvtier.server.shutdown import DrainingServer, uvicorn_config
 
     failures: list[BaseException] = []
@@ -246,18 +291,9 @@ def main(ns: argparse.Namespace) -> int:
     def on_ready(engine: LLMEngine) -> None:
         print(f"kvtier: ready: {name} on {url}/v1 (KV {describe_tiers(engine)})", file=sys.stderr, flush=True)
 
-    settings = ServerSettings(
-        model_name=name,
-        api_key=ns.api_key,
-        max_queue=ns.max_queue,
-        max_n=ns.max_n,
-        max_request_bytes=ns.max_request_bytes,
-        timeout_body=ns.timeout_body or None,
-        prefix_cache_scope=ns.prefix_cache_scope,
-    )
     app = create_app(
         engine_factory(args, progress=sys.stderr.isatty()),
-        settings,
+        _settings(ns, name),
         on_load_error=on_load_error,
         on_ready=on_ready,
     )

@@ -9,7 +9,8 @@
 
 A ``prompt`` is tokenized as ``/v1/completions`` tokenizes it, ``messages`` rendered and tokenized as
 ``/v1/chat/completions`` does, so ``count`` is the ``usage.prompt_tokens`` such a request reports.
-Both need the API key when the server has one (like ``/v1``); errors are OpenAI-shaped (400 for a
+Both need the API key when the server has one (like ``/v1``); their bodies are parsed and counted as the
+completion routes' are (:mod:`.bodies`: at most 2048 messages); errors are OpenAI-shaped (400 for a
 body that has neither or both inputs, or a token id the tokenizer does not know; 404 for another
 model's name; 503 while the model loads).
 """
@@ -22,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from kvtier.config import ConfigError
-from kvtier.server import prompts
+from kvtier.server import bodies, prompts
 from kvtier.server.async_engine import AsyncEngine, EngineNotReady
 from kvtier.server.protocol import ChatMessage, Text, _Request, bad_request, conversation_of
 from kvtier.tokenizer import Tokenizer
@@ -66,13 +67,15 @@ def tokenize_router(check_key: Callable[[Request], None]) -> APIRouter:
     router = APIRouter(dependencies=[Depends(check_key)])
 
     @router.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await bodies.parse(request, TokenizeRequest)  # messages counted before validation
         tokenizer, max_model_len = _tokenizer(request, body.model)
         tokens = await prompts.off_loop(request.app.state.pool, _tokenize, tokenizer, body)
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     @router.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await bodies.parse(request, DetokenizeRequest)
         tokenizer, _ = _tokenizer(request, body.model)
         unknown = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
         if unknown:
