@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Write a haiku about memory that is never thrown away.
 
-.PHONY: setup demo chat test test-fast lint bench redis-server chromium
+.PHONY: setup demo chat test test-fast lint bench bench-overload redis-server chromium
 
 setup: $(VENV)/.kvtier-setup
 
@@ -58,3 +58,14 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/kvtier bench throughput
+
+# Goodput under overload with a third-party load generator (guidellm, in its own venv: it pulls
+# datasets and sanic; torch pinned as above so pip never resolves a CUDA build).
+GUIDELLM_VENV ?= .venv-guidellm
+$(GUIDELLM_VENV)/bin/guidellm:
+	python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install --disable-pip-version-check -q torch==2.13.0
+	$(GUIDELLM_VENV)/bin/python -m pip install --disable-pip-version-check -q guidellm==0.8.1 torch==2.13.0
+
+bench-overload: setup $(GUIDELLM_VENV)/bin/guidellm
+	$(PY) benchmarks/overload.py --guidellm $(GUIDELLM_VENV)/bin/guidellm

@@ -145,6 +145,11 @@ class SchedulerConfig:
     step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
     max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
+    # --- goodput under overload (kvtier/scheduler/goodput.py) ---
+    # Off for the engine alone (an offline batch wants the biggest batch); kvtier serve turns them on.
+    max_itl_ms: float = 0.0  # the running batch's decode-step target; 0: itl_factor x the smallest batch's
+    itl_factor: float = 0.0  # 0 (with max_itl_ms 0): no cap on the running batch but max_num_seqs
+    max_queue_wait_s: float = 0.0  # the server's 503 when a new request would wait longer (0: off)
 
 
 @dataclass(frozen=True)
@@ -224,6 +229,9 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             step_time_factor=args.step_time_factor,
             max_num_partial_prefills=args.max_num_partial_prefills,
             kv_admission_factor=args.kv_admission_factor,
+            max_itl_ms=args.max_itl_ms,
+            itl_factor=args.itl_factor,
+            max_queue_wait_s=args.max_queue_wait_s,
         ),
         tiers=TierConfig(
             num_host_blocks,
@@ -362,6 +370,29 @@ class EngineArgs:
             "many device KV pools (prompt + max_tokens minus cached blocks; 0: off)"
         },
     )
+    max_itl_ms: float = field(
+        default=0.0,
+        metadata={
+            "help": "the running batch grows only while its measured decode step stays within this "
+            "many ms, the rest waits in order (0: --itl-factor x the smallest batch's step)"
+        },
+    )
+    itl_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "without --max-itl-ms: the decode-step target in steps of the smallest batch "
+            "measured (a lone stream's); 0: no cap on the running batch but --max-num-seqs "
+            "(default: 0 offline, 3 for kvtier serve)"
+        },
+    )
+    max_queue_wait_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "the server answers 503 (Retry-After) at once when a new request's predicted wait "
+            "to start (the queue ahead / the measured start rate) is longer than this (0: off; "
+            "default 10 for kvtier serve)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "engine seed (unseeded requests draw from it)"})
     num_threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads", "aliases": ("--threads",)}
@@ -451,6 +482,11 @@ class EngineArgs:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
         if self.kv_admission_factor < 0:
             raise ConfigError(f"kv_admission_factor must be >= 0, got {self.kv_admission_factor}")
+        for name in ("max_itl_ms", "itl_factor", "max_queue_wait_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if 0 < self.itl_factor < 1:
+            raise ConfigError(f"itl_factor must be 0 or >= 1, got {self.itl_factor}")
 
     def _validate_remote(self) -> None:
         ttl = self.kv_remote_ttl_s

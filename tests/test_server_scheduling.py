@@ -127,6 +127,40 @@ def test_story_kv_admission_answers_503_with_retry_after(tiny_llama_dir: Callabl
 
 
 @pytest.mark.slow
+def test_story_a_request_that_would_wait_too_long_is_refused_at_once(
+    tiny_llama_dir: Callable[..., Path],
+) -> None:
+    # The running batch holds one sequence (a decode-step target no step meets), and a request that
+    # would wait more than 50 ms to start is refused (kvtier/scheduler/goodput.py).
+    srv = _tiny_server(tiny_llama_dir(), max_itl_ms=0.001, max_queue_wait_s=0.05)
+    try:
+        engine = srv.app.state.engine
+        long = {"model": MODEL, "prompt": list(range(3, 23)), "max_tokens": 200, "ignore_eos": True}
+        # Both reach the engine thread together: the first takes the one place, the second would
+        # wait for its 200 tokens.
+        gate = _hold_engine(srv)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, srv.url + "/v1/completions", json=long, timeout=120)
+            _wait_for(lambda: engine._num_submitted == 1)
+            second = pool.submit(httpx.post, srv.url + "/v1/completions", json={**long, "max_tokens": 4})
+            _wait_for(lambda: engine._num_submitted == 2)
+            gate.set()
+            refused = second.result()
+            assert refused.status_code == 503, refused.text
+            err = refused.json()["error"]
+            assert err["code"] == "queue_wait" and "--max-queue-wait-s 0.05" in err["message"]
+            assert 1 <= int(refused.headers["retry-after"]) <= 60
+            assert first.result().status_code == 200
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'kvtier:requests_rejected_total{reason="queue_wait"} 1.0' in metrics
+        # Nothing runs now: the same request starts at once.
+        short = {**long, "max_tokens": 4}
+        assert httpx.post(srv.url + "/v1/completions", json=short, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
 def test_request_timings_start_at_the_callers_arrival(tiny_llama_dir: Callable[..., Path]) -> None:
     engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir()), dtype="float32", num_threads=1))
     try:

@@ -6,6 +6,11 @@
     n at limit  a non-streaming completion with n = --hostile-n (the server's --max-n), every 2 s
     slow        --hostile-slow connections sending their headers a byte every 0.5 s (reopened when the
                 server closes them: --timeout-header)
+    grammar     a guided_choice of GRAMMAR_CHOICES entries with n = --hostile-n, every 3 s: its compile
+                must not pause the other streams (want 200, or a 400 naming the size limit)
+    non-finite  temperature 1e300 with min_tokens, repetition_penalty 1e-300, each every 2 s: want 400
+                (none may end the other requests)
+    empty flood a chat of EMPTY_MESSAGES empty messages, every 2 s: want 400, and /health stays fast
     /health     polled every 50 ms from its own thread (its own connection): latency p50/p99/max
 
 The normal requests' TTFT is what the bench reports as usual; compare it with a clean run.
@@ -25,6 +30,12 @@ from urllib.parse import urlsplit
 import httpx
 
 OVERSIZED_BYTES = 20_000_000
+GRAMMAR_CHOICES = 30_000
+EMPTY_MESSAGES = 127_000
+NON_FINITE = (
+    {"prompt": "Hi", "temperature": 1e300, "min_tokens": 3, "max_tokens": 8},
+    {"prompt": "Hi", "repetition_penalty": 1e-300, "max_tokens": 8},
+)
 
 
 @dataclass
@@ -69,7 +80,8 @@ class Hostile:
 
     async def __aenter__(self) -> Hostile:
         self._health.start()
-        self._tasks = [asyncio.create_task(self._oversized()), asyncio.create_task(self._n_at_limit())]
+        kinds = (self._oversized, self._n_at_limit, self._huge_grammar, self._non_finite, self._empty_flood)
+        self._tasks = [asyncio.create_task(kind()) for kind in kinds]
         self._tasks += [asyncio.create_task(self._slow_connection()) for _ in range(self.slow)]
         return self
 
@@ -118,6 +130,31 @@ class Hostile:
                 r = await client.post("/v1/completions", json=body)
                 self.stats.statuses[f"n={self.n} {r.status_code}"] += 1
                 await asyncio.sleep(2.0)
+
+    async def _post_every(self, label: str, path: str, bodies: list[dict[str, Any]], every_s: float) -> None:
+        """POST each of ``bodies`` in turn, one every ``every_s`` seconds, counting the answers."""
+        async with httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=None) as client:
+            while True:
+                for body in bodies:
+                    try:
+                        answer = await client.post(path, json={"model": self.model, **body})
+                        status = str(answer.status_code)
+                    except httpx.HTTPError as exc:
+                        status = type(exc).__name__
+                    self.stats.statuses[f"{label} {status}"] += 1
+                    await asyncio.sleep(every_s)
+
+    async def _huge_grammar(self) -> None:
+        choices = [f"option number {i}" for i in range(GRAMMAR_CHOICES)]
+        body = {"prompt": "Pick one:", "guided_choice": choices, "n": self.n, "max_tokens": 8}
+        await self._post_every("grammar", "/v1/completions", [body], 3.0)
+
+    async def _non_finite(self) -> None:
+        await self._post_every("non-finite", "/v1/completions", [dict(b) for b in NON_FINITE], 2.0)
+
+    async def _empty_flood(self) -> None:
+        body = {"messages": [{"role": "user", "content": ""}] * EMPTY_MESSAGES, "max_tokens": 8}
+        await self._post_every("empty flood", "/v1/chat/completions", [body], 2.0)
 
     async def _slow_connection(self) -> None:
         request = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: 10\r\n\r\n"

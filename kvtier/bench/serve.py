@@ -108,7 +108,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hostile",
         action="store_true",
-        help="mix in hostile traffic (20 MB bodies, n at the limit, slow connections); time /health",
+        help="mix in hostile traffic (20 MB bodies, n at the limit, slow connections, huge grammars, "
+        "non-finite sampling values, empty-message floods); time /health",
     )
     g.add_argument(
         "--hostile-n", type=int, default=16, help="n of the hostile requests (the server's --max-n)"

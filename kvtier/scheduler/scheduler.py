@@ -51,6 +51,7 @@ from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
+from kvtier.scheduler.goodput import RunningCap, StartMeter, simulated_wait_s
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
 
@@ -116,6 +117,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cost_model = cost_model if cost_model is not None else CostModel(block_bytes=1)
         self.budget = StepBudget(config, self.cost_model)
+        self.running_cap = RunningCap(config, self.cost_model.decode_steps)
+        self.starts = StartMeter()
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -206,6 +209,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
+        self.starts.tick(self.clock(), bool(self.waiting))
         out = SchedulerOutput()
         if self.config.scheduling_policy == "legacy":
             scheduled = self._schedule_legacy(out)
@@ -218,6 +222,29 @@ class Scheduler:
         out.block_copies = self.kv.take_block_copies()
         out.swap = self.kv.end_schedule_step()
         return out
+
+    def predicted_wait_s(self, num_new: int) -> float:
+        """How long ``num_new`` new sequences would wait to start (goodput.py): 0 when they would
+        join the running batch at once."""
+        if not self.waiting and len(self.running) + num_new <= self.running_cap.cap():
+            return 0.0
+        rate = self.starts.rate()
+        if rate is not None:
+            return (len(self.waiting) + num_new) / rate
+        cap = self.running_cap.cap()
+        steps = self.cost_model.decode_steps.by_batch
+        step_s = steps[min(steps, key=lambda n: abs(n - cap))] if steps else self.cost_model.decode_step_s
+        running = [self._output_left(s) for s in self.running]
+        waiting = [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting]
+        return simulated_wait_s(running, waiting, cap, step_s, self.cost_model.prefill_tokens_per_s)
+
+    @staticmethod
+    def _output_left(seq: Sequence) -> int:
+        """Tokens ``seq`` may still decode (``UNSPECIFIED_OUTPUT_TOKENS`` stands in for no max_tokens)."""
+        left = seq.max_total_tokens - seq.num_tokens
+        if seq.params.max_tokens is None:
+            left = min(left, UNSPECIFIED_OUTPUT_TOKENS - seq.num_output_tokens)
+        return max(0, left)
 
     def oldest_wait_s(self) -> float:
         """How long the oldest waiting (not yet admitted) request has queued; 0 when none."""
@@ -310,6 +337,7 @@ class Scheduler:
                 seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
         self.waiting.remove(seq)
         self._start(seq)
+        self.starts.on_start()
         return num_new
 
     # ------------------------------------------------------------------- the legacy policy
@@ -335,7 +363,7 @@ class Scheduler:
             budget -= num_new
             i += 1
         for seq in list(self.waiting):
-            if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.running_cap.cap():
                 break
             try:
                 num_new = self._admit(seq, budget, must_finish=False)
@@ -470,7 +498,7 @@ class _PrefillPlan:
             if self.stopped or self.budget <= 0 or (limit is not None and limit <= 0):
                 passed.append(seq)
                 break
-            if self.out.preempted_seq_ids or len(s.running) >= s.config.max_num_seqs:
+            if self.out.preempted_seq_ids or len(s.running) >= s.running_cap.cap():
                 self.stopped = True
                 passed.append(seq)
                 break

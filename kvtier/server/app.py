@@ -61,6 +61,7 @@ from kvtier.server.async_engine import (
     EngineDeadError,
     EngineNotReady,
     KVCapacityExceeded,
+    QueueWaitExceeded,
     RequestStream,
 )
 from kvtier.server.auth import (
@@ -313,7 +314,7 @@ async def admit(
                 tenant=tenant,
             )
             streams.append(stream)
-    except (KVCapacityExceeded, ConfigError) as exc:
+    except (QueueWaitExceeded, KVCapacityExceeded, ConfigError) as exc:
         _abort_all(streams)
         raise _refusal(exc, metrics, param) from None
     except BaseException:
@@ -324,10 +325,12 @@ async def admit(
 
 def _refusal(exc: Exception, metrics: ServerMetrics, param: str) -> APIError:
     """The answer to a request the engine refused: 503 past capacity, 400 for bad input."""
-    if isinstance(exc, KVCapacityExceeded):
-        metrics.reject("kv_capacity")
-        headers = {"Retry-After": str(exc.verdict.retry_after_s)}
-        return APIError(503, str(exc), type="server_error", code="kv_capacity", headers=headers)
+    if isinstance(exc, QueueWaitExceeded | KVCapacityExceeded):
+        code = "queue_wait" if isinstance(exc, QueueWaitExceeded) else "kv_capacity"
+        retry = exc.retry_after_s if isinstance(exc, QueueWaitExceeded) else exc.verdict.retry_after_s
+        metrics.reject(code)
+        headers = {"Retry-After": str(retry)}
+        return APIError(503, str(exc), type="server_error", code=code, headers=headers)
     assert isinstance(exc, ConfigError)
     err = bad_request(exc)
     structured = str(exc).startswith("structured output")  # a schema or grammar that does not compile

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -45,7 +46,7 @@ from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.server.limits import KVAdmission, KVVerdict
+from kvtier.server.limits import MAX_RETRY_S, KVAdmission, KVVerdict
 from kvtier.stats import EngineStats
 from kvtier.worker.structured import COMPILE_TIMEOUT_S, Grammars
 
@@ -67,6 +68,18 @@ class EngineDeadError(RuntimeError):
 class RequestFailed(EngineDeadError):
     """This request alone ended with an error (its sampling failed, or its K/V was corrupt): raised on
     its stream only; the engine and every other request go on."""
+
+
+class QueueWaitExceeded(RuntimeError):
+    """The request would wait longer than ``--max-queue-wait-s`` to start (a 503 with ``Retry-After``)."""
+
+    def __init__(self, wait_s: float, limit_s: float):
+        self.wait_s, self.limit_s = wait_s, limit_s
+        self.retry_after_s = max(1, min(MAX_RETRY_S, math.ceil(wait_s - limit_s)))
+        super().__init__(
+            f"the server is past its capacity: this request would wait about {wait_s:.0f} s to start "
+            f"(--max-queue-wait-s {limit_s:g}); retry in {self.retry_after_s} s"
+        )
 
 
 class KVCapacityExceeded(RuntimeError):
@@ -464,11 +477,23 @@ class AsyncEngine:
         if not verdict.admit:
             raise KVCapacityExceeded(verdict)
 
+    @staticmethod
+    def _check_wait(engine: LLMEngine, cmd: _Add) -> None:
+        """``QueueWaitExceeded`` when this request would wait longer than ``--max-queue-wait-s``
+        to join the running batch (kvtier.scheduler.goodput)."""
+        limit = engine.config.scheduler.max_queue_wait_s
+        if limit <= 0:
+            return
+        wait = engine.scheduler.predicted_wait_s(cmd.weight)
+        if wait is not None and wait > limit:
+            raise QueueWaitExceeded(wait, limit)
+
     def _handle(self, engine: LLMEngine, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             self._num_processed += cmd.weight
             try:
                 self._check_kv(engine, cmd)
+                self._check_wait(engine, cmd)
                 engine.add_request(
                     cmd.prompt,
                     cmd.params,

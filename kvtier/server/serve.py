@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from kvtier.server.shutdown import DrainingServer
 
 
+# Engine defaults of a server that differ from the engine's own (an offline batch wants the biggest
+# batch; a server keeps finishing requests past its capacity: kvtier/scheduler/goodput.py).
+SERVE_ENGINE_DEFAULTS = {"itl_factor": 3.0, "max_queue_wait_s": 10.0}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -52,7 +57,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="uvicorn",
     )
     add_engine_args(p)
-    p.set_defaults(func=main)
+    p.set_defaults(func=main, **SERVE_ENGINE_DEFAULTS)
 
 
 def _add_key_args(g: argparse._ArgumentGroup) -> None:
