@@ -143,11 +143,13 @@ class LLMEngine:
         cache, so a later start maps them instead of transposing; kvtier/models/qpack.py)."""
         config = self.config
         packed, kernels = load_packed(self.loaded, weight_dtype, config.dtype, self.device.type)
-        cached = cached_dense(self.loaded, self.dtype) if weight_dtype == "auto" else {}
-        model = LlamaModel(
-            config.model, self.loaded.weights, self.dtype, config.max_model_len, packed, kernels, cached
+        on_cpu = self.device.type == "cpu"  # elsewhere: the weights move there, no kept fused copies
+        weights = (
+            self.loaded.weights if on_cpu else {k: v.to(self.device) for k, v in self.loaded.weights.items()}
         )
-        if weight_dtype == "auto" and not cached:
+        cached = cached_dense(self.loaded, self.dtype) if weight_dtype == "auto" and on_cpu else {}
+        model = LlamaModel(config.model, weights, self.dtype, config.max_model_len, packed, kernels, cached)
+        if weight_dtype == "auto" and on_cpu and not cached:
             keep_dense(self.loaded, self.dtype, model.dense_groups())
         return model
 
@@ -292,7 +294,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         result = self._execute(out)
-        samples, failures = self._sample(out, result.logits)
+        samples, failures = self._sample(out, result.logits.cpu())  # the sampler runs on the CPU
         failed = self._fail_rows(failures)
         gone = {request.request_id for request in failed}
         outputs = self._update([x for x in samples if x[0].request_id not in gone]) + self._emit(failed)

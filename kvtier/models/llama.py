@@ -177,9 +177,10 @@ class LlamaModel:
             LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib, cached)
             for i in range(c.num_layers)
         ]
-        self.rope = rope_table(c, max_positions)  # [P, D/2] complex64
+        self.rope = rope_table(c, max_positions).to(self.embed.device)  # [P, D/2] complex64
         # RMSNorm / RoPE / gate*up: fused C ops for fp32 on CPU (kvtier/models/fused_ops.py)
-        self.ops, self.torch_ops = ops_for(dtype, self.rope), TorchOps(self.rope)
+        self.torch_ops = TorchOps(self.rope)
+        self.ops = ops_for(dtype, self.rope) if self.embed.is_cpu else self.torch_ops
         self.gemv_times = self._choose_gemv()
         self.parallel_min = self._choose_parallel()
         # a decode step's layers in one C call where it covers the step (kvtier/models/decode_program.py)
