@@ -45,7 +45,7 @@ def free_port() -> int:
 def start_server(serve_args: str) -> tuple[subprocess.Popen[bytes], str, str]:
     """``kvtier serve`` on a free port; (process, URL, tokenizer directory) once it answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--port", str(port), *shlex.split(serve_args)]
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *shlex.split(serve_args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300

@@ -147,7 +147,7 @@ class SchedulerConfig:
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
     # --- goodput under overload (kvtier/scheduler/goodput.py) ---
     # Off for the engine alone (an offline batch wants the biggest batch); kvtier serve turns them on.
-    max_itl_ms: float = 0.0  # the running batch's decode-step target; 0: itl_factor x the smallest batch's
+    max_itl_ms: float = 0.0  # the running batch's step-time target; 0: itl_factor x a lone sequence's step
     itl_factor: float = 0.0  # 0 (with max_itl_ms 0): no cap on the running batch but max_num_seqs
     max_queue_wait_s: float = 0.0  # the server's 503 when a new request would wait longer (0: off)
 
@@ -373,16 +373,17 @@ class EngineArgs:
     max_itl_ms: float = field(
         default=0.0,
         metadata={
-            "help": "the running batch grows only while its measured decode step stays within this "
-            "many ms, the rest waits in order (0: --itl-factor x the smallest batch's step)"
+            "help": "the running batch grows only while its measured step (wall time between tokens, "
+            "prompt chunks included) stays within this many ms, the rest waits in order "
+            "(0: --itl-factor x a lone sequence's step)"
         },
     )
     itl_factor: float = field(
         default=0.0,
         metadata={
-            "help": "without --max-itl-ms: the decode-step target in steps of the smallest batch "
-            "measured (a lone stream's); 0: no cap on the running batch but --max-num-seqs "
-            "(default: 0 offline, 3 for kvtier serve)"
+            "help": "without --max-itl-ms: the step-time target in lone-sequence steps (measured); "
+            "0: no cap on the running batch but --max-num-seqs "
+            "(default: 0 offline, 6 for kvtier serve)"
         },
     )
     max_queue_wait_s: float = field(

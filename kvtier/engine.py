@@ -518,6 +518,7 @@ class LLMEngine:
             mrc_hit_ratio=self._mrc_gauges(),
             kv_dtype=self.config.cache.kv_dtype,
             kv_block_bytes=self.config.cache.block_bytes,
+            running_cap=self.scheduler.running_cap.cap(),
         )
 
     def _mrc_gauges(self) -> dict[tuple[str, float], float]:

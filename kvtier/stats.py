@@ -118,6 +118,7 @@ class EngineStats:
     mrc_hit_ratio: dict[tuple[str, float], float] = field(default_factory=dict)
     kv_dtype: str = "float32"  # what a KV block stores (float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8)
     kv_block_bytes: int = 0  # bytes of one block in every tier, scales included
+    running_cap: int = 0  # most sequences the running batch may hold now (kvtier/scheduler/goodput.py)
 
     @property
     def kv_capacity_tokens(self) -> dict[Medium, int]:

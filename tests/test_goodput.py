@@ -2,9 +2,9 @@
 the rest waits in order, and a request that would wait too long is refused at once.
 
 The stories run a real ``Scheduler`` over a real ``KVCacheManager`` on a simulated machine whose
-decode step grows with the batch (``STEP_BASE_S + STEP_PER_SEQ_S * n``, prompt tokens at
-``PREFILL_TOKENS_PER_S``), fed to the cost model the way the engine feeds it, with requests arriving at
-a constant rate as a load generator sends them.
+step grows with the batch (``STEP_BASE_S + STEP_PER_SEQ_S * n``, prompt tokens at
+``PREFILL_TOKENS_PER_S``), the scheduler timing the steps on the simulated clock, with requests
+arriving at a constant rate as a load generator sends them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sampling_params import SamplingParams
-from kvtier.scheduler.goodput import INITIAL_CAP, DecodeSteps, RunningCap, StartMeter
+from kvtier.scheduler.goodput import INITIAL_CAP, WARMUP_STEPS, RunningCap, StartMeter, StepTimes
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler
 from kvtier.sequence import Sequence
@@ -27,20 +27,35 @@ PREFILL_TOKENS_PER_S = 600.0
 PROMPT, OUTPUT = 256, 64
 
 
-def test_the_cap_follows_the_measured_steps() -> None:
-    steps = DecodeSteps()
+def test_the_cap_grows_while_the_full_batch_keeps_within_the_target() -> None:
+    steps = StepTimes()
     cap = RunningCap(SchedulerConfig(max_num_seqs=64, itl_factor=3.0), steps)
-    assert cap.cap() == INITIAL_CAP  # nothing measured yet: start small
-    for n in (2, 4, 8, 16, 24, 32):  # a GPU-like step: 30 ms + 4 ms a sequence
+    for _ in range(WARMUP_STEPS):  # a fresh process's first steps are slow, and not counted
+        steps.observe(1, 5.0)
+    assert cap.cap() == INITIAL_CAP and cap.target_s() is None  # nothing measured yet: start small
+
+    def step(n: int) -> None:  # a GPU-like machine: 30 ms + 4 ms a sequence
         steps.observe(n, 0.030 + 0.004 * n)
-    # a lone sequence's step, from the line through them: 34 ms; target 3 x 34 = 102 ms: batches up to
-    # 16 (94 ms) are within it, 24 (126 ms) is not
+        cap.update(n)
+
+    for _ in range(20):  # a lone sequence: 34 ms, the target 3 x 34 = 102 ms
+        step(1)
     assert abs(cap.target_s() - 3 * 0.034) < 1e-9  # type: ignore[operator]
-    assert cap.cap() == 16 + 4  # a quarter beyond what is known to fit, to find out
-    steps.observe(18, 0.2)  # slower than thought (longer contexts): the cap stops short of it
-    assert cap.cap() == 17
+    assert cap.cap() == INITIAL_CAP  # the batch is not full: no reason to grow
+    sizes = []
+    for _ in range(1000):  # a queue keeps every place filled
+        step(cap.cap())
+        sizes.append(cap.cap())
+    # it grew by half at a time while the steps stayed within 102 ms, settling between changes, then
+    # keeps around 18 sequences (a 102 ms step), shrinking by a quarter when over, growing when under
+    assert sorted(set(sizes[:40])) == [6, 9, 13, 19]  # from 4, full at once
+    assert all(10 <= n <= 30 for n in sizes[-200:]), sizes[-200:]
+    for _ in range(200):  # longer contexts make every step slower: the cap comes down
+        steps.observe(10, 0.2)
+        cap.update(10)
+    assert cap.cap() < 10
     fixed = RunningCap(SchedulerConfig(max_num_seqs=64, max_itl_ms=70.0), steps)
-    assert fixed.cap() == 8 + 2  # within 70 ms: batches up to 8 (62 ms)
+    assert fixed.target_s() == 0.07
     off = RunningCap(SchedulerConfig(max_num_seqs=64), steps)
     assert off.cap() == 64
 
@@ -92,7 +107,7 @@ class Machine:
             return
         prefill = sum(x.num_new_tokens for x in out.prefills)
         seconds = STEP_BASE_S + STEP_PER_SEQ_S * len(out.scheduled) + prefill / PREFILL_TOKENS_PER_S
-        self.now += seconds
+        self.now += seconds  # the scheduler times the step from its clock at the next schedule
         s.cost_model.observe_step(len(out.decodes), prefill, seconds)
         s.advance(out)
         for x in out.scheduled:
@@ -129,7 +144,7 @@ def machine(goodput: bool) -> Machine:
     )
     kv = KVCacheManager(num_blocks=4096, block_size=BLOCK, enable_caching=True)
     scheduler = Scheduler(cfg, kv, eos_token_ids=[0], cost_model=cost)
-    m = Machine(scheduler, max_queue_wait_s=1.0 if goodput else 0.0)
+    m = Machine(scheduler, max_queue_wait_s=0.5 if goodput else 0.0)
     scheduler.clock = lambda: m.now
     return m
 
@@ -137,10 +152,11 @@ def machine(goodput: bool) -> Machine:
 def test_story_twice_the_capacity_keeps_finishing_requests() -> None:
     # The machine finishes about 0.4 requests/s of 256 prompt + 64 output tokens (a CPU's regime:
     # a decode step costs mostly per sequence, so batching buys little).
-    # Act 1: at about its capacity the capped server finishes nearly everything it is sent.
+    # Act 1: at about its capacity the capped server finishes nearly everything it is sent (a request
+    # arriving while a few others queue may be refused: arrivals at capacity do queue now and then).
     at_capacity = machine(goodput=True)
     at_capacity.run(rate=0.5, duration_s=60.0)
-    assert len(at_capacity.finished) >= 20 and at_capacity.refused == 0
+    assert len(at_capacity.finished) >= 20 and at_capacity.refused <= 2
     # Act 2: at twice that, a server that lets everyone in shares every step among a growing batch
     # (processor sharing): each request finishes later than the one before, few within the minute.
     shared = machine(goodput=False)

@@ -153,6 +153,7 @@ def test_story_a_request_that_would_wait_too_long_is_refused_at_once(
             assert first.result().status_code == 200
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'kvtier:requests_rejected_total{reason="queue_wait"} 1.0' in metrics
+        assert "kvtier:running_cap 1.0" in metrics  # no step meets the target: one at a time
         # Nothing runs now: the same request starts at once.
         short = {**long, "max_tokens": 4}
         assert httpx.post(srv.url + "/v1/completions", json=short, timeout=60).status_code == 200

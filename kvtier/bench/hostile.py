@@ -7,7 +7,7 @@
     slow        --hostile-slow connections sending their headers a byte every 0.5 s (reopened when the
                 server closes them: --timeout-header)
     grammar     a guided_choice of GRAMMAR_CHOICES entries with n = --hostile-n, every 3 s: its compile
-                must not pause the other streams (want 200, or a 400 naming the size limit)
+                must not pause the other streams (want 200)
     non-finite  temperature 1e300 with min_tokens, repetition_penalty 1e-300, each every 2 s: want 400
                 (none may end the other requests)
     empty flood a chat of EMPTY_MESSAGES empty messages, every 2 s: want 400, and /health stays fast
@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 OVERSIZED_BYTES = 20_000_000
-GRAMMAR_CHOICES = 30_000
+GRAMMAR_CHOICES = 8_000  # under the server's limits (8192 entries, 64 KiB): compiled, not refused
 EMPTY_MESSAGES = 127_000
 NON_FINITE = (
     {"prompt": "Hi", "temperature": 1e300, "min_tokens": 3, "max_tokens": 8},
@@ -145,7 +145,7 @@ class Hostile:
                     await asyncio.sleep(every_s)
 
     async def _huge_grammar(self) -> None:
-        choices = [f"option number {i}" for i in range(GRAMMAR_CHOICES)]
+        choices = [f"c{i}" for i in range(GRAMMAR_CHOICES)]
         body = {"prompt": "Pick one:", "guided_choice": choices, "n": self.n, "max_tokens": 8}
         await self._post_every("grammar", "/v1/completions", [body], 3.0)
 

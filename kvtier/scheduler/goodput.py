@@ -2,17 +2,24 @@
 
 A server past its capacity that lets every request into the running batch shares each step among
 all of them, so none finishes (processor sharing: at twice the capacity a load generator saw 0 of 41
-requests complete in 40 s). Instead the running set is bounded by what the machine can decode at a
+requests complete in 40 s). Instead the running set is bounded by what the machine can serve at a
 latency target, the rest waits in order, and a request that would wait too long is refused at once::
 
-    decode step at batch n    DecodeSteps: the measured decode-only step, an EMA per batch size n
-                              (fed by CostModel.observe_step)
-    ITL target                --max-itl-ms, or (0) --itl-factor x a lone sequence's step (measured,
-                              or the line through the two smallest batches measured, at n = 1)
-    running cap               the largest n whose measured step is within the target, grown by a
-                              quarter (at least 1) beyond it to find out, but short of any larger
-                              batch measured too slow; INITIAL_CAP before any measurement; never
-                              above --max-num-seqs
+    step times                StepTimes: the wall time from one step's start to the next while work
+                              remains (what a stream waits between tokens: forward, sampling, the
+                              prompt chunks that joined, whatever the process did between steps);
+                              ``recent``, an EMA over the last ~1/SMOOTHING steps, and the best step
+                              seen per batch size; the first WARMUP_STEPS are not counted (a fresh
+                              process's first steps are slow)
+    ITL target                --max-itl-ms, or (0) --itl-factor x a lone sequence's step (the best
+                              at n = 1, or the line through the two smallest batches' bests)
+    running cap               a controller, every SETTLE_STEPS steps: while the recent step is within
+                              the target and the batch is full, the cap grows by half (at least
+                              1); while it is over, it shrinks by a quarter (no sequence is stopped:
+                              fewer start, as the running ones finish at the rate the machine
+                              finishes them); INITIAL_CAP before any measurement; never above
+                              --max-num-seqs. Prompt chunks are in the step times, so a machine bound
+                              by prefill is capped by it too
 
     start rate                StartMeter: sequences that left the waiting queue per second of
                               backlog (time with someone waiting), over the last WINDOW_S
@@ -36,45 +43,57 @@ from dataclasses import dataclass, field
 
 from kvtier.config import SchedulerConfig
 
-INITIAL_CAP = 2  # running sequences before any decode step was measured (then grown step by step)
+INITIAL_CAP = 4  # running sequences before any step was measured (then grown step by step)
+WARMUP_STEPS = 8  # a process's first steps, not measured
+SETTLE_STEPS = 10  # steps between two changes of the cap (about the recent EMA's memory)
 WINDOW_S = 30.0  # the start rate's memory
 MIN_BACKLOG_S = 1.0  # backlogged seconds in the window before the rate is trusted
 MIN_STARTS = 2
-SMOOTHING = 0.2
+SMOOTHING = 0.1  # ``recent`` is about the last 10 steps: a prompt chunk's long step is averaged in
 
 
 @dataclass
-class DecodeSteps:
-    """Measured decode-only step seconds by batch size (EMAs; written by the engine's cost model)."""
+class StepTimes:
+    """Wall seconds between consecutive steps: ``recent`` (an EMA over every batch) and the best per
+    batch size. Fed by ``Scheduler.schedule``."""
 
-    by_batch: dict[int, float] = field(default_factory=dict)
+    recent: float | None = None
+    best: dict[int, float] = field(default_factory=dict)
+    num_seen: int = 0
 
-    def observe(self, num_decodes: int, seconds: float) -> None:
-        if num_decodes < 1 or seconds <= 0:
+    def observe(self, batch: int, seconds: float) -> None:
+        if batch < 1 or seconds <= 0:
             return
-        old = self.by_batch.get(num_decodes)
-        self.by_batch[num_decodes] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self.num_seen += 1
+        if self.num_seen <= WARMUP_STEPS:
+            return
+        old = self.recent
+        self.recent = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self.best[batch] = min(seconds, self.best.get(batch, seconds))
 
     def lone(self) -> float | None:
-        """A lone sequence's step: measured, else the line through the two smallest batches measured,
-        at n = 1 (at least the smallest batch's step over its size), else None."""
-        if not self.by_batch:
+        """A lone sequence's step: the best at n = 1, else the line through the two smallest batches'
+        bests at n = 1 (between the smallest's step over its size and that step), else None."""
+        if not self.best:
             return None
-        sizes = sorted(self.by_batch)
-        n1, s1 = sizes[0], self.by_batch[sizes[0]]
+        sizes = sorted(self.best)
+        n1, s1 = sizes[0], self.best[sizes[0]]
         if n1 == 1 or len(sizes) == 1:
             return s1
-        n2, s2 = sizes[1], self.by_batch[sizes[1]]
+        n2, s2 = sizes[1], self.best[sizes[1]]
         slope = (s2 - s1) / (n2 - n1)
-        return max(s1 - slope * (n1 - 1), s1 / n1)
+        return min(s1, max(s1 - slope * (n1 - 1), s1 / n1))
 
 
 class RunningCap:
-    """The most sequences the running batch may hold (see the module docstring)."""
+    """The most sequences the running batch may hold (see the module docstring): ``update`` once a
+    step with the running batch's size, ``cap()`` read by admission."""
 
-    def __init__(self, config: SchedulerConfig, steps: DecodeSteps):
+    def __init__(self, config: SchedulerConfig, steps: StepTimes):
         self.config = config
         self.steps = steps
+        self._cap = INITIAL_CAP
+        self._settling = 0  # steps since the cap last changed
 
     @property
     def enabled(self) -> bool:
@@ -89,22 +108,27 @@ class RunningCap:
             return None
         return self.config.itl_factor * lone
 
+    def update(self, num_running: int) -> None:
+        """After a step was timed: every SETTLE_STEPS steps (the recent steps then reflect the last
+        change), grow by half while the full batch keeps within the target, shrink by a quarter
+        while it does not (no sequence is stopped: fewer start until the batch is under the cap)."""
+        target, recent = self.target_s(), self.steps.recent
+        if target is None or recent is None:
+            return
+        self._settling += 1
+        if self._settling < SETTLE_STEPS:
+            return
+        if recent > target:
+            self._cap = max(1, min(self._cap, num_running) - max(1, self._cap // 4))
+        elif num_running >= self._cap:
+            self._cap += max(1, self._cap // 2)
+        else:
+            return
+        self._settling = 0
+
     def cap(self) -> int:
         limit = self.config.max_num_seqs
-        if not self.enabled:
-            return limit
-        target = self.target_s()
-        if target is None:
-            return min(limit, INITIAL_CAP)
-        within = [n for n, s in self.steps.by_batch.items() if s <= target]
-        if not within:
-            return 1
-        ok = max(within)
-        grown = ok + max(1, ok // 4)
-        too_slow = [n for n, s in self.steps.by_batch.items() if n > ok and s > target]
-        if too_slow:
-            grown = min(grown, min(too_slow) - 1)  # never as far as a batch measured too slow
-        return min(limit, max(INITIAL_CAP, grown))
+        return min(limit, self._cap) if self.enabled else limit
 
 
 class StartMeter:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.config import PreemptionMode
-from kvtier.scheduler.goodput import DecodeSteps
 
 MIN_PREFILL_TOKENS = 16  # smaller chunks are too noisy to measure a rate from
 MIN_ALONE_TOKENS = 256  # a prefill-only step shorter than this is mostly its fixed cost
@@ -43,7 +42,6 @@ class CostModel:
     prefill_tokens_per_s: float = 500.0  # replaced by measurements of prefill steps
     decode_step_s: float = 0.02  # one step of decodes alone; replaced by measurements
     smoothing: float = 0.2
-    decode_steps: DecodeSteps = field(default_factory=DecodeSteps)  # by batch size (goodput.py)
     _prefill_tokens: float = field(default=0.0, repr=False)  # EMAs behind prefill_tokens_per_s
     _prefill_s: float = field(default=0.0, repr=False)
 
@@ -69,7 +67,6 @@ class CostModel:
         if num_prefill_tokens == 0:
             if num_decodes:
                 self.decode_step_s += self.smoothing * (seconds - self.decode_step_s)
-                self.decode_steps.observe(num_decodes, seconds)
             return
         if num_decodes:
             # Noise can make a small chunk's excess negative: counted as ~0, not dropped (unbiased).

@@ -51,7 +51,7 @@ from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
-from kvtier.scheduler.goodput import RunningCap, StartMeter, simulated_wait_s
+from kvtier.scheduler.goodput import RunningCap, StartMeter, StepTimes, simulated_wait_s
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
 
@@ -117,8 +117,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cost_model = cost_model if cost_model is not None else CostModel(block_bytes=1)
         self.budget = StepBudget(config, self.cost_model)
-        self.running_cap = RunningCap(config, self.cost_model.decode_steps)
+        self.step_times = StepTimes()
+        self.running_cap = RunningCap(config, self.step_times)
         self.starts = StartMeter()
+        self._last_step: tuple[float, int] | None = None  # (when the last step began, its batch size)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -209,7 +211,16 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
-        self.starts.tick(self.clock(), bool(self.waiting))
+        now = self.clock()
+        self.starts.tick(now, bool(self.waiting))
+        if self._last_step is not None and self.running:  # the last step's batch goes on: time it
+            self.step_times.observe(self._last_step[1], now - self._last_step[0])
+            self.running_cap.update(len(self.running))
+        out = self._schedule()
+        self._last_step = (now, len(out.scheduled)) if not out.is_empty else None
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.config.scheduling_policy == "legacy":
             scheduled = self._schedule_legacy(out)
@@ -232,8 +243,7 @@ class Scheduler:
         if rate is not None:
             return (len(self.waiting) + num_new) / rate
         cap = self.running_cap.cap()
-        steps = self.cost_model.decode_steps.by_batch
-        step_s = steps[min(steps, key=lambda n: abs(n - cap))] if steps else self.cost_model.decode_step_s
+        step_s = self.step_times.recent or self.cost_model.decode_step_s
         running = [self._output_left(s) for s in self.running]
         waiting = [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting]
         return simulated_wait_s(running, waiting, cap, step_s, self.cost_model.prefill_tokens_per_s)

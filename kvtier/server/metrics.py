@@ -34,6 +34,12 @@ _GAUGES = (
     ("num_requests_running", "Sequences in the running batch.", "num_requests_running"),
     ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_requests_waiting"),
     ("kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).", "kv_cache_usage"),
+    (
+        "running_cap",
+        "Most sequences the running batch may hold now: its measured step time within the target "
+        "(--itl-factor / --max-itl-ms), at most --max-num-seqs.",
+        "running_cap",
+    ),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),

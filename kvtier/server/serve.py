@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 # Engine defaults of a server that differ from the engine's own (an offline batch wants the biggest
 # batch; a server keeps finishing requests past its capacity: kvtier/scheduler/goodput.py).
-SERVE_ENGINE_DEFAULTS = {"itl_factor": 3.0, "max_queue_wait_s": 10.0}
+SERVE_ENGINE_DEFAULTS = {"itl_factor": 6.0, "max_queue_wait_s": 10.0}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
