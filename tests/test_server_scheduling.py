@@ -130,9 +130,9 @@ def test_story_kv_admission_answers_503_with_retry_after(tiny_llama_dir: Callabl
 def test_story_a_request_that_would_wait_too_long_is_refused_at_once(
     tiny_llama_dir: Callable[..., Path],
 ) -> None:
-    # The running batch holds one sequence (a decode-step target no step meets), and a request that
-    # would wait more than 50 ms to start is refused (kvtier/scheduler/goodput.py).
-    srv = _tiny_server(tiny_llama_dir(), max_itl_ms=0.001, max_queue_wait_s=0.05)
+    # The running batch holds one sequence, and a request that would wait more than 50 ms to start is
+    # refused (kvtier/scheduler/goodput.py).
+    srv = _tiny_server(tiny_llama_dir(), max_num_seqs=1, itl_factor=6.0, max_queue_wait_s=0.05)
     try:
         engine = srv.app.state.engine
         long = {"model": MODEL, "prompt": list(range(3, 23)), "max_tokens": 200, "ignore_eos": True}
@@ -153,7 +153,7 @@ def test_story_a_request_that_would_wait_too_long_is_refused_at_once(
             assert first.result().status_code == 200
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'kvtier:requests_rejected_total{reason="queue_wait"} 1.0' in metrics
-        assert "kvtier:running_cap 1.0" in metrics  # no step meets the target: one at a time
+        assert "kvtier:running_cap 1.0" in metrics  # at most --max-num-seqs
         # Nothing runs now: the same request starts at once.
         short = {**long, "max_tokens": 4}
         assert httpx.post(srv.url + "/v1/completions", json=short, timeout=60).status_code == 200
