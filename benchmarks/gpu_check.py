@@ -120,7 +120,25 @@ def exactness(tmp: Path, device: str) -> list[dict[str, Any]]:
         rows.append(_row(name, got, ref))
     if device != "cpu":  # the same engine on the CPU, in a child that sees no GPU
         rows.append(_cpu_row(model_dir, batch, ref))
+    rows.append(_prompt_logprobs_row(model_dir, batch[0], device))
     return rows
+
+
+def _prompt_logprobs_row(model_dir: Path, prompt: list[int], device: str) -> dict[str, Any]:
+    """Every prompt token's logprob from the engine (prompt_logprobs) against transformers' own."""
+    import transformers
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    with LLM(str(model_dir), dtype="float32", kv_device_blocks=512) as llm:
+        ours = [e.logprob for e in llm.generate([prompt], params)[0].prompt_logprobs[1:]]
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([prompt], device=device)).logits[0].float(), -1).cpu()
+    theirs = lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+    diff = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    ok = diff < 1e-4
+    return {"run": "prompt logprobs (max abs diff)", "device": device, "rows equal to HF": f"{int(ok)}/1",
+            "cached tokens": 0, "preemptions": {}, "max_abs_diff": diff}  # fmt: skip
 
 
 def _row(name: str, got: dict[str, Any], ref: list[list[int]]) -> dict[str, Any]:

@@ -85,7 +85,8 @@ def _penalize(row: torch.Tensor, r: SampleRequest) -> None:
 def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprobs]:
     """Prompt tokens' logprobs: row i of ``logits`` [m, V] predicted ``targets[i]``; top-``k`` each."""
     lp = torch.log_softmax(logits, dim=-1)  # [m, V]
-    chosen = lp.gather(1, torch.tensor(targets, dtype=torch.long)[:, None])[:, 0].tolist()
+    index = torch.tensor(targets, dtype=torch.long, device=lp.device)[:, None]  # the logits' device
+    chosen = lp.gather(1, index)[:, 0].tolist()
     tops: list[dict[int, float]] = [{} for _ in chosen]
     if k > 0:
         values, ids = torch.topk(lp, k)  # [m, k]
