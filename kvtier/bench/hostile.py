@@ -60,18 +60,25 @@ class HostileStats:
         }
 
 
-class Hostile:
-    """``async with Hostile(url, model, ...)``: hostile traffic runs until the block ends."""
+KINDS = ("oversized", "n", "slow", "grammar", "non-finite", "empty")  # --hostile-kinds
 
-    def __init__(self, url: str, model: str, n: int, slow: int, headers: dict[str, str], stats: HostileStats):
-        self.url, self.model, self.n, self.slow, self.headers, self.stats = (
-            url,
-            model,
-            n,
-            slow,
-            headers,
-            stats,
-        )
+
+class Hostile:
+    """``async with Hostile(url, model, ...)``: hostile traffic runs until the block ends (``kinds``: a
+    subset of ``KINDS``, default all)."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        n: int,
+        slow: int,
+        headers: dict[str, str],
+        stats: HostileStats,
+        kinds: tuple[str, ...] = KINDS,
+    ):
+        self.url, self.model, self.headers, self.stats = url, model, headers, stats
+        self.n, self.slow, self.kinds = n, slow, kinds
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self._tasks: list[asyncio.Task[None]] = []
@@ -80,9 +87,16 @@ class Hostile:
 
     async def __aenter__(self) -> Hostile:
         self._health.start()
-        kinds = (self._oversized, self._n_at_limit, self._huge_grammar, self._non_finite, self._empty_flood)
-        self._tasks = [asyncio.create_task(kind()) for kind in kinds]
-        self._tasks += [asyncio.create_task(self._slow_connection()) for _ in range(self.slow)]
+        senders = {
+            "oversized": self._oversized,
+            "n": self._n_at_limit,
+            "grammar": self._huge_grammar,
+            "non-finite": self._non_finite,
+            "empty": self._empty_flood,
+        }
+        self._tasks = [asyncio.create_task(send()) for kind, send in senders.items() if kind in self.kinds]
+        if "slow" in self.kinds:
+            self._tasks += [asyncio.create_task(self._slow_connection()) for _ in range(self.slow)]
         return self
 
     async def __aexit__(self, *exc: object) -> None:

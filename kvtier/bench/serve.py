@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
+from kvtier.bench.hostile import KINDS as HOSTILE_KINDS
 from kvtier.bench.hostile import Hostile, HostileStats
 
 TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
@@ -115,6 +116,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--hostile-n", type=int, default=16, help="n of the hostile requests (the server's --max-n)"
     )
     g.add_argument("--hostile-slow", type=int, default=8, help="slow connections held open (default 8)")
+    g.add_argument(
+        "--hostile-kinds",
+        type=lambda v: tuple(k.strip() for k in v.split(",") if k.strip()),
+        default=HOSTILE_KINDS,
+        help=f"which hostile kinds, comma-separated (default all: {','.join(HOSTILE_KINDS)})",
+    )
     g.add_argument(
         "--compare",
         action="store_true",
@@ -277,7 +284,7 @@ async def _bench(ns: argparse.Namespace, url: str, in_process: bool) -> dict[str
             work = workload(ns.num_requests, ns.prompt_len, ns.output_len, ns.workload_seed + i)
             mixed: Any = contextlib.nullcontext()
             if ns.hostile:
-                mixed = Hostile(url, model, ns.hostile_n, ns.hostile_slow, headers, hostile)
+                mixed = Hostile(url, model, ns.hostile_n, ns.hostile_slow, headers, hostile, ns.hostile_kinds)
             async with mixed:
                 results, seconds = await run_load(client, model, work, rate, ns.workload_seed + i)
             rows.append(summarize(rate, results, seconds))
