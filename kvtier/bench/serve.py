@@ -87,6 +87,14 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _hostile_kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in HOSTILE_KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(HOSTILE_KINDS)}, got {text!r}")
+    return kinds
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--url", default=None, help="a running server (default: start one in this process)")
@@ -118,7 +126,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hostile-slow", type=int, default=8, help="slow connections held open (default 8)")
     g.add_argument(
         "--hostile-kinds",
-        type=lambda v: tuple(k.strip() for k in v.split(",") if k.strip()),
+        type=_hostile_kinds,
         default=HOSTILE_KINDS,
         help=f"which hostile kinds, comma-separated (default all: {','.join(HOSTILE_KINDS)})",
     )
