@@ -56,8 +56,9 @@ lint: setup
 	$(VENV)/bin/ruff check kvtier tests
 	$(VENV)/bin/ruff format --check kvtier tests
 
+# kvtier vs HF transformers, side by side (a study: it runs from the checkout, not the installed package)
 bench: setup
-	$(VENV)/bin/kvtier bench throughput
+	$(PY) -m benchmarks.throughput
 
 # Goodput under overload with a third-party load generator (guidellm, in its own venv: it pulls
 # datasets and sanic; torch pinned as above so pip never resolves a CUDA build).

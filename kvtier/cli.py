@@ -214,17 +214,48 @@ def cmd_chat(ns: argparse.Namespace) -> int:
         print(f"  [{_stats(final, first, total)}]", file=sys.stderr, flush=True)
 
 
-_BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME
-    "throughput": "kvtier vs HF transformers: decode, prefill, mixed, cached, start-up",
+_BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME: a user's own deployment, measured
     "serve": "HTTP load: Poisson arrivals, TTFT/ITL percentiles, server overhead",
     "multiturn": "multi-turn chat TTFT: no caching, device, +host, +disk, restart",
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
-    "kvdtype": "KV cache dtypes side by side: perplexity, top-1 agreement, capacity, decode, host loads",
-    "kernels": "this checkout's gguf weight kernel vs a git revision's, interleaved in one process",
 }
+# Studies, A/B harnesses and peer comparisons: not in the package; a kvtier checkout runs them from its
+# benchmarks/ directory. The first three were `kvtier bench NAME` once: that now says where they are.
+_CHECKOUT_BENCHMARKS = {
+    "python -m benchmarks.throughput": "kvtier vs HF transformers: decode, prefill, mixed, cached, start-up",
+    "python -m benchmarks.kvdtype": "KV cache dtypes side by side: perplexity, agreement, capacity, speed",
+    "python -m benchmarks.kernels": "this checkout's gguf weight kernel vs a git revision's",
+    "python benchmarks/overload.py": "goodput under overload, driven by guidellm (make bench-overload)",
+    "python benchmarks/gpu_check.py": "exactness and speed on CUDA, against transformers",
+}
+_MOVED_BENCHMARKS = ("throughput", "kvdtype", "kernels")
+
+
+def _add_bench_parser(sub: Any) -> None:
+    """``kvtier bench``: the installed benchmarks as subcommands; the help's epilog lists the ones in a
+    checkout, and a moved one's old name answers with the command that runs it there."""
+    width = max(map(len, _CHECKOUT_BENCHMARKS))
+    epilog = "not installed: studies, A/B harnesses, peer comparisons, run from a kvtier checkout's root:\n"
+    epilog += "\n".join(f"  {cmd:<{width}}  {text}" for cmd, text in _CHECKOUT_BENCHMARKS.items())
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks of a deployment (print a table); studies live in a checkout's benchmarks/",
+        description="Benchmarks installed with kvtier: they measure your own deployment.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = bench.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(_BENCHMARKS) + "}")
+    for name, bench_help in _BENCHMARKS.items():
+        _lazy(names, name, f"kvtier.bench.{name}", bench_help, unavailable="the benchmark")
+    for name in _MOVED_BENCHMARKS:
+        message = (
+            f"kvtier bench {name} is not in the installed package: it moved to benchmarks/{name}.py "
+            f"in a kvtier checkout; run it there as 'python -m benchmarks.{name}'"
+        )
+        names.add_parser(name).populate = lambda _p, message=message: _fail(message)  # no help: unlisted
 
 
 def _lazy(sub: Any, name: str, module: str, help_text: str, unavailable: str | None = None) -> None:
@@ -265,11 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_help = "cache-aware router in front of several 'kvtier serve' replicas (same OpenAI API)"
     _lazy(sub, "router", "kvtier.router.cli", router_help)
 
-    bench = sub.add_parser("bench", help="benchmarks (print a table)").add_subparsers(
-        dest="bench", required=True
-    )
-    for name, bench_help in _BENCHMARKS.items():
-        _lazy(bench, name, f"kvtier.bench.{name}", bench_help, unavailable="the benchmark")
+    _add_bench_parser(sub)
 
     demo = sub.add_parser("demo", help="demonstrations (print what happens)").add_subparsers(
         dest="demo", required=True

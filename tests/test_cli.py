@@ -215,11 +215,11 @@ def test_help_lists_engine_flags(command: str) -> None:
 def test_generate_works_when_bench_module_is_broken(monkeypatch, capsys) -> None:  # noqa: ANN001
     from kvtier import cli
 
-    monkeypatch.setitem(sys.modules, "kvtier.bench.throughput", None)  # importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "kvtier.bench.transfer", None)  # importing it raises ImportError
     ns = cli.build_parser().parse_args(["generate", "hi", "--block-size", "8"])
     assert ns.func is cli.cmd_generate and ns.block_size == 8
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench", "throughput", "--quick"])
+        cli.main(["bench", "transfer", "--quick"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("kvtier: error: the benchmark is unavailable")
@@ -254,7 +254,7 @@ def test_generate_default_model(converted_default_model: Any, hf_default_model: 
 
 
 def test_demo_phase_prints_tiers_before_the_table_header(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 15.7: in phase 4 the 'tiers:' line came between the table header and its rows."""
+    """Phase 4 prints its 'tiers:' line before the table header, never between the header and its rows."""
     from types import SimpleNamespace
 
     from kvtier.demo import _header

@@ -77,7 +77,7 @@ def test_rope_is_torchs_complex_multiply_bit_for_bit() -> None:
 def test_rope_store_writes_the_slots_torch_would_bit_for_bit() -> None:
     """RoPE + cache write in one call (float32 pool): the pool and the returned K/V equal RoPE then
     ``write_kv``; a compact pool, and a cache class that writes its own way, take the torch path."""
-    from kvtier.bench.kvdtype_study import FakeQuantCache
+    from benchmarks.kvdtype_study import FakeQuantCache
     from kvtier.models.attention import AttentionMetadata
     from kvtier.models.kv_quant import KVFormat, PagedKVCache
 

@@ -297,7 +297,7 @@ def test_kvtier_plan_reports_the_live_pool_for_the_same_flags(capsys: Any, tmp_p
 
 
 def test_bench_quality_text_is_shipped_and_holds_20k_tokens(converted_default_model: Any) -> None:
-    from kvtier.bench.kvdtype import DATA_DIR, TEXT_FILES, fixed_text
+    from benchmarks.kv_text import DATA_DIR, TEXT_FILES, fixed_text
 
     tokenizer = converted_default_model.tokenizer
     assert all((Path(DATA_DIR) / name).is_file() for name in (*TEXT_FILES, "README.md"))

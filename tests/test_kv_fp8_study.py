@@ -1,4 +1,4 @@
-"""The fp8_e4m3 quality study (``kvtier bench kvdtype --fp8-study``) measures what it claims: its
+"""The fp8_e4m3 quality study (``python -m benchmarks.kvdtype --fp8-study``) measures what it claims: its
 fake-quantizing cache stores what the compact cache reads back, and its rounding levers do what
 their names say on the error they optimize."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.bench.kvdtype_study import (
+from benchmarks.kvdtype_study import (
     FakeQuantCache,
     _candidates,
     _fp8,

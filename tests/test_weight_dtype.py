@@ -278,7 +278,7 @@ def test_default_model_int8_perplexity_within_1pct_and_a_wrong_scale_is_caught(
 ) -> None:
     """Measured: +0.99% on these 1,024 tokens (+1.4% on the first 256): a per-channel int8 of a 135M
     model sits right at the 1% target."""
-    from kvtier.bench.kvdtype import fixed_text
+    from benchmarks.kv_text import fixed_text
 
     loaded = converted_default_model
     ids = fixed_text(loaded.tokenizer, 1024)
@@ -294,8 +294,8 @@ def test_default_model_int8_perplexity_within_1pct_and_a_wrong_scale_is_caught(
 
 
 def test_bench_kernels_undoes_the_regrouping() -> None:
-    """``kvtier bench kernels`` hands a revision from before the regrouping the file's block order back."""
-    from kvtier.bench.kernels import gguf_order
+    """``benchmarks.kernels`` hands a revision from before the regrouping the file's block order back."""
+    from benchmarks.kernels import gguf_order
 
     for qtype, block in (("Q4_1", 20), ("Q4_0", 18), ("Q8_0", 34)):
         rows = torch.randint(0, 256, (3, 4 * block), dtype=torch.uint8)
@@ -309,7 +309,7 @@ def test_bench_kernels_against_this_revision_agrees(capsys: pytest.CaptureFixtur
     table prints and the outputs agree."""
     import argparse
 
-    from kvtier.bench import kernels
+    from benchmarks import kernels
 
     assert kernels.main(argparse.Namespace(against="HEAD", rows="1,3", rounds=1, num_threads=1)) == 0
     out = capsys.readouterr().out
@@ -324,7 +324,7 @@ def test_bench_kernels_refuses_bad_input_in_one_line_before_loading(monkeypatch:
     import argparse
 
     import kvtier
-    from kvtier.bench import kernels
+    from benchmarks import kernels
 
     monkeypatch.setattr(kvtier, "LLM", None)  # loading the model would fail loudly
     with pytest.raises(SystemExit, match="cannot read kvtier/models/qmatmul.c at no-such-rev"):
@@ -339,11 +339,11 @@ def test_bench_kernels_refuses_bad_input_in_one_line_before_loading(monkeypatch:
 def test_bench_alternates_the_modes_and_rates_them_from_the_same_rounds(
     tiny_gguf: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`bench throughput`'s alternating rows: every mode decodes the same number of timed tokens, the
+    """`benchmarks.throughput`'s alternating rows: every mode decodes the same number of timed tokens, the
     read bandwidth is sampled once per round, and the ratios point the right way (auto's floor over
     its median token; auto's median over gguf's)."""
+    from benchmarks.decode_ab import alternating_rows, modes_per_token
     from kvtier import LLM
-    from kvtier.bench.decode_ab import alternating_rows, modes_per_token
 
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     path = str(tiny_gguf(qtype="Q8_0").path)

@@ -140,14 +140,11 @@ def evaluate_targets(by_key: dict[str, ScenarioResult], recovery_wait_s: float) 
         )
         back = s.events.get("back")
         m = matched_ratio(s, c, back + recovery_wait_s) if c and back is not None else None
+        text = f"({key}) TTFT within 20% of (c) {recovery_wait_s:.0f} s after recovery"
         if m is None:
-            add(f"({key}) TTFT within 20% of (c) {recovery_wait_s:.0f} s after recovery", None, "no data")
+            add(text, None, "no data")
         else:
-            add(
-                f"({key}) TTFT within 20% of (c) {recovery_wait_s:.0f} s after recovery",
-                m[0] <= 1.2,
-                f"{m[0]:.2f}x (c)'s on the same {m[1]} (user, round) pairs",
-            )
+            add(text, m[0] <= 1.2, f"{m[0]:.2f}x (c)'s on the same {m[1]} (user, round) pairs")
     oh = c.extra.get("overhead") if c else None
     if c and oh is not None:
         name = "kvtier_router:routing_latency_seconds"

@@ -259,7 +259,7 @@ def run_llamacpp(work: Workload, capacity_bytes: int, threads: int | None) -> Ru
         import numpy as np
         from llama_cpp import Llama, LlamaRAMCache, LogitsProcessorList
     except ImportError as exc:
-        res.skipped = f"llama-cpp-python is not installed ({exc}); see PEERS.md to build it"
+        res.skipped = f"llama-cpp-python is not installed ({exc}); to build it: BENCHMARKS.md, llama.cpp rows"
         return res
     from kvtier.models.loader import default_model_path
 
@@ -319,6 +319,99 @@ def _llamacpp_reusable(llama: Any, cache: Any, prompt: list[int]) -> int | None:
 
 
 # ------------------------------------------------------------------------------ main
+@dataclass(frozen=True)
+class Pools:
+    """The tier sizes of the runs, from the workload's final size (float32 KV, 16-token blocks)."""
+
+    block_bytes: int
+    live_blocks: int  # blocks every conversation holds at the end (the system prompt's shared once)
+    device_blocks: int  # ``--device-fraction`` of them, at least one conversation + 8
+    host_all_gb: float  # a host tier that holds every conversation (1.5x, at least 0.02 GiB)
+    host_small_gb: float  # a host tier as small as the device pool (the disk tier serves the rest)
+    max_model_len: int
+
+
+def size_pools(work: Workload, mc: Any, device_fraction: float) -> Pools:
+    bs = 16
+    block_bytes = mc.num_layers * bs * 2 * mc.num_kv_heads * mc.head_dim * 4  # float32 KV
+    last = work.num_turns - 1
+    final_blocks = [
+        math.ceil((work.prompt_len(c, last) + work.answer_tokens) / bs) for c in range(work.num_convs)
+    ]
+    live_blocks = sum(final_blocks) - (work.system_tokens // bs) * (work.num_convs - 1)
+    device_blocks = max(math.ceil(live_blocks * device_fraction), max(final_blocks) + 8)
+    return Pools(
+        block_bytes=block_bytes,
+        live_blocks=live_blocks,
+        device_blocks=device_blocks,
+        host_all_gb=max(0.02, live_blocks * 1.5 * block_bytes / 2**30),
+        host_small_gb=device_blocks * block_bytes / 2**30,
+        max_model_len=max(work.prompt_len(c, last) for c in range(work.num_convs)) + work.answer_tokens + 1,
+    )
+
+
+def print_setup(work: Workload, ns: argparse.Namespace, pools: Pools) -> None:
+    prompts = [work.prompt_len(c, t) for c in range(work.num_convs) for t in range(work.num_turns)]
+    device, live = pools.device_blocks, pools.live_blocks
+    print(
+        f"kvtier bench multiturn — {work.num_convs} conversations x {work.num_turns} turns, round-robin, "
+        f"one request at a time; system prompt {work.system_tokens} tokens (shared), documents "
+        f"~{ns.doc_tokens}, user turns ~{ns.user_tokens}, answers {work.answer_tokens} tokens (greedy); "
+        f"prompts {min(prompts)}-{max(prompts)} tokens, {sum(prompts)} in all\n"
+        f"device pool {device} blocks ({device * 16} tokens) = "
+        f"{device / live:.0%} of the {live} blocks the conversations hold at the end; "
+        f"host tier {pools.host_all_gb:.2f} GiB (all of them) or {pools.host_small_gb:.2f} GiB with disk "
+        f"({device} blocks: too small, the disk tier serves the rest)",
+        flush=True,
+    )
+
+
+def run_all(loaded: Any, work: Workload, ns: argparse.Namespace, pools: Pools) -> dict[str, RunResult]:
+    """Every row: the kvtier configurations in order (device-only first: its greedy answers become
+    every conversation's history), then llama.cpp; the disk rows share one directory."""
+    base: dict[str, Any] = {
+        "kv_device_blocks": pools.device_blocks,
+        "num_threads": ns.num_threads,
+        "max_model_len": pools.max_model_len,
+    }
+    disk_tmp = None
+    disk_dir = ns.kv_disk_dir
+    if disk_dir is None:
+        disk_tmp = tempfile.TemporaryDirectory(prefix="kvtier-multiturn-")
+        disk_dir = disk_tmp.name
+    elif os.path.isdir(disk_dir) and any(os.scandir(disk_dir)):
+        print(f"note: {disk_dir} is not empty: the 'cold' disk row is not cold", file=sys.stderr)
+    results: dict[str, RunResult] = {}
+    host_all, host_small = pools.host_all_gb, pools.host_small_gb
+    try:
+        tiers_disk = {**base, "kv_host_gb": host_small, "kv_disk_dir": disk_dir}
+        n = work.answer_tokens
+        runs: list[tuple[str, str, dict[str, Any], int]] = [
+            ("device only", "prefix caching, no tiers", base, n),
+            ("no prefix caching", "max_tokens=1 (TTFT only)", {**base, "enable_prefix_caching": False}, 1),
+            ("device+host", f"host {host_all:.2f} GiB", {**base, "kv_host_gb": host_all}, n),
+            ("device+host+disk", f"host {host_small:.2f} GiB (small), cold disk", tiers_disk, n),
+            ("restart on disk", "new engine, same disk dir, same prompts", tiers_disk, n),
+        ]
+        for name, note, kwargs, max_tokens in runs:
+            results[name] = run_kvtier(name, note, loaded, work, kwargs, max_tokens)
+        results["llama.cpp"] = run_llamacpp(work, int(max(host_all, 0.1) * 2**30), ns.num_threads)
+    finally:
+        if disk_tmp is not None:
+            disk_tmp.cleanup()
+    return results
+
+
+ROW_ORDER = (
+    "no prefix caching",
+    "device only",
+    "device+host",
+    "device+host+disk",
+    "restart on disk",
+    "llama.cpp",
+)
+
+
 def main(ns: argparse.Namespace) -> int:
     from kvtier.models.loader import load_model
 
@@ -330,71 +423,11 @@ def main(ns: argparse.Namespace) -> int:
         raise ValueError("--conversations, --turns and --answer-tokens must be at least 1")
     t_all = time.perf_counter()
     loaded = load_model(None)
-    mc = loaded.config
     work = build_workload(loaded.tokenizer, ns)
-    bs = 16
-    block_bytes = mc.num_layers * bs * 2 * mc.num_kv_heads * mc.head_dim * 4  # float32 KV
-    last = work.num_turns - 1
-    final_blocks = [
-        math.ceil((work.prompt_len(c, last) + work.answer_tokens) / bs) for c in range(work.num_convs)
-    ]
-    shared_blocks = work.system_tokens // bs
-    live_blocks = sum(final_blocks) - shared_blocks * (work.num_convs - 1)
-    device_blocks = max(math.ceil(live_blocks * ns.device_fraction), max(final_blocks) + 8)
-    host_all_gb = max(0.02, live_blocks * 1.5 * block_bytes / 2**30)
-    host_small_gb = device_blocks * block_bytes / 2**30
-    max_len = max(work.prompt_len(c, last) for c in range(work.num_convs)) + work.answer_tokens + 1
-    base: dict[str, Any] = {
-        "kv_device_blocks": device_blocks,
-        "num_threads": ns.num_threads,
-        "max_model_len": max_len,
-    }
-    prompts = [work.prompt_len(c, t) for c in range(work.num_convs) for t in range(work.num_turns)]
-    print(
-        f"kvtier bench multiturn — {work.num_convs} conversations x {work.num_turns} turns, round-robin, "
-        f"one request at a time; system prompt {work.system_tokens} tokens (shared), documents "
-        f"~{ns.doc_tokens}, user turns ~{ns.user_tokens}, answers {work.answer_tokens} tokens (greedy); "
-        f"prompts {min(prompts)}-{max(prompts)} tokens, {sum(prompts)} in all\n"
-        f"device pool {device_blocks} blocks ({device_blocks * bs} tokens) = "
-        f"{device_blocks / live_blocks:.0%} of the {live_blocks} blocks the conversations hold at the end; "
-        f"host tier {host_all_gb:.2f} GiB (all of them) or {host_small_gb:.2f} GiB with disk "
-        f"({device_blocks} blocks: too small, the disk tier serves the rest)",
-        flush=True,
-    )
-    disk_tmp = None
-    disk_dir = ns.kv_disk_dir
-    if disk_dir is None:
-        disk_tmp = tempfile.TemporaryDirectory(prefix="kvtier-multiturn-")
-        disk_dir = disk_tmp.name
-    elif os.path.isdir(disk_dir) and any(os.scandir(disk_dir)):
-        print(f"note: {disk_dir} is not empty: the 'cold' disk row is not cold", file=sys.stderr)
-    results: dict[str, RunResult] = {}
-    try:
-        tiers_disk = {**base, "kv_host_gb": host_small_gb, "kv_disk_dir": disk_dir}
-        # device-only runs first: its greedy answers become every conversation's history
-        n = work.answer_tokens
-        runs: list[tuple[str, str, dict[str, Any], int]] = [
-            ("device only", "prefix caching, no tiers", base, n),
-            ("no prefix caching", "max_tokens=1 (TTFT only)", {**base, "enable_prefix_caching": False}, 1),
-            ("device+host", f"host {host_all_gb:.2f} GiB", {**base, "kv_host_gb": host_all_gb}, n),
-            ("device+host+disk", f"host {host_small_gb:.2f} GiB (small), cold disk", tiers_disk, n),
-            ("restart on disk", "new engine, same disk dir, same prompts", tiers_disk, n),
-        ]
-        for name, note, kwargs, max_tokens in runs:
-            results[name] = run_kvtier(name, note, loaded, work, kwargs, max_tokens)
-        results["llama.cpp"] = run_llamacpp(work, int(max(host_all_gb, 0.1) * 2**30), ns.num_threads)
-    finally:
-        if disk_tmp is not None:
-            disk_tmp.cleanup()
-    order = (
-        "no prefix caching",
-        "device only",
-        "device+host",
-        "device+host+disk",
-        "restart on disk",
-        "llama.cpp",
-    )
-    rows = [results[k] for k in order]
+    pools = size_pools(work, loaded.config, ns.device_fraction)
+    print_setup(work, ns, pools)
+    results = run_all(loaded, work, ns, pools)
+    rows = [results[k] for k in ROW_ORDER]
     print_tables(rows, work)
     targets = evaluate_targets(results)
     print_targets(targets)

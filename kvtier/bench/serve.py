@@ -13,12 +13,14 @@ process (and its GIL) with the server, so the ratio includes the client's own co
 
 The server starts in this process on a free loopback port unless ``--url`` names a running one.
 
-``--compare`` (issue 14) starts one server per scheduling policy (``legacy``: the scheduler before
-issue 14; ``stall_free``: decode-first with a step-time budget) in this process, and runs every rate
-against each in turn, side by side in one run; it prints the ratios the issue asks for. ``--mixed N``
-adds a mixed workload: ``N`` prompts of ``--mixed-long-len`` tokens among ``--num-requests`` short
-chats at ``--mixed-rate``, against stall_free with and without ``--max-num-partial-prefills`` (and
-legacy), reporting the short requests' TTFT.
+``--compare`` starts one server per scheduling policy (``legacy``: one fixed token budget in
+admission order; ``stall_free``: decode-first with a step-time budget) in this process and runs every
+rate against each in turn, side by side in one run (:mod:`kvtier.bench.serve_compare`), with the ratios
+of stall_free to legacy. ``--mixed N`` adds a mixed workload: ``N`` prompts of ``--mixed-long-len``
+tokens among ``--num-requests`` short chats at ``--mixed-rate``, against stall_free with and without
+``--max-num-partial-prefills`` (and legacy), reporting the short requests' TTFT.
+
+The requests, their timings and the per-rate summary are :mod:`kvtier.bench.http_load`'s.
 
 ``--hostile`` mixes hostile traffic into every rate (:mod:`kvtier.bench.hostile`: 20 MB bodies, ``n`` at
 the limit, slow connections) and reports ``/health``'s latency meanwhile; compare the TTFT with a run
@@ -31,10 +33,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -42,34 +43,8 @@ import httpx
 from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
 from kvtier.bench.hostile import KINDS as HOSTILE_KINDS
 from kvtier.bench.hostile import Hostile, HostileStats
-
-TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
-
-
-@dataclass
-class Result:
-    ok: bool
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    completion_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class RateRow:
-    rate: float
-    requests: int
-    errors: int
-    seconds: float
-    tokens_per_s: float
-    ttft_p50: float
-    ttft_p90: float
-    ttft_p99: float
-    itl_p50: float
-    itl_p90: float
-    itl_p99: float
-    e2e_p50: float
+from kvtier.bench.http_load import RateRow, crossing_rate, print_table_head, run_load, summarize, workload
+from kvtier.bench.serve_compare import compare_main
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -133,7 +108,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compare",
         action="store_true",
-        help="legacy vs stall_free scheduling, one in-process server each, side by side (issue 14)",
+        help="legacy vs stall_free scheduling, one in-process server each, side by side",
     )
     g.add_argument(
         "--mixed", type=int, default=0, help="with --compare: long prompts in a mixed workload (0: none)"
@@ -142,122 +117,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-rate", type=float, default=None, help="mixed workload rate (default: lowest)")
     add_engine_args(p)
     p.set_defaults(func=main)
-
-
-def workload(
-    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int
-) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [
-        ([rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
-        for _ in range(n)
-    ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    t0 = time.perf_counter()
-    res = Result(ok=False)
-    last: float | None = None
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}"
-                await r.aread()
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.error = chunk["error"].get("message")
-                    return res
-                if chunk.get("usage"):
-                    res.completion_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft = now - t0
-                    else:
-                        res.itls.append(now - last)
-                    last = now
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.e2e = time.perf_counter() - t0
-    res.ok = res.error is None
-    return res
-
-
-async def run_load(
-    client: httpx.AsyncClient, model: str, work: list[tuple[list[int], int]], rate: float | None, seed: int
-) -> tuple[list[Result], float]:
-    """Send ``work`` with Poisson arrivals at ``rate`` (None: all at once); ``(results, seconds)``."""
-    rng = random.Random(seed)
-    t0 = time.perf_counter()
-    tasks = []
-    at = 0.0
-    for prompt, out_len in work:
-        if rate is not None:
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            at += rng.expovariate(rate)
-        tasks.append(asyncio.create_task(one_request(client, model, prompt, out_len)))
-    results = await asyncio.gather(*tasks)
-    return list(results), time.perf_counter() - t0
-
-
-def summarize(rate: float, results: list[Result], seconds: float) -> RateRow:
-    ok = [r for r in results if r.ok]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    itls = [x for r in ok for x in r.itls]
-    tokens = sum(r.completion_tokens for r in ok)
-    return RateRow(
-        rate=rate,
-        requests=len(results),
-        errors=len(results) - len(ok),
-        seconds=seconds,
-        tokens_per_s=tokens / seconds if seconds else 0.0,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p90=percentile(ttfts, 90),
-        ttft_p99=percentile(ttfts, 99),
-        itl_p50=percentile(itls, 50),
-        itl_p90=percentile(itls, 90),
-        itl_p99=percentile(itls, 99),
-        e2e_p50=percentile([r.e2e for r in ok], 50),
-    )
-
-
-def crossing_rate(rows: list[RateRow], slo: float) -> str:
-    """The request rate where p90 TTFT reaches ``slo``, interpolated between measured rates."""
-    prev: RateRow | None = None
-    for row in rows:
-        if row.ttft_p90 >= slo:
-            if prev is None:
-                return f"< {row.rate:g} req/s (p90 TTFT {row.ttft_p90:.2f} s at the lowest rate)"
-            frac = (slo - prev.ttft_p90) / (row.ttft_p90 - prev.ttft_p90)
-            return f"~{prev.rate + frac * (row.rate - prev.rate):.2f} req/s"
-        prev = row
-    return f"> {rows[-1].rate:g} req/s (not reached)" if rows else "n/a"
 
 
 def offline_llm(ns: argparse.Namespace) -> Any:
@@ -332,8 +191,6 @@ async def _overhead(ns: argparse.Namespace, client: httpx.AsyncClient, model: st
 
 def main(ns: argparse.Namespace) -> int:
     if ns.compare:
-        from kvtier.bench.serve_compare import compare_main
-
         return compare_main(ns)
     server = None
     url = ns.url
@@ -366,12 +223,6 @@ def main(ns: argparse.Namespace) -> int:
             json.dump(result, f, indent=2)
     failed = any(r.errors for r in out["rows"]) or (overhead is not None and overhead["errors"])
     return 1 if failed else 0
-
-
-def print_table_head(head: str) -> None:
-    """A markdown table's header row ``head`` and its separator row."""
-    print(head)
-    print("|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|")
 
 
 def print_report(

@@ -1,11 +1,11 @@
-"""``kvtier bench serve --compare``: the legacy and the stall-free scheduler side by side (issue 14).
+"""``kvtier bench serve --compare``: the legacy and the stall-free scheduler side by side.
 
 One in-process server per variant (the same engine flags, only the scheduling ones differ), all
 started before the load begins; each rate's workload then runs against every variant in turn (the
 order alternates from rate to rate, so that drifting machine load hits them alike). Reported:
 
 * per rate and policy: output tokens/s, TTFT and ITL percentiles, ITL p99/p50; then, per rate, the
-  stall-free policy's TTFT p90 and tokens/s as ratios of the legacy one's, against the issue's targets
+  stall-free policy's TTFT p90 and tokens/s as ratios of the legacy one's, against the targets
   (ITL p99 <= 3x p50, TTFT p90 <= 1.2x legacy, tokens/s >= 0.95x legacy);
 * with ``--mixed N``: ``N`` long prompts (``--mixed-long-len`` tokens) spread among the short chats,
   against legacy, stall_free, and stall_free without the partial-prefill limit: the short requests'
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from kvtier.args import engine_args_from
-from kvtier.bench.serve import (
+from kvtier.bench.http_load import (
     RateRow,
     Result,
     crossing_rate,

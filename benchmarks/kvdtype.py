@@ -1,11 +1,10 @@
-"""``kvtier bench kvdtype``: every KV cache dtype side by side in one run — quality, capacity, speed.
+"""``python -m benchmarks.kvdtype``: every KV cache dtype side by side in one run — quality, capacity, speed.
 
 * **quality**: perplexity of a fixed text of ``--quality-tokens`` tokens (default 20,480), teacher-forced
   through the paged cache in chunks of ``--chunk`` tokens inside windows of ``--window`` tokens (every
   chunk after the first attends to the earlier chunks' stored, i.e. quantized, K/V, and to its own), and
-  top-1 next-token agreement with float32 KV at every position. The text is shipped in the repository:
-  five verbatim licence texts (GPL-3, GPL-2, LGPL-2.1, MPL-2.0, Apache-2.0; 23,427 tokens; sources in
-  ``kvtier/bench/data/README.md``), cut to the token count.
+  top-1 next-token agreement with float32 KV at every position. The text is :mod:`benchmarks.kv_text`'s:
+  five verbatim licence texts in ``benchmarks/data/`` (23,427 tokens), cut to the token count.
 * **storage error**: relative RMS error of the stored K and V of one window (float32 K/V captured from
   the float32 run) under each granularity the module docstring of ``kvtier/models/kv_quant.py``
   discusses: per (token, KV head) vs per (block, KV head) scales, with and without the rotation.
@@ -13,12 +12,12 @@
   live: an engine per dtype allocates its pool and the real block manager admits sequences until it
   refuses one.
 * **speed**: a single-stream decode step at 1k and 4k context (the model's forward through the paged
-  cache, ``--decode-steps`` steps, median), and the ``bench multiturn`` device+host row per KV dtype:
+  cache, ``--decode-steps`` steps, median), and the ``kvtier bench multiturn`` device+host row per KV dtype:
   host-tier load time per returning turn (the device pool holds a quarter of the conversations).
 
-Run ``kvtier bench kvdtype --quick`` for a smoke run (small text, one context, short multiturn), and
-``kvtier bench kvdtype --fp8-study N`` for the fp8_e4m3 quality study instead (``kvdtype_study.py``:
-K vs V, attention sinks, rounding levers, on N windows).
+Run ``python -m benchmarks.kvdtype --quick`` for a smoke run (small text, one context, short
+multiturn), and ``python -m benchmarks.kvdtype --fp8-study N`` for the fp8_e4m3 quality study instead
+(:mod:`benchmarks.kvdtype_study`: K vs V, attention sinks, rounding levers, on N windows).
 """
 
 from __future__ import annotations
@@ -26,19 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.kv_text import fixed_text, teacher_force
+from benchmarks.runner import run
 from kvtier.args import add_engine_args
 
 KV_DTYPES = ("float32", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8")
-# the fixed text: verbatim licence texts shipped in kvtier/bench/data/ (sources in its README.md)
-TEXT_FILES = ("GPL-3.txt", "GPL-2.txt", "LGPL-2.1.txt", "MPL-2.0.txt", "Apache-2.0.txt")
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -68,19 +65,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=main)
 
 
-# ------------------------------------------------------------------------------------------ the text
-def fixed_text(tokenizer: Any, num_tokens: int) -> list[int]:
-    """The first ``num_tokens`` token ids of the fixed text (``TEXT_FILES`` in order, blank-line joined)."""
-    parts = []
-    for name in TEXT_FILES:
-        with open(os.path.join(DATA_DIR, name), encoding="utf-8") as f:
-            parts.append(f.read())
-    ids: list[int] = tokenizer.encode("\n\n".join(parts), add_special_tokens=False)
-    if len(ids) < num_tokens:
-        raise ValueError(f"the fixed text has only {len(ids)} tokens, fewer than {num_tokens}")
-    return ids[:num_tokens]
-
-
 # ------------------------------------------------------------------------------------------ quality
 @dataclass
 class Quality:
@@ -94,25 +78,6 @@ class Quality:
     @property
     def ppl(self) -> float:
         return math.exp(self.nll_sum / max(1, self.num_tokens))
-
-
-def teacher_force(model: Any, cache: Any, ids: Any, chunk: int) -> tuple[float, Any]:
-    """Feed ``ids`` (a window, [n] long) in chunks through ``cache`` from slot 0; (nll sum, top-1 [n-1])."""
-    import torch
-
-    from kvtier.models.attention import teacher_forced_chunk
-
-    bs, n = cache.block_size, ids.shape[0]
-    nll, top1 = 0.0, []
-    for start in range(0, n - 1, chunk):
-        end = min(start + chunk, n - 1)
-        pos, meta = teacher_forced_chunk(start, end, bs)
-        with torch.inference_mode():
-            logits = model.compute_logits(model.forward(ids[start:end], pos, cache, meta))  # [chunk, V]
-        logp = torch.log_softmax(logits, -1)
-        nll += -logp.gather(1, ids[start + 1 : end + 1, None]).sum().item()
-        top1.append(logits.argmax(-1))
-    return nll, torch.cat(top1)
 
 
 def run_quality(model: Any, ids: list[int], kv_dtypes: list[str], window: int, chunk: int) -> dict[str, Any]:
@@ -375,12 +340,12 @@ def main(ns: argparse.Namespace) -> int:
     model = LlamaModel(loaded.config, loaded.weights, torch.float32, max(8192, ns.window))
     out: dict[str, Any] = {"kv_dtypes": kv_dtypes}
     print(
-        f"kvtier bench kvdtype — SmolLM2-135M (float32 compute), KV dtypes {', '.join(kv_dtypes)}; "
+        f"benchmarks.kvdtype — SmolLM2-135M (float32 compute), KV dtypes {', '.join(kv_dtypes)}; "
         f"{torch.get_num_threads()} threads; side by side in one process",
         flush=True,
     )
     if ns.fp8_study:
-        from kvtier.bench.kvdtype_study import print_study, run_study
+        from benchmarks.kvdtype_study import print_study, run_study
 
         out["fp8_study"] = run_study(model, fixed_text(loaded.tokenizer, 20480), ns.fp8_study)
         print_study(out["fp8_study"])
@@ -495,3 +460,7 @@ def print_multiturn(rows: list[dict[str, Any]]) -> None:
             f"{r['host_load_s_per_turn'] * 1e3:>8.2f}ms {ref / max(r['host_load_s_per_turn'], 1e-12):>7.2f}x "
             f"{r['mean_ttft_returning_s'] * 1e3:>7.0f}ms {same:>12}"
         )
+
+
+if __name__ == "__main__":
+    sys.exit(run("kvdtype", __doc__, add_args))

@@ -1,4 +1,4 @@
-"""``kvtier bench throughput``: kvtier and HF transformers side by side in one process.
+"""``python -m benchmarks.throughput``: kvtier and HF transformers side by side in one process.
 
 Rows (each a ratio against its target, measured in this run):
 
@@ -14,6 +14,7 @@ Rows (each a ratio against its target, measured in this run):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -25,8 +26,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.decode_ab import alternating_rows, per_token_ms, read_gbs
+from benchmarks.runner import run
 from kvtier.args import add_engine_args
-from kvtier.bench.decode_ab import alternating_rows, per_token_ms, read_gbs
 
 
 @dataclass
@@ -270,91 +272,79 @@ def weight_dtype_rows(ns: argparse.Namespace, row: Callable[..., None], rows: li
 
     modes = [m.strip() for m in ns.weight_dtypes.split(",") if m.strip()]
     bw = read_bandwidth_gbs()
-    base: dict[str, float] = {}
+    base: dict[str, float] = {}  # the first mode's figures: "ms", "lin_ms", "tok_s"
     per_mode: dict[str, float] = {}  # mode -> decode ms/token
+    prompt: list[int] = []
     for mode in modes:
-        llm = LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=mode)
-        vocab = llm.engine.model_config.vocab_size
-        prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
-        ms = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
-        nbytes = weight_bytes_per_decode_step(llm.engine.model)
-        base.setdefault("ms", ms)
-        per_mode[mode] = ms
-        target = 2.5 if mode == "gguf" and modes[0] == "auto" else None
-        text = ">= 2.5x auto" if target else "vs auto"
-        row(f"decode 1 stream, weights {mode}", ms, base["ms"], "ms/token", False, target, text)
-        floor = nbytes / (bw * 1e9) * 1e3
-        row(
-            f"  {mode}: {nbytes / 1e6:.0f} MB/step, {nbytes / ms / 1e6:.1f} GB/s",
-            ms,
-            floor,
-            "ms/token",
-            False,
-            0.85 if mode == "auto" else None,
-            f"floor at {bw:.1f} GB/s read",
-        )
-        lin_ms = linears_pass_ms(llm.engine.model)
-        base.setdefault("lin_ms", lin_ms)
-        row(
-            f"  {mode}: all linears, 1 token, best of 7 ({nbytes / lin_ms / 1e6:.1f} GB/s)",
-            lin_ms,
-            base["lin_ms"],
-            "ms",
-            False,
-            None,
-            "vs auto",
-        )
-        fused_ms, torch_ms = fused_vs_torch_step_ms(llm, prompt, ns.decode_tokens)
-        row(
-            f"  {mode}: decode step, C path vs torch path (same engine, min)",
-            fused_ms,
-            torch_ms,
-            "ms",
-            False,
-            None,
-            "vs torch ops, SDPA, MKL",
-        )
-        tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
-        base.setdefault("tok_s", tok_s)
-        row(f"decode 16 streams, weights {mode}", tok_s, base["tok_s"], "tok/s", True, None, "vs auto")
-        del llm
+        prompt, per_mode[mode] = _one_mode_rows(ns, mode, modes[0] == "auto", bw, base, row)
         start = startup_first_token_s(ns.num_threads, "--weight-dtype", mode)
         row(f"  {mode}: start-up to first token (2nd launch)", start, None, "s", False, None, "<= 3 s")
         rows[-1].met = start <= 3.0
     llms = {m: LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=m) for m in modes}
     alternating_rows(llms, prompt, ns.decode_tokens, weight_bytes_per_decode_step, row)
     del llms
+    _llama_cpp_rows(ns, prompt, base["ms"], per_mode, row)
+
+
+def _one_mode_rows(
+    ns: argparse.Namespace,
+    mode: str,
+    auto_first: bool,
+    bw: float,
+    base: dict[str, float],
+    row: Callable[..., None],
+) -> tuple[list[int], float]:
+    """One weight dtype's rows (decode, its floor at ``bw`` GB/s, the linears alone, C vs torch path,
+    16 streams), against ``base`` (set by the first mode); (the prompt, its decode ms/token)."""
+    from kvtier import LLM
+
+    llm = LLM(dtype="float32", num_threads=ns.num_threads, weight_dtype=mode)
+    vocab = llm.engine.model_config.vocab_size
+    prompt = llm.tokenizer.encode("Once upon a time, in a small village by the sea, there lived")
+    ms = kvtier_decode_ms(llm, prompt, ns.decode_tokens)
+    nbytes = weight_bytes_per_decode_step(llm.engine.model)
+    base.setdefault("ms", ms)
+    target = 2.5 if mode == "gguf" and auto_first else None
+    text = ">= 2.5x auto" if target else "vs auto"
+    row(f"decode 1 stream, weights {mode}", ms, base["ms"], "ms/token", False, target, text)
+    floor = nbytes / (bw * 1e9) * 1e3
+    name = f"  {mode}: {nbytes / 1e6:.0f} MB/step, {nbytes / ms / 1e6:.1f} GB/s"
+    row(name, ms, floor, "ms/token", False, 0.85 if mode == "auto" else None, f"floor at {bw:.1f} GB/s read")
+    lin_ms = linears_pass_ms(llm.engine.model)
+    base.setdefault("lin_ms", lin_ms)
+    name = f"  {mode}: all linears, 1 token, best of 7 ({nbytes / lin_ms / 1e6:.1f} GB/s)"
+    row(name, lin_ms, base["lin_ms"], "ms", False, None, "vs auto")
+    fused_ms, torch_ms = fused_vs_torch_step_ms(llm, prompt, ns.decode_tokens)
+    name = f"  {mode}: decode step, C path vs torch path (same engine, min)"
+    row(name, fused_ms, torch_ms, "ms", False, None, "vs torch ops, SDPA, MKL")
+    tok_s = batched_decode_tok_s(llm, vocab, 16, ns.decode_tokens)
+    base.setdefault("tok_s", tok_s)
+    row(f"decode 16 streams, weights {mode}", tok_s, base["tok_s"], "tok/s", True, None, "vs auto")
+    return prompt, ms
+
+
+def _llama_cpp_rows(
+    ns: argparse.Namespace,
+    prompt: list[int],
+    auto_ms: float,
+    per_mode: dict[str, float],
+    row: Callable[..., None],
+) -> None:
+    """llama.cpp on the same GGUF against the first mode (``auto_ms``) and, token by token, ``gguf``."""
     ms = llama_cpp_decode_ms(prompt, ns.decode_tokens, ns.num_threads)
     if ms is None:
         print("  llama.cpp row skipped: llama_cpp is not importable", file=sys.stderr, flush=True)
-    else:
-        row(
-            "decode 1 stream, llama.cpp (same GGUF, threads)",
-            ms,
-            base["ms"],
-            "ms/token",
-            False,
-            None,
-            "vs auto",
-        )
-        if "gguf" in per_mode:
-            gguf = per_mode["gguf"]
-            row("decode 1 stream, gguf vs llama.cpp", gguf, ms, "ms/token", False, 1.0, ">= 1.0x llama.cpp")
-            (ours, theirs), (ours_p50, theirs_p50) = per_token_ms(
-                "gguf", prompt, ns.decode_tokens, ns.num_threads
-            )
-            text = ">= 1.0x llama.cpp (min per token, alternating)"
-            row("decode 1 token, gguf vs llama.cpp (min)", ours, theirs, "ms/token", False, 1.0, text)
-            text = ">= 1.0x llama.cpp (median token, alternating)"
-            row(
-                "decode 1 token, gguf vs llama.cpp (median)",
-                ours_p50,
-                theirs_p50,
-                "ms/token",
-                False,
-                1.0,
-                text,
-            )
+        return
+    row("decode 1 stream, llama.cpp (same GGUF, threads)", ms, auto_ms, "ms/token", False, None, "vs auto")
+    if "gguf" not in per_mode:
+        return
+    gguf = per_mode["gguf"]
+    row("decode 1 stream, gguf vs llama.cpp", gguf, ms, "ms/token", False, 1.0, ">= 1.0x llama.cpp")
+    (ours, theirs), (ours_p50, theirs_p50) = per_token_ms("gguf", prompt, ns.decode_tokens, ns.num_threads)
+    text = ">= 1.0x llama.cpp (min per token, alternating)"
+    row("decode 1 token, gguf vs llama.cpp (min)", ours, theirs, "ms/token", False, 1.0, text)
+    text = ">= 1.0x llama.cpp (median token, alternating)"
+    row("decode 1 token, gguf vs llama.cpp (median)", ours_p50, theirs_p50, "ms/token", False, 1.0, text)
 
 
 # --------------------------------------------------------------------------------------- HF
@@ -411,6 +401,41 @@ def hf_mixed(model, work) -> tuple[float, int]:  # noqa: ANN001
 
 
 # ------------------------------------------------------------------------------------ main
+def add_row(
+    rows: list[Row],
+    metric: str,
+    ours: float,
+    base: float | None,
+    unit: str,
+    higher_better: bool,
+    target: float | None,
+    target_text: str,
+) -> None:
+    """Append a ``Row`` (its ratio: >1 when kvtier is better; met when the ratio reaches ``target``)
+    and print it on stderr as it comes."""
+    ratio = None
+    if base is not None:
+        ratio = ours / base if higher_better else base / ours
+    met = None if ratio is None or target is None else ratio >= target
+    rows.append(
+        Row(
+            metric,
+            round(ours, 4),
+            None if base is None else round(base, 4),
+            unit,
+            None if ratio is None else round(ratio, 3),
+            target_text,
+            met,
+        )
+    )
+    print(
+        f"  {metric}: kvtier {ours:.4g} {unit}"
+        + ("" if base is None else f", baseline {base:.4g}, ratio {ratio:.2f}"),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def main(ns: argparse.Namespace) -> int:
     from kvtier import LLM
 
@@ -418,43 +443,32 @@ def main(ns: argparse.Namespace) -> int:
         ns.decode_tokens, ns.prefill_tokens, ns.mixed_requests = 16, 300, 8
     torch.set_num_threads(ns.num_threads)
     rows: list[Row] = []
-
-    def row(
-        metric: str,
-        ours: float,
-        base: float | None,
-        unit: str,
-        higher_better: bool,
-        target: float | None,
-        target_text: str,
-    ) -> None:
-        ratio = None
-        if base is not None:
-            ratio = ours / base if higher_better else base / ours
-        met = None if ratio is None or target is None else ratio >= target
-        rows.append(
-            Row(
-                metric,
-                round(ours, 4),
-                None if base is None else round(base, 4),
-                unit,
-                None if ratio is None else round(ratio, 3),
-                target_text,
-                met,
-            )
-        )
-        print(
-            f"  {metric}: kvtier {ours:.4g} {unit}"
-            + ("" if base is None else f", baseline {base:.4g}, ratio {ratio:.2f}"),
-            file=sys.stderr,
-            flush=True,
-        )
-
+    row = functools.partial(add_row, rows)
     if ns.weight_dtypes:
         weight_dtype_rows(ns, row, rows)
     if ns.weights_only:
         print_table(rows, ns)
         return 0
+    vocab, hf_prefill = fp32_rows(ns, row)
+    llm_bf16 = LLM(dtype="bfloat16", num_threads=ns.num_threads)
+    ours = kvtier_prefill_s(llm_bf16, vocab, ns.prefill_tokens)
+    row(f"prefill {ns.prefill_tokens} tokens, bf16", ours, hf_prefill, "s", False, 2.5, ">= 2.5x HF fp32")
+    del llm_bf16
+    start = startup_first_token_s(ns.num_threads)
+    row("start-up to first token (2nd launch)", start, None, "s", False, None, "<= 3 s")
+    rows[-1].met = rows[-1].kvtier <= 3.0
+    print_table(rows, ns)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+def fp32_rows(ns: argparse.Namespace, row: Callable[..., None]) -> tuple[int, float | None]:
+    """The float32 engine's rows against HF (unless ``--skip-hf``): decode and its floor, prefill,
+    cached TTFT, the mixed workload; (the vocabulary size, HF's prefill seconds or None)."""
+    from kvtier import LLM
+
     print("loading kvtier (float32) ...", file=sys.stderr, flush=True)
     llm = LLM(dtype="float32", num_threads=ns.num_threads)
     vocab = llm.engine.model_config.vocab_size
@@ -466,30 +480,16 @@ def main(ns: argparse.Namespace) -> int:
     row("decode, 1 stream", ours, base, "ms/token", False, 1.5, ">= 1.5x HF")
     bw = read_bandwidth_gbs()
     floor_ms = weight_bytes_per_decode_step(llm.engine.model) / (bw * 1e9) * 1e3
-    row(
-        "decode vs fp32 floor",
-        ours,
-        floor_ms,
-        "ms/token",
-        False,
-        0.85,
-        f">= 85% of floor ({bw:.1f} GB/s read)",
-    )
+    text = f">= 85% of floor ({bw:.1f} GB/s read)"
+    row("decode vs fp32 floor", ours, floor_ms, "ms/token", False, 0.85, text)
 
     ours = kvtier_prefill_s(llm, vocab, ns.prefill_tokens)
     hf_prefill = None if hf is None else hf_prefill_s(hf, vocab, ns.prefill_tokens)
     row(f"prefill {ns.prefill_tokens} tokens, fp32", ours, hf_prefill, "s", False, 1.2, ">= 1.2x HF fp32")
 
     uncached, cached = kvtier_cached_ttft(llm, vocab, ns.prefill_tokens)
-    row(
-        f"TTFT {ns.prefill_tokens} tokens, 90% cached vs uncached",
-        cached,
-        uncached,
-        "s",
-        False,
-        5.0,
-        ">= 5x faster than uncached",
-    )
+    name = f"TTFT {ns.prefill_tokens} tokens, 90% cached vs uncached"
+    row(name, cached, uncached, "s", False, 5.0, ">= 5x faster than uncached")
 
     work = mixed_workload(ns.mixed_requests, vocab, ns.quick)
     dt, useful = kvtier_mixed(llm, work)
@@ -506,34 +506,12 @@ def main(ns: argparse.Namespace) -> int:
         2.0,
         ">= 2x HF (batch 16)",
     )
-
-    del llm
-    llm_bf16 = LLM(dtype="bfloat16", num_threads=ns.num_threads)
-    ours = kvtier_prefill_s(llm_bf16, vocab, ns.prefill_tokens)
-    row(f"prefill {ns.prefill_tokens} tokens, bf16", ours, hf_prefill, "s", False, 2.5, ">= 2.5x HF fp32")
-    del llm_bf16
-
-    row(
-        "start-up to first token (2nd launch)",
-        startup_first_token_s(ns.num_threads),
-        None,
-        "s",
-        False,
-        None,
-        "<= 3 s",
-    )
-    rows[-1].met = rows[-1].kvtier <= 3.0
-
-    print_table(rows, ns)
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
-    return 0
+    return vocab, hf_prefill
 
 
 def print_table(rows: list[Row], ns: argparse.Namespace) -> None:
     print(
-        f"\nkvtier bench throughput — SmolLM2-135M-Instruct, {ns.num_threads} threads, "
+        f"\nbenchmarks.throughput — SmolLM2-135M-Instruct, {ns.num_threads} threads, "
         f"torch {torch.__version__}, {os.cpu_count()} CPUs"
     )
     print(
@@ -549,3 +527,7 @@ def print_table(rows: list[Row], ns: argparse.Namespace) -> None:
             f"| {r.metric:<42} | {r.kvtier:>10.4g} | {base:>10} | {r.unit:<13} | {ratio:>6} "
             f"| {r.target:<34} | {met:<3} |"
         )
+
+
+if __name__ == "__main__":
+    sys.exit(run("throughput", __doc__, add_args))

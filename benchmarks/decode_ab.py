@@ -1,4 +1,4 @@
-"""Single-stream decode measured token by token, alternating in one process (``kvtier bench throughput``).
+"""Single-stream decode measured token by token, alternating in one process (:mod:`benchmarks.throughput`).
 
 Whole-run timings taken one after another swing by up to 1.5x on a shared machine (the other tenants,
 clocks): a mode measured a minute after another can look 30% faster or slower for no reason of its

@@ -1,7 +1,7 @@
-"""``kvtier bench kvdtype --fp8-study``: where fp8_e4m3 KV loses top-1 agreement, and what moves it.
+"""``python -m benchmarks.kvdtype --fp8-study``: where fp8_e4m3 KV loses top-1 agreement, and what moves it.
 
 A bench-only experiment, not an engine path: every variant runs the model teacher-forced (as
-``kvtier bench kvdtype``'s quality part does) through a float32 paged cache whose writes store
+``python -m benchmarks.kvdtype``'s quality part does) through a float32 paged cache whose writes store
 *fake-quantized* K/V: each variant's quantizer rounds the new K/V and the cache keeps the values it
 would read back. With today's quantizer this is the compact cache's arithmetic (the stored values are
 bit for bit ``dequantize(quantize(x R)) R``); the attention then runs in the model's basis instead of
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.kv_text import teacher_force
 from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize, hadamard, quantize
 
 WINDOW, BLOCK, QMAX = 2048, 16, 448.0
@@ -190,8 +191,6 @@ def build_variants(rot: torch.Tensor, hq: torch.Tensor, key_mean: torch.Tensor) 
 
 # ------------------------------------------------------------------------------------------ the run
 def _window(model: Any, ids: torch.Tensor, policy: Policy | None, record: bool = False) -> tuple[Any, ...]:
-    from kvtier.bench.kvdtype import teacher_force
-
     c = model.config
     cache = FakeQuantCache(-(-len(ids) // BLOCK), (c.num_layers, BLOCK, c.num_kv_heads, c.head_dim), policy)
     if record:
@@ -251,7 +250,7 @@ def print_study(rows: list[dict[str, Any]]) -> None:
     n = rows[0]["positions"]
     print(
         f"\nfp8_e4m3 study: {n:,} positions (the first windows), calibration on the text's last window; "
-        "fake-quantized K/V in a float32 cache (kvtier/bench/kvdtype_study.py)"
+        "fake-quantized K/V in a float32 cache (benchmarks/kvdtype_study.py)"
     )
     print(f"  {'variant':<44} {'ppl vs fp32':>11} {'top-1 agree':>11}")
     for r in rows:

@@ -1,4 +1,4 @@
-"""``kvtier bench kernels --against REV``: this checkout's gguf weight kernel against an earlier one's.
+"""``python -m benchmarks.kernels --against REV``: this checkout's gguf weight kernel against an older one.
 
 Builds ``kvtier/models/qmatmul.c`` as it was at git revision REV (this repository's history) into a
 temporary library, then times every gguf linear of the default model (one decode token's weight reads:
@@ -14,13 +14,16 @@ import argparse
 import ctypes
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.runner import run
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout whose git history holds REV
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +48,7 @@ def _rows(text: str) -> list[int]:
 def _git_show(rev: str, path: str) -> str:
     done = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{path}"], capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"kvtier bench kernels: cannot read {path} at {rev}: {done.stderr.strip()[:200]}")
+        raise SystemExit(f"benchmarks.kernels: cannot read {path} at {rev}: {done.stderr.strip()[:200]}")
     return done.stdout
 
 
@@ -94,7 +97,7 @@ def main(ns: argparse.Namespace) -> int:
             "this checkout": (qkernels.kernels(), [lin.data for lin in lins]),
             ns.against: (old, old_rows),
         }
-        print(f"kvtier bench kernels — {len(lins)} gguf linears (one decode token), {ns.num_threads} threads")
+        print(f"benchmarks.kernels — {len(lins)} gguf linears (one decode token), {ns.num_threads} threads")
         print(
             f"  {'rows':>4} {'this checkout':>14} {ns.against[:14]:>14} {'speed-up':>9} {'max rel diff':>13}"
         )
@@ -105,7 +108,7 @@ def main(ns: argparse.Namespace) -> int:
             a, b = ms["this checkout"], ms[ns.against]
             print(f"  {rows:>4} {a:>11.2f} ms {b:>11.2f} ms {b / a:>8.2f}x {diff:>13.1e}")
             if diff > 1e-4:
-                raise SystemExit(f"kvtier bench kernels: the two kernels disagree ({diff:.1e} relative)")
+                raise SystemExit(f"benchmarks.kernels: the two kernels disagree ({diff:.1e} relative)")
     return 0
 
 
@@ -133,3 +136,7 @@ def _interleaved(lins: list, variants: dict, rows: int, rounds: int, threads: in
                 )
             times[name].append(time.perf_counter() - t)
     return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}, outs
+
+
+if __name__ == "__main__":
+    sys.exit(run("kernels", __doc__, add_args))
