@@ -20,11 +20,13 @@
 
 With KV events on (``kv_events_url``), the device pool and every tier tell a ``KVEventRecorder`` what
 they store and remove; ``step`` closes each step's events into one batch, published to Redis by a
-background thread (``kvtier/kv_events.py``). ``kv_blocks``/``kv_info`` answer ``GET /v1/kv/blocks`` and
-``/v1/kv/info``.
+background thread (``kvtier/kv_events.py``).
 
-``LLMEngine.__init__`` resolves ``EngineArgs`` against the model (``kvtier.config.resolve_engine_config``:
-pool sizes, ``max_model_len``) and builds the pieces from that ``EngineConfig`` alone.
+``LLMEngine.__init__`` loads the model and takes its parts from ``kvtier.assembly.assemble`` (which
+resolves ``EngineArgs`` against the model and builds and wires every piece); ``engine.py`` keeps request
+intake (``add_request``, with admission by capacity when asked: kvtier/scheduler/admission.py) and the
+step loop. The cache's reports (``kv_info``, ``kv_blocks``, ``kv_advice``, the canary's quarantine) are
+``kvtier/insight/inspector.py``'s.
 """
 
 from __future__ import annotations
@@ -37,138 +39,71 @@ from typing import Any
 
 import torch
 
-from kvtier.config import ConfigError, EngineArgs, resolve_engine_config
-from kvtier.insight.advice import Costs, TierSize
-from kvtier.insight.hub import CacheInsight
-from kvtier.kv.hashing import HASH_SPEC_VERSION, BlockHash
-from kvtier.kv.manager import KVCacheManager
+from kvtier.assembly import assemble
+from kvtier.config import ConfigError, EngineArgs
+from kvtier.kv.hashing import BlockHash
 from kvtier.kv.plan import SwapPlan
-from kvtier.kv_events import (
-    WIRE_VERSION,
-    KVEventRecorder,
-    RedisStreamPublisher,
-    default_replica_id,
-    stream_key,
-)
-from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel, load_model
-from kvtier.models.qpack import cached_dense, keep_dense, load_packed
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.row_faults import contain
 from kvtier.sampling_params import SamplingParams
-from kvtier.scheduler.preemption import CostModel
-from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
+from kvtier.scheduler.scheduler import SchedulerOutput
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.stats import EngineStats, Medium
-from kvtier.tier_stack import build_tiers
-from kvtier.tiers.base import TierIdentity
-from kvtier.worker.runner import ModelRunner, StepLogits
-from kvtier.worker.sampler import RowError, Sampler, SampleRequest
+from kvtier.worker.runner import StepLogits
+from kvtier.worker.sampler import RowError, SampleRequest
 from kvtier.worker.structured import Grammars
 
 PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
 Failure = tuple[Sequence, RowError]  # (the sequence whose row sampled, why it could not)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TIER_WAIT_S = 0.05  # how long a step with nothing to run waits for a lower-tier read
 
 
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 class LLMEngine:
+    """Request intake and the step loop over the parts ``kvtier.assembly.assemble`` builds."""
+
     def __init__(self, args: EngineArgs, *, progress: bool = False, loaded: LoadedModel | None = None):
         args.validate()  # before loading anything: a bad argument fails at once
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.loaded = loaded if loaded is not None else load_model(args.model, progress=progress)
-        self.config = config = resolve_engine_config(args, self.loaded.config)
         self.tokenizer = self.loaded.tokenizer
-        self.model_config = config.model
-        self.dtype = _DTYPES[config.dtype]
-        self.device = _device()
-        self.model = self._build_model(args.weight_dtype)
-        cache = config.cache
-        self.runner = ModelRunner(
-            self.model, cache.num_device_blocks, cache.block_size, self.device, cache.kv_dtype
+        parts = assemble(args, self.loaded)
+        self.config, self.model_config = parts.config, parts.config.model
+        self.dtype, self.device, self.model, self.runner = (
+            parts.dtype,
+            parts.device,
+            parts.model,
+            parts.runner,
         )
-        identity = TierIdentity(  # disk and remote headers record the KV dtype: another's is a miss
-            self.loaded.fingerprint,
-            cache.kv_dtype,
-            tuple(self.runner.kv_cache.shape[1:]),
-            self.runner.kv_cache.element_size(),
-        )
-        self.tiers, self.mover = build_tiers(config.tiers, identity, self.runner.kv_cache)
-        self.kv = KVCacheManager(
-            cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, tiers=self.tiers
-        )
-        self.eos_token_ids = tuple(
-            sorted(set(self.tokenizer.eos_token_ids) | set(config.model.eos_token_ids))
-        )
-        self.cost_model = CostModel(cache.block_bytes)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.eos_token_ids, self.cost_model)
-        vocab = max(self.tokenizer.vocab_size, config.model.vocab_size)
-        grammars = Grammars(self.tokenizer.backend, vocab, self.eos_token_ids)
-        self.sampler = Sampler(args.seed, grammars)
-        # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
-        lower = [t.medium for t in self.tiers.tiers] if self.tiers is not None else []
-        self.insight = CacheInsight(
-            args.canary_rate, cache.block_size, cache.kv_dtype, args.seed, lower=lower
-        )
-        self.insight.canary.on_mismatch = self._quarantine
-        self.kv.observer = self.insight
-        if self.tiers is not None:
-            self.insight.attach(self.tiers)  # per-tier simulations, told of the blocks offered
-        self._mrc: dict[tuple[str, float], float] = {}
-        self._mrc_time = float("-inf")
+        self.tiers, self.mover, self.kv = parts.tiers, parts.mover, parts.kv
+        self.eos_token_ids, self.cost_model = parts.eos_token_ids, parts.cost_model
+        self.scheduler, self.admission, self.sampler = parts.scheduler, parts.admission, parts.sampler
+        self.insight, self.inspector, self.kv_events = parts.insight, parts.inspector, parts.kv_events
+        self.cache_identity, self.replica_id = parts.cache_identity, parts.replica_id
         self.outputs = OutputProcessor(self.tokenizer)
-        # Block hashes chain from the model's identity and the KV dtype: blocks are only ever
-        # reused by the same weights computing in the same precision.
-        self.cache_identity = f"{self.loaded.fingerprint}:{config.dtype}"
-        if cache.kv_dtype != config.dtype:  # compact KV (docs/kv-dtype.md); auto keeps today's root
-            self.cache_identity += f":kv={cache.kv_dtype}"
-        self.replica_id = args.kv_replica_id or default_replica_id()
-        self.kv_events = self._start_kv_events()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._closed = False
 
-    def _build_model(self, weight_dtype: str) -> LlamaModel:
-        """The model with its weights packed (gguf / int8) or dense (auto: kept fused in the conversion
-        cache, so a later start maps them instead of transposing; kvtier/models/qpack.py)."""
-        config = self.config
-        packed, kernels = load_packed(self.loaded, weight_dtype, config.dtype, self.device.type)
-        on_cpu = self.device.type == "cpu"  # elsewhere: the weights move there, no kept fused copies
-        weights = (
-            self.loaded.weights if on_cpu else {k: v.to(self.device) for k, v in self.loaded.weights.items()}
-        )
-        cached = cached_dense(self.loaded, self.dtype) if weight_dtype == "auto" and on_cpu else {}
-        model = LlamaModel(config.model, weights, self.dtype, config.max_model_len, packed, kernels, cached)
-        if weight_dtype == "auto" and on_cpu and not cached:
-            keep_dense(self.loaded, self.dtype, model.dense_groups())
-        return model
-
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
-    def _start_kv_events(self) -> KVEventRecorder | None:
-        """Attach a recorder to the device pool and every tier when events are on (a URL is set)."""
-        # The remote tier's store is the default (that field arrives with the remote tier).
-        url = self.args.kv_events_url or getattr(self.args, "kv_remote_url", None)
-        if url is None:
-            return None
-        recorder = KVEventRecorder(self.replica_id, RedisStreamPublisher(url, self.replica_id))
-        self.kv.listener = recorder
-        if self.tiers is not None:
-            self.tiers.attach_listener(recorder)  # announces what they hold already (the disk's files)
-        recorder.end_step()  # batch 1: "cleared", then those blocks
-        return recorder
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.config.cache.block_size
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """The structured-output compiler (thread-safe: the server compiles off the engine thread)."""
+        return self.sampler.grammars
 
     # --------------------------------------------------------------------------- requests
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -196,10 +131,13 @@ class LLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         arrival_time: float | None = None,
+        admit: bool = False,
     ) -> str:
         """Validate and queue one request; raises ``ConfigError`` (and queues nothing) on bad input.
         ``priority``: lower runs first; ``tenant``: its fair-share key; ``arrival_time``: monotonic
-        seconds when it arrived (the HTTP layer's; default now)."""
+        seconds when it arrived (the HTTP layer's; default now). ``admit``: refuse it when the engine
+        is past its capacity (``KVCapacityExceeded`` / ``QueueWaitExceeded``, both with
+        ``retry_after_s``: kvtier/scheduler/admission.py) instead of queueing every request."""
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self.tokenize_prompt(prompt)
@@ -208,24 +146,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
-        max_total = self.max_model_len
-        if params.max_tokens is not None:
-            max_total = min(max_total, len(token_ids) + params.max_tokens)
         extra_keys = (self.cache_identity, cache_salt or "")
-        seq = Sequence(
-            seq_id_for(request_id, 0),
-            request_id,
-            0,
-            list(token_ids),
-            len(token_ids),
-            params,
-            extra_keys,
-            max_total,
-        )
-        if params.logprobs is not None:
-            seq.logprobs = []
-        if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]  # the first token has no context: no logprob
+        if admit:
+            self.admission.check(token_ids, extra_keys, params)
+        seq = self._first_sequence(request_id, token_ids, params, extra_keys)
         request = Request(request_id, list(token_ids), params, [seq], prompt=text)
         if arrival_time is not None:
             request.arrival_time = seq.arrival_time = arrival_time
@@ -235,6 +159,21 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._num_prompt_tokens += len(token_ids)
         return request_id
+
+    def _first_sequence(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, extra_keys: tuple[str, str]
+    ) -> Sequence:
+        """Completion 0 of a new request (the others fork from it when its prompt is done)."""
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(token_ids) + params.max_tokens)
+        seq_id = seq_id_for(request_id, 0)
+        seq = Sequence(seq_id, request_id, 0, list(token_ids), len(token_ids), params, extra_keys, max_total)
+        if params.logprobs is not None:
+            seq.logprobs = []
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has no context: no logprob
+        return seq
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -370,7 +309,12 @@ class LLMEngine:
             errors.setdefault(seq.request_id, error.message)
             if error.model:
                 held = contain(
-                    self.kv, self.runner.cache, self.tiers, self.requests, seq.seq_id, self._quarantine
+                    self.kv,
+                    self.runner.cache,
+                    self.tiers,
+                    self.requests,
+                    seq.seq_id,
+                    self.inspector.quarantine,
                 )
                 for request_id in held:
                     errors.setdefault(request_id, error.message)
@@ -412,6 +356,7 @@ class LLMEngine:
             if request.finished:
                 self.outputs.forget(request)
                 del self.requests[request.request_id]
+                self.admission.on_finished([seq.num_tokens for seq in request.seqs], self.kv.block_size)
         return outputs
 
     def _seq_for(self, parent: Sequence, index: int) -> Sequence:
@@ -452,119 +397,68 @@ class LLMEngine:
         """Run one pending canary check (a recomputation of a cached prefix); False if none waits."""
         return self.insight.canary.run_one(self.model)
 
-    def _quarantine(self, tier: Medium, keys: list[BlockHash]) -> None:
-        """The canary found ``keys`` served from ``tier`` wrong: forget them everywhere, and load
-        nothing more from ``tier`` (the device: no prefix reuse at all) until ``release_quarantine``."""
-        for key in keys:
-            self.kv.forget_block(key)
-            if self.tiers is not None:
-                self.tiers.forget(key, "canary mismatch")
-        if tier == Medium.DEVICE:
-            self.kv.device_quarantined = True
-        elif self.tiers is not None:
-            self.tiers.quarantine(tier)
-
+    # ------------------------------------------------------------------------------ the cache's reports
+    # (kvtier/insight/inspector.py: the answers of /v1/kv/*, the canary's quarantine)
     def quarantined(self) -> list[Medium]:
-        lower = self.tiers.quarantined if self.tiers is not None else set()
-        media = ([Medium.DEVICE] if self.kv.device_quarantined else []) + sorted(
-            lower, key=list(Medium).index
-        )
-        return media
+        return self.inspector.quarantined()
 
     def release_quarantine(self, media: Iterable[Medium]) -> list[Medium]:
         """Lift the quarantine of ``media`` (an admin call); returns those that were quarantined."""
-        released = []
-        for medium in media:
-            if medium == Medium.DEVICE and self.kv.device_quarantined:
-                self.kv.device_quarantined = False
-                released.append(medium)
-            elif self.tiers is not None and self.tiers.lift_quarantine(medium):
-                released.append(medium)
-        return released
+        return self.inspector.release(media)
 
     def kv_canary(self) -> dict[str, Any]:
-        return self.insight.canary.report(self.quarantined())
+        return self.inspector.canary_report()
 
     def kv_advice(self, sentences: bool = True) -> dict[str, Any]:
         """Miss-ratio curves per tier, the measured hit ratios and sizing sentences."""
-        sizes = [TierSize(str(Medium.DEVICE), self.kv.pool.num_blocks, 0.0)]
-        for tier in self.tiers.tiers if self.tiers is not None else []:
-            c = tier.counters
-            per_block = c.load_seconds / c.blocks_loaded if c.blocks_loaded else 0.0
-            if tier.medium != Medium.REMOTE:  # a shared store: no capacity of ours to scale
-                sizes.append(TierSize(str(tier.medium), tier.capacity_blocks, per_block))
-        cm = self.cost_model
-        costs = Costs(self.kv.block_size, cm.block_bytes, cm.prefill_tokens_per_s, cm.transfer_bytes_per_s)
-        return self.insight.advice(sizes, costs, sentences)
+        return self.inspector.advice(sentences)
+
+    def kv_blocks(self) -> tuple[dict[Medium, list[BlockHash]], int | None]:
+        """Every block hash each medium holds, and the seq of the last event batch it reflects (None
+        without events). Call between steps (``AsyncEngine.call``)."""
+        return self.inspector.blocks()
+
+    def kv_info(self) -> dict[str, Any]:
+        """What a router needs to compute this engine's block hashes and to follow its events."""
+        return self.inspector.info()
+
+    def describe(self, limit: int) -> dict[str, Any]:
+        """The live view of a dashboard: each device block's state and up to ``limit`` running and
+        waiting sequences (``Scheduler.describe``). Call between steps (``AsyncEngine.call``)."""
+        return {
+            "replica_id": self.replica_id,
+            "block_size": self.kv.block_size,
+            "block_states": self.kv.block_map(),
+            "requests": self.scheduler.describe(limit),
+        }
 
     # ------------------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
         """A snapshot of the engine's gauges and each tier's counters (see ``kvtier.stats``)."""
-        kv = self.kv
+        kv, scheduler = self.kv, self.scheduler
         tiers = {Medium.DEVICE: kv.snapshot()}
         if self.tiers is not None:
             tiers.update((t.medium, t.snapshot(kv.block_size)) for t in self.tiers.tiers)
+        admission = self.admission.kv
         return EngineStats(
-            num_requests_running=len(self.scheduler.running),
-            num_requests_waiting=len(self.scheduler.waiting),
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting),
             kv_cache_usage=kv.usage(),
             prefix_cache_queries=kv.stats.prefix_cache_queries,
             prefix_cache_hits=kv.stats.prefix_cache_hits,
-            num_preemptions=dict(self.scheduler.preemptions_by_mode),
+            num_preemptions=dict(scheduler.preemptions_by_mode),
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
             tiers=tiers,
             canary_checks=self.insight.canary.checks_by_label(),
-            mrc_hit_ratio=self._mrc_gauges(),
+            mrc_hit_ratio=self.inspector.mrc_gauges(),
             kv_dtype=self.config.cache.kv_dtype,
             kv_block_bytes=self.config.cache.block_bytes,
-            running_cap=self.scheduler.running_cap.cap(),
+            running_cap=scheduler.running_cap.cap(),
+            num_seqs_waiting=scheduler.waiting_weight(),
+            kv_demand_blocks=scheduler.kv_demand_blocks() if admission.enabled else 0,
+            kv_admission_limit_blocks=admission.limit_blocks if admission.enabled else 0,
         )
-
-    def _mrc_gauges(self) -> dict[tuple[str, float], float]:
-        """The advice curves as ``{(tier, size factor): hit ratio}``, recomputed at most once a second."""
-        now = time.monotonic()
-        if now - self._mrc_time >= 1.0:
-            curves = self.kv_advice(sentences=False)["tiers"]
-            self._mrc = {(t, p["size_factor"]): p["hit_ratio"] for t, c in curves.items() for p in c["curve"]}
-            self._mrc_time = now
-        return self._mrc
-
-    # ------------------------------------------------------------------------------ KV inspection
-    def kv_blocks(self) -> tuple[dict[Medium, list[BlockHash]], int | None]:
-        """Every block hash each medium holds, and the seq of the last event batch it reflects (None
-        without events). Call between steps (``AsyncEngine.call``): pending events are closed first."""
-        seq = None
-        if self.kv_events is not None:
-            self.kv_events.end_step()
-            seq = self.kv_events.last_seq
-        held = {Medium.DEVICE: [block_hash for _, block_hash in self.kv.cached_blocks()]}
-        if self.tiers is not None:
-            held.update(self.tiers.held_keys())
-        return held, seq
-
-    def kv_info(self) -> dict[str, Any]:
-        """What a router needs to compute this engine's block hashes and to follow its events."""
-        events = self.kv_events
-        return {
-            "replica_id": self.replica_id,
-            "hash_spec_version": HASH_SPEC_VERSION,
-            "block_size": self.kv.block_size,
-            "model_fingerprint": self.loaded.fingerprint,
-            "kv_dtype": self.config.cache.kv_dtype,
-            "kv_block_bytes": self.config.cache.block_bytes,
-            "num_device_blocks": self.config.cache.num_device_blocks,
-            # A request's chain starts at root_hash((cache_identity, cache_salt or "")): docs/block-hashes.md
-            "cache_identity": self.cache_identity,
-            "enable_prefix_caching": self.kv.enable_caching,
-            "media": [str(Medium.DEVICE)] + [str(t.medium) for t in (self.tiers.tiers if self.tiers else [])],
-            "events": {
-                "enabled": events is not None,
-                "stream": stream_key(self.replica_id),
-                "wire_version": WIRE_VERSION,
-                "instance": events.instance if events is not None else None,
-            },
-        }
 
     # ------------------------------------------------------------------------------ shutdown
     def flush_tiers(self) -> None:

@@ -78,7 +78,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # Scheduling (issue 14): lower priority runs first (vLLM's meaning); tenant: the fair-share key.
+    # Scheduling: lower priority runs first (vLLM's meaning); tenant: the fair-share key.
     priority: int = 0
     tenant: str = ""
     admitted_order: int | None = None  # when it last joined the running batch (recency for preemption)

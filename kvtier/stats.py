@@ -119,6 +119,11 @@ class EngineStats:
     kv_dtype: str = "float32"  # what a KV block stores (float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8)
     kv_block_bytes: int = 0  # bytes of one block in every tier, scales included
     running_cap: int = 0  # most sequences the running batch may hold now (kvtier/scheduler/goodput.py)
+    num_seqs_waiting: int = 0  # sequences waiting to start, a prompt that forks into n counting n
+    # admission by KV capacity (kvtier/scheduler/admission.py; 0 when it is off): the blocks running and
+    # waiting requests still need at most, and the demand above which a new request is refused
+    kv_demand_blocks: int = 0
+    kv_admission_limit_blocks: int = 0
 
     @property
     def kv_capacity_tokens(self) -> dict[Medium, int]:

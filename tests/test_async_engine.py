@@ -26,13 +26,7 @@ class FakeEngine:
         self.closed = False
         self.tokenizer = SimpleNamespace(max_token_chars=1)  # AsyncEngine copies these two when loaded
         self.max_model_len = 64
-        self.scheduler = SimpleNamespace(waiting=[], kv_demand_blocks=lambda: 0)  # the queue's weight
-        # Admission by KV capacity reads these (factor 0: off).
-        self.config = SimpleNamespace(
-            scheduler=SimpleNamespace(kv_admission_factor=0.0, max_queue_wait_s=0.0),
-            cache=SimpleNamespace(num_device_blocks=0),
-        )
-        self.kv = SimpleNamespace(block_size=16)
+        self.grammars = None  # no structured output
         self.has_idle_work = False  # no canary checks waiting (kvtier/insight)
 
     def _touch(self) -> None:

@@ -1,6 +1,6 @@
 """The disk directory is not trusted, and may be shared: permissions, symlinks, several engines, forgeries.
 
-Each story reproduces a failure of the disk tier before it was hardened (issues 9 and 15): files
+Each story reproduces a failure of the disk tier before it was hardened: files
 world-readable, a symlinked shard that made the start-up scan delete files outside the directory, one
 engine's scan deleting another's write in flight, two engines together over the size cap, an engine
 that never finds the blocks another one wrote. Keys are one-letter names: ``K("A")`` is sha256("A").

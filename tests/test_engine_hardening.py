@@ -1,4 +1,4 @@
-"""Issue 31, items 2 and 3 on a tiny random checkpoint: a bad row fails alone, and grammars compile off
+"""The engine's hardening on a tiny random checkpoint: a bad row fails alone, and grammars compile off
 the engine thread, bounded in size and time, once per spec.
 
 - Sampling values are finite and in range (a ConfigError naming the parameter).

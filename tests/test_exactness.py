@@ -162,7 +162,7 @@ def tight_pool(cases: list[Case]) -> LLM:
         max_model_len=blocks * 16,
         max_num_batched_tokens=128,
         enable_prefix_caching=False,
-        # Every prompt admitted while the 128-token budget lasts (issue 14's partial-prefill limit and
+        # Every prompt admitted while the 128-token budget lasts (the partial-prefill limit and the
         # step-time budget would admit fewer at once, and this story needs the pool to run dry).
         max_num_partial_prefills=0,
         max_step_ms=0,

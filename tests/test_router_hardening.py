@@ -1,4 +1,4 @@
-"""Issue 31, the router's part, as a hostile user and a careless operator would try it.
+"""The router as a hostile user and a careless operator would try it.
 
 The router runs for real (uvicorn on loopback, with the flags' uvicorn settings: the header timeout is
 the protocol's); the replicas are fakes made here, which record every request and its headers, so a
@@ -395,7 +395,7 @@ def test_the_upstream_path_is_a_fixed_route_plus_a_checked_id() -> None:
     route could name any route. A checked id has no dot segment, slash or escape: quoting it again
     changes nothing, and httpx sends exactly that path."""
     from kvtier.router.app import model_path
-    from kvtier.router.errors import RouterError
+    from kvtier.server.protocol import APIError
 
     assert httpx.URL("http://replica/v1/models/../../v1/kv/blocks").raw_path == b"/v1/kv/blocks"
     for good, path in [
@@ -407,7 +407,7 @@ def test_the_upstream_path_is_a_fixed_route_plus_a_checked_id() -> None:
         assert model_path(good) == path
         assert httpx.URL("http://replica" + path).raw_path == path.encode()
     for bad in ("..", ".", "../metrics", "a/b", "a\\b", "%2e%2e", ".hidden", "", "a b", "a\x00", "é"):
-        with pytest.raises(RouterError) as refused:
+        with pytest.raises(APIError) as refused:
             model_path(bad)
         assert refused.value.status == 404
 

@@ -14,7 +14,8 @@ from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
 from kvtier.kv_events import EventBatch, KVEvent, KVEventRecorder
 from kvtier.router.index import ReplicaIndex, prompt_blocks, remote_run
 from kvtier.router.policy import Candidate, CostModel, cache_aware, decide, estimate
-from kvtier.router.prompt import Prompt, parse_prompt, tenant_salt
+from kvtier.router.prompt import Prompt, parse_prompt
+from kvtier.server.protocol import tenant_salt
 from kvtier.stats import Medium
 
 COST = CostModel(remote_cost=0.1, load_tokens=256.0, near_tie=0.05, min_slack=1.0)
@@ -198,7 +199,8 @@ def test_a_restarted_router_takes_remote_blocks_from_the_stream() -> None:
 
 # ------------------------------------------------------------------------------------------ prompts
 def test_tenant_salt_is_the_servers() -> None:
-    """The replica's derivation (kvtier.server.app.tenant_salt) for --prefix-cache-scope user."""
+    """The derivation for --prefix-cache-scope user: one function (kvtier.server.protocol.tenant_salt)
+    that the replicas and the router both call, pinned here by its known answer."""
     want = hashlib.sha256(json.dumps(("k1", "alice", "s")).encode()).hexdigest()
     assert tenant_salt("Bearer k1", "alice", "s", "user") == want
     assert tenant_salt("Bearer k1", "alice", "s", "shared") == "s"
@@ -240,14 +242,20 @@ def test_the_router_never_imports_torch() -> None:
 
 
 def test_router_errors_have_the_servers_shape() -> None:
-    from kvtier.router.errors import RouterError
+    """The router answers its own errors with the replicas' type (kvtier.server.protocol.APIError): the
+    bytes on the wire pinned, as they were when the router had a copy of its own."""
+    from kvtier.router.app import model_path
     from kvtier.server.protocol import APIError
 
     args = (503, "no replica")
     kwargs = dict(type="server_error", param="x", code="no_healthy_replica", headers={"Retry-After": "1"})
-    mine, theirs = RouterError(*args, **kwargs).response(), APIError(*args, **kwargs).response()
-    assert mine.body == theirs.body and mine.status_code == theirs.status_code
+    mine = APIError(*args, **kwargs).response()
+    want = b'{"error":{"message":"no replica","type":"server_error","param":"x","code":"no_healthy_replica"}}'
+    assert mine.body == want and mine.status_code == 503
     assert mine.headers["retry-after"] == "1"
+    with pytest.raises(APIError) as refused:
+        model_path("..")
+    assert refused.value.status == 404 and refused.value.code == "model_not_found"
 
 
 # ------------------------------------------------------------------------------------------ identity

@@ -170,7 +170,7 @@ def test_serve_command_line() -> None:
     assert ns.rates == [1.0, 4.0] and ns.num_requests == 3 and ns.url is None
 
 
-# ------------------------------------------------------------------ hostile input (issue 15), no model
+# ----------------------------------------------------------------------------- hostile input, no model
 UNSUPPORTED = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -197,7 +197,8 @@ UNSUPPORTED = [
 
 @pytest.mark.parametrize(("change", "param"), UNSUPPORTED, ids=[ascii(c) for c, _ in UNSUPPORTED])
 def test_unsupported_and_invalid_parameters_are_named(client: TestClient, change: dict, param: str) -> None:
-    """Issue 15.2/15.6: tools/response_format were silently ignored, n unbounded, a lone surrogate a 500."""
+    """Unsupported parameters (tools, ...), a bad response_format, n over --max-n and a lone surrogate are
+    each a 400 naming the parameter: never silently ignored, never a 500."""
     body = json.dumps({**CHAT, **change}, ensure_ascii=True)  # "\ud800" escaped, as a client would send it
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert_error(r, 400, param=param)
@@ -215,21 +216,21 @@ def test_defaults_of_unsupported_parameters_pass(client: TestClient) -> None:
 
 
 def test_error_messages_do_not_echo_huge_input(client: TestClient) -> None:
-    """Issue 15.6: a 1 MB model name came back whole in the 404."""
+    """A 1 MB model name is quoted in the 404 cut short, not whole."""
     r = client.post("/v1/chat/completions", json={**CHAT, "model": "m" * 2**20})
     err = assert_error(r, 404, "model", "model_not_found")
     assert len(r.content) < 500 and "characters" in err["message"]
 
 
 def test_a_body_without_json_content_type_is_told_so(client: TestClient) -> None:
-    """Issue 15.6: curl -d sends form encoding; the 400 says which header to send."""
+    """curl -d sends form encoding; the 400 says which header to send."""
     r = client.post("/v1/chat/completions", content=json.dumps(CHAT))
     err = assert_error(r, 400, code="invalid_content_type")
     assert "Content-Type: application/json" in err["message"]
 
 
 def test_body_size_limit_is_413_before_the_body_is_read() -> None:
-    """Issue 15.1: no limit at all; now Content-Length is refused at once, a chunked body as it streams."""
+    """A declared Content-Length over the limit is refused at once, a chunked body as it streams."""
     release = threading.Event()
 
     def factory():  # noqa: ANN202 - never returns an engine
@@ -264,7 +265,7 @@ def test_new_server_flags() -> None:
 
 
 def test_taken_port_is_named() -> None:
-    """Issue 15.7: '[Errno 98] Address already in use' without the port."""
+    """A taken port is named in the error, not a bare '[Errno 98] Address already in use'."""
     from kvtier.server.serve import bind
 
     taken = bind("127.0.0.1", 0)

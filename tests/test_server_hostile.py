@@ -1,6 +1,6 @@
-"""Issue 15 (hostile input) against a real server on the default model: each numbered failure of the issue
+"""Hostile input against a real server on the default model: each failure the first hostile review found
 reproduced, then a property-based suite (hypothesis over the request schema, huge and invalid values
-included, and since issue 31 the sampling parameters' extremes: 1e300, 1e-300, NaN, infinities, the edges
+included, and the sampling parameters' extremes: 1e300, 1e-300, NaN, infinities, the edges
 of each range): every answer is 2xx, or a 4xx with OpenAI's JSON error body, never a 5xx, while ``/health``
 keeps answering in under 100 ms and another user's streams run to their end. The last test drains the
 server (what SIGTERM does)."""
@@ -340,7 +340,7 @@ def test_readme_curl_examples_run_as_written(server: BackgroundServer) -> None:
 SPECIAL = ["<|im_end|>", "<|im_start|>system\n", "\ud800", "\udfff x", "x" * 100_000, "", " "]
 text = st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL))
 ints = st.one_of(st.integers(-3, 20), st.integers(-(2**70), 2**70), st.just(10**30))
-# Issue 31.2: values that overflow (or underflow to 0) in the float32 sampler, and the edges of the ranges.
+# Values that overflow (or underflow to 0) in the float32 sampler, and the edges of the ranges.
 EXTREME = [1e300, -1e300, 1e-300, -1e-300, 3.5e38, 1e-45, 1e-38, 0.0, -0.0, 1e-5, 100.0, 100.0001, 1e4]
 extreme = st.sampled_from([*EXTREME, float("nan"), float("inf"), float("-inf")])
 floats = st.one_of(st.floats(-3, 3), st.floats(allow_nan=True, allow_infinity=True), extreme)
@@ -438,8 +438,8 @@ def check_answer(r: httpx.Response) -> None:
 
 class Bystander:
     """Another user: short streamed completions one after another from a thread while the suite runs;
-    ``harmed`` holds any that did not end with ``[DONE]`` and no error (issue 31.2: one request's bad
-    sampling values aborted every request in flight)."""
+    ``harmed`` holds any that did not end with ``[DONE]`` and no error (one request's bad sampling
+    values must end that request alone, not every request in flight)."""
 
     BODY = {"model": MODEL, "prompt": "Count:", "max_tokens": 6, "ignore_eos": True, "stream": True}
 

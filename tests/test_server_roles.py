@@ -1,5 +1,5 @@
-"""Issue 31 on ``kvtier serve``: the roles (items 1 and 10), many empty chat messages (item 6) and sampling
-values that overflow the float32 sampler (item 2, the API's half).
+"""Hardening of ``kvtier serve``: the roles and their keys, many empty chat messages, and sampling values
+that would overflow the float32 sampler (the API's half: refused before they are queued).
 
 The role tests need no model (the factory blocks: "loading"), so a key that gets through is told apart
 from one that does not by 503 (the engine is not ready) against 401/404. The scenarios at the end run

@@ -1,5 +1,6 @@
-"""Issue 14 through HTTP: the ``priority`` field, admission by KV capacity (503 + Retry-After), the
-latency histograms and the KV-demand gauges on ``/metrics``, and request timings from the HTTP arrival."""
+"""Admission and priorities through HTTP: the ``priority`` field, admission by KV capacity (503 +
+Retry-After), the latency histograms and the KV-demand gauges on ``/metrics``, and request timings from
+the HTTP arrival."""
 
 from __future__ import annotations
 

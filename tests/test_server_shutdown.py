@@ -1,6 +1,6 @@
 """SIGTERM to a real ``kvtier serve`` process with a streaming and a non-streaming request in flight: both
 finish cleanly within the grace period, ``/health`` turns 503 meanwhile, and the process exits 0 with no
-traceback (issue 15.7). Also its first contact: the ready line names the URL and the tier sizes."""
+traceback. Also its first contact: the ready line names the URL and the tier sizes."""
 
 from __future__ import annotations
 

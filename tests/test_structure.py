@@ -1,5 +1,6 @@
-"""The code's shape, checked: no import cycle between kvtier's modules or packages, no function over 60
-lines outside the benchmarks, and an engine step that fits on one screen (issue 8's bar)."""
+"""The code's shape, checked: no import cycle between kvtier's modules or packages (at import time, and
+counting the imports inside functions too), nothing in kvtier importing the checkout's ``benchmarks/``,
+no function over 60 lines, and an engine step that fits on one screen (under 30 lines)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def _modules() -> dict[str, ast.Module]:
     return trees
 
 
-def _top_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
-    """kvtier modules imported when the module is imported (not inside functions or TYPE_CHECKING)."""
+def _imports(tree: ast.Module, known: set[str], in_functions: bool = False) -> set[str]:
+    """kvtier modules imported when the module is imported (not inside functions or TYPE_CHECKING);
+    with ``in_functions``, also every import inside its functions and classes (all that can run: still
+    not those under TYPE_CHECKING)."""
     found: set[str] = set()
     stack = list(tree.body)
     while stack:
@@ -30,6 +33,8 @@ def _top_level_imports(tree: ast.Module, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module in known:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known)
+        elif in_functions:
+            stack.extend(ast.iter_child_nodes(node))
         elif isinstance(node, ast.If | ast.Try | ast.With):
             stack.extend(node.body)
     return found
@@ -61,7 +66,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycle_between_modules_or_packages() -> None:
     trees = _modules()
     known = set(trees)
-    graph = {name: _top_level_imports(tree, known) - {name} for name, tree in trees.items()}
+    graph = {name: _imports(tree, known) - {name} for name, tree in trees.items()}
     assert _cycle(graph) is None, f"module import cycle: {' -> '.join(_cycle(graph) or [])}"
     packages: dict[str, set[str]] = {}
     for name, deps in graph.items():
@@ -71,11 +76,68 @@ def test_no_import_cycle_between_modules_or_packages() -> None:
     assert _cycle(packages) is None, f"package import cycle: {' -> '.join(_cycle(packages) or [])}"
 
 
+# Import edges inside functions that still close a cycle, each with why it stays for now. An entry is
+# (importing module, imported module) for the function-level import to remove; delete the entry when
+# that import goes (the test below fails on an entry whose import is gone, so none outlives its fix).
+FUNCTION_LEVEL_CYCLES_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def test_no_import_cycle_counting_imports_inside_functions() -> None:
+    """A module that imports another inside a function still depends on it: a cycle through such an
+    import is a tangle even when Python can load it."""
+    trees = _modules()
+    known = set(trees)
+    graph = {name: _imports(tree, known, in_functions=True) - {name} for name, tree in trees.items()}
+    gone = [edge for edge in FUNCTION_LEVEL_CYCLES_ALLOWED if edge[1] not in graph.get(edge[0], set())]
+    assert not gone, f"allowed cycle edges no longer imported, remove them from the allow-list: {gone}"
+    for importer, imported in FUNCTION_LEVEL_CYCLES_ALLOWED:
+        graph[importer].discard(imported)
+    assert _cycle(graph) is None, f"module import cycle: {' -> '.join(_cycle(graph) or [])}"
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        top = name.split(".")[1] if "." in name else name
+        packages.setdefault(top, set()).update(d.split(".")[1] for d in deps if "." in d)
+    packages = {p: deps - {p} for p, deps in packages.items()}
+    assert _cycle(packages) is None, f"package import cycle: {' -> '.join(_cycle(packages) or [])}"
+
+
+def test_kvtier_never_imports_the_checkouts_benchmarks() -> None:
+    """``benchmarks/`` (studies, A/B harnesses) is not in the wheel: nothing in kvtier may import it, at
+    any level (absolute ``benchmarks`` or ``benchmarks.X``, also inside functions)."""
+    found = []
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                mods = [node.module]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module"):
+                first = node.args[0] if node.args else None
+                mods = (
+                    [first.value] if isinstance(first, ast.Constant) and isinstance(first.value, str) else []
+                )
+            else:
+                continue
+            found += [f"{name}:{node.lineno} {m}" for m in mods if m.split(".")[0] == "benchmarks"]
+    assert not found, found
+
+
+def test_the_server_reaches_the_engine_only_through_its_api() -> None:
+    """The HTTP layer calls ``LLMEngine``'s methods (``add_request`` with ``admit``, ``stats``,
+    ``describe``, ``kv_info``...): no server module reads the engine's scheduler or block manager."""
+    found = []
+    for name, tree in _modules().items():
+        if not name.startswith("kvtier.server."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("scheduler", "kv"):
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_functions_fit_on_a_screen() -> None:
     long = []
     for name, tree in _modules().items():
-        if name.startswith("kvtier.bench"):
-            continue
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1

@@ -1,4 +1,4 @@
-"""Issue 31, items 7 and 8: what a hostile writer of the remote store or the disk directory can do to a
+"""What a hostile writer of the remote store or the disk directory can do to a
 replica is a miss, never a memory blow-up or a hang.
 
 * Remote: values under block keys are read bounded (``GETRANGE`` of a block's size plus one byte): a

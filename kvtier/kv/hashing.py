@@ -59,6 +59,14 @@ def _encode_extra_key(key: ExtraKey) -> bytes:
     return tag + struct.pack("<Q", len(payload)) + payload
 
 
+def cache_identity(model_fingerprint: str, dtype: str, kv_dtype: str) -> str:
+    """The first extra key of every request's chain: blocks are only ever reused by the same weights
+    computing in the same precision. A compact KV dtype (docs/kv-dtype.md) adds ``:kv=<dtype>``; KV
+    stored in the compute dtype keeps the plain ``<fingerprint>:<dtype>`` root."""
+    identity = f"{model_fingerprint}:{dtype}"
+    return identity if kv_dtype == dtype else f"{identity}:kv={kv_dtype}"
+
+
 def root_hash(extra_keys: tuple[ExtraKey, ...]) -> BlockHash:
     """The parent hash of a sequence's first block.
 

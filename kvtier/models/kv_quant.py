@@ -48,7 +48,8 @@ import torch
 
 from kvtier.config import QUANTIZED_KV_DTYPES
 
-_STORAGE = {
+# The torch dtype of each dtype name: compute dtypes (float32, bfloat16, float16) and KV storage.
+STORAGE_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -78,7 +79,7 @@ class KVFormat:
 
     @property
     def storage(self) -> torch.dtype:
-        return _STORAGE[self.name]
+        return STORAGE_DTYPES[self.name]
 
     @property
     def quantized(self) -> bool:
@@ -214,10 +215,6 @@ class PagedKVCache:
         subclass that writes otherwise."""
         plain = self.scales is None and self.raw.dtype == torch.float32 and self.raw.is_cpu
         return plain and type(self).write is PagedKVCache.write
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.raw[0].numel() * self.raw.element_size() // self.block_size
 
     def write(
         self,

@@ -15,5 +15,7 @@
     sync.py      keeping the indexes current: KV event streams (Redis) or polling /v1/kv/blocks
     metrics.py   kvtier_router:... Prometheus metrics
 
-No module here imports torch (``tests/test_router.py`` checks it). See ``docs/router.md``.
+The wire contract is the replicas' own (``kvtier.server.protocol``): the request models a body is
+parsed with, the errors the router answers, how a key is presented and a tenant's salt derived.
+No module here imports torch (``tests/test_router_policy.py`` checks it). See ``docs/router.md``.
 """

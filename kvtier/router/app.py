@@ -24,12 +24,13 @@ encoding: the path is matched after percent-decoding) and quotes it again; anyth
 The client's ``Authorization`` header is passed on to the replica it is routed to (a replica given by
 ``--replica`` or admitted by an admin, never another); the router's own calls to the replicas
 (``/v1/kv/...``) carry ``--api-key``. Errors are OpenAI's JSON shape, a failure of the router's own
-included (500, never plain text); a replica's own errors (400 for a bad body, 404 for an unknown
-model...) come back to the client unchanged. Bodies are bounded and timed (:mod:`kvtier.router.body`).
+included (500, never plain text): the replicas' own :class:`~kvtier.server.protocol.APIError`, the one
+wire contract of both. A replica's own errors (400 for a bad body, 404 for an unknown model...) come
+back to the client unchanged. Bodies are bounded and timed (:mod:`kvtier.router.body`).
 
 Plain Starlette, not FastAPI (whose import alone costs more than half a second): the router answers
-within well under a second of starting; the replica's request models (``kvtier.server.protocol``, which
-``kvtier.server.limits`` imports: ~0.1 s, no torch) are the heaviest import.
+within well under a second of starting; the wire contract (``kvtier.server.protocol``: the replica's
+request models and errors, ~0.1 s, no torch) is the heaviest import.
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ from starlette.routing import Route as Endpoint
 from kvtier.router.auth import check_admin, check_client, check_metrics, check_reader, guarded
 from kvtier.router.body import parse_json, read_body, read_json
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
-from kvtier.router.errors import RouterError
 from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import forward
 from kvtier.router.replicas import AdmissionRefused
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
+from kvtier.server.protocol import APIError, http_error, not_found
 
 logger = logging.getLogger("kvtier.router")
 
@@ -74,7 +75,7 @@ def create_app(settings: RouterSettings) -> Starlette:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(10.0))
     handlers = {
-        RouterError: _router_error,
+        APIError: _api_error,
         HTTPException: _http_error,
         NoReplica: _no_replica,
         Exception: _internal_error,
@@ -106,35 +107,32 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
 
 
 # ---------------------------------------------------------------------------------------- errors
-async def _router_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, RouterError)
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
     return exc.response()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return RouterError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+    return http_error(exc).response()
 
 
 async def _no_replica(request: Request, exc: Exception) -> Response:
     request.app.state.router.metrics.failures.labels("no_replica").inc()
     message = "no healthy replica to serve the request; retry later"
     headers = {"Retry-After": "1"}
-    return RouterError(
-        503, message, type="server_error", code="no_healthy_replica", headers=headers
-    ).response()
+    return APIError(503, message, type="server_error", code="no_healthy_replica", headers=headers).response()
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     """A bug of the router's own: OpenAI's 500, not plain text (Starlette re-raises it: uvicorn logs it)."""
-    return RouterError(500, "the router failed on this request", type="server_error").response()
+    return APIError(500, "the router failed on this request", type="server_error").response()
 
 
 def model_path(model: str) -> str:
     """``/v1/models/<model>`` for a valid model id (quoted again); a 404 for anything else."""
     if not MODEL_ID.fullmatch(model):
-        raise RouterError(
+        raise APIError(
             404, f"The model {model[:100]!r} does not exist", param="model", code="model_not_found"
         )
     return "/v1/models/" + quote(model, safe="")
@@ -203,9 +201,7 @@ async def explain(request: Request) -> Response:
     router: Router = request.app.state.router
     given = await read_json(request)
     if not isinstance(given, dict) or given.get("endpoint") not in ("chat", "completions"):
-        raise RouterError(
-            400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint"
-        )
+        raise APIError(400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint")
     path = CHAT_PATH if given["endpoint"] == "chat" else COMPLETIONS_PATH
     authorization = request.headers.get("authorization", "")
     route = await router.choose(path, given.get("request"), authorization)
@@ -217,7 +213,7 @@ async def _admin_url(request: Request) -> str:
     given = await read_json(request)
     url = given.get("url") if isinstance(given, dict) else None
     if not isinstance(url, str):
-        raise RouterError(400, 'send {"url": "http://host:port"}', param="url")
+        raise APIError(400, 'send {"url": "http://host:port"}', param="url")
     return url
 
 
@@ -229,19 +225,19 @@ async def admin_replicas(request: Request) -> Response:
     try:
         if request.method == "DELETE":
             if not router.replicas.remove(url):
-                raise RouterError(404, f"no replica {url}", param="url", code="not_found")
+                raise APIError(404, f"no replica {url}", param="url", code="not_found")
             return JSONResponse({"object": "router.replica", "url": url, "deleted": True})
         replica = await router.replicas.admit(url)
     except AdmissionRefused as refused:
-        raise RouterError(refused.status, str(refused), param="url", code=refused.code) from None
+        raise APIError(refused.status, str(refused), param="url", code=refused.code) from None
     except ValueError as exc:
-        raise RouterError(400, str(exc), param="url") from None
+        raise APIError(400, str(exc), param="url") from None
     return JSONResponse({"object": "router.replica", "url": replica.url, "healthy": replica.healthy})
 
 
 async def no_admin_route(request: Request) -> Response:
     """Any other ``/admin/...`` path or method: 404 (after the admin check: 404 too while it is off)."""
-    raise RouterError(404, "Not Found", code="not_found")
+    raise not_found()
 
 
 ROUTES = [

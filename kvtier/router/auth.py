@@ -10,22 +10,22 @@
     -        none                                /health, /dashboard (+ static)   always open
 
 Every key is sent as ``Authorization: Bearer <key>`` and compared in constant time. A wrong or missing
-key is a 401 (``invalid_api_key``, ``WWW-Authenticate: Bearer``). The admin routes never take the
-client key: a client cannot add a replica (which would then receive other clients' prompts and
-headers) or remove one. ``/dashboard`` holds no data: its script reads ``/router/state`` with the key
-the user gives it.
+key is a 401 (``invalid_api_key``, ``WWW-Authenticate: Bearer``): the replicas' wire contract
+(:mod:`kvtier.server.protocol`), so a client sees the same refusal from the router as from a replica.
+The admin routes never take the client key: a client cannot add a replica (which would then receive
+other clients' prompts and headers) or remove one. ``/dashboard`` holds no data: its script reads
+``/router/state`` with the key the user gives it.
 """
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kvtier.router.errors import RouterError
+from kvtier.server.protocol import not_found, presents, unauthorized
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -39,23 +39,9 @@ class Keys:
     metrics: str | None = None
 
 
-def bearer(request: Request) -> str | None:
-    """The token of ``Authorization: Bearer <token>``, or None."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
-def _matches(token: str | None, key: str | None) -> bool:
-    return token is not None and key is not None and secrets.compare_digest(token.encode(), key.encode())
-
-
-def _refuse(what: str) -> RouterError:
-    return RouterError(
-        401,
-        f"Incorrect or missing {what} (send 'Authorization: Bearer <key>').",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+def _presents(request: Request, *keys: str | None) -> bool:
+    """Whether the request carries one of ``keys`` (the Nones skipped)."""
+    return presents(request.headers.get("authorization", ""), *keys)
 
 
 def _keys(request: Request) -> Keys:
@@ -65,8 +51,8 @@ def _keys(request: Request) -> Keys:
 def check_client(request: Request) -> None:
     """401 unless the client key is off or given."""
     keys = _keys(request)
-    if keys.api is not None and not _matches(bearer(request), keys.api):
-        raise _refuse("API key")
+    if keys.api is not None and not _presents(request, keys.api):
+        raise unauthorized("API key")
 
 
 def check_reader(request: Request) -> None:
@@ -74,18 +60,17 @@ def check_reader(request: Request) -> None:
     keys = _keys(request)
     if keys.api is None:
         return
-    token = bearer(request)
-    if not (_matches(token, keys.api) or _matches(token, keys.admin)):
-        raise _refuse("API key")
+    if not _presents(request, keys.api, keys.admin):
+        raise unauthorized("API key")
 
 
 def check_admin(request: Request) -> None:
     """404 while the admin role is off (the routes do not exist); 401 for any other key than it."""
     keys = _keys(request)
     if keys.admin is None:
-        raise RouterError(404, "Not Found", code="not_found")
-    if not _matches(bearer(request), keys.admin):
-        raise _refuse("admin key (--admin-key; the client key is not accepted here)")
+        raise not_found()
+    if not _presents(request, keys.admin):
+        raise unauthorized("admin key (--admin-key; the client key is not accepted here)")
 
 
 def check_metrics(request: Request) -> None:
@@ -93,9 +78,8 @@ def check_metrics(request: Request) -> None:
     keys = _keys(request)
     if keys.metrics is None:
         return
-    token = bearer(request)
-    if not (_matches(token, keys.metrics) or _matches(token, keys.admin)):
-        raise _refuse("metrics key")
+    if not _presents(request, keys.metrics, keys.admin):
+        raise unauthorized("metrics key")
 
 
 def guarded(check: Callable[[Request], None], handler: Handler) -> Handler:

@@ -20,13 +20,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvtier.router.errors import RouterError
+from kvtier.server.protocol import APIError, invalid_json
 
 
 async def read_body(request: Request) -> bytes:
     """The body, at most ``--max-request-bytes`` (413 beyond, as the replicas answer)."""
     limit = request.app.state.router.settings.max_request_bytes
-    too_large = RouterError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -49,7 +49,7 @@ def parse_json(body: bytes) -> Any:
         reason = "it is not UTF-8"
     except ValueError as exc:
         reason = str(exc)
-    raise RouterError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+    raise invalid_json(reason)
 
 
 async def read_json(request: Request) -> Any:

@@ -113,8 +113,6 @@ class Router:
                 self.tokenizer_error = f"{type(exc).__name__}: {exc}"
                 logger.warning("router: no tokenizer (%s); routing by load", self.tokenizer_error)
                 return
-            import kvtier.server.protocol  # noqa: F401  the request models parse_prompt uses, loaded now
-
             self.fingerprint = fingerprint
             self.encoder = PieceEncoder(tokenizer)
             warm_up = {

@@ -2,7 +2,7 @@
 
 ::
 
-    body ──► the replica's own request models (kvtier.server.protocol): conversation / prompts
+    body ──► the replica's own request models (kvtier.server.protocol): conversation / prompts, salt
          ──► token ids: chat template + tokenizer (``Tokenizer.encode_chat``), or ``encode``, or the ids
          ──► root_hash((cache_identity, cache_salt or "")) ──► hash_full_blocks(ids, block_size)
 
@@ -13,8 +13,8 @@ model fingerprint the router computes is compared with every replica's ``GET /v1
 serving another model is routed by load only. ``cache_identity``, ``block_size`` and the hash spec
 version come from each replica's ``/v1/kv/info`` (``docs/block-hashes.md``).
 
-With ``--prefix-cache-scope user`` (set it like the replicas) the salt is derived from the tenant the
-way ``kvtier.server.app.tenant_salt`` derives it.
+With ``--prefix-cache-scope user`` (set it like the replicas) the salt is derived from the tenant by the
+replicas' own derivation (``kvtier.server.protocol.tenant_salt``).
 
 Nothing here imports torch: the router starts in well under a second and loads the tokenizer on a
 thread meanwhile (requests arriving before it is loaded are routed by load, reason ``fallback``).
@@ -22,15 +22,16 @@ thread meanwhile (requests arriving before it is loaded are routed by load, reas
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvtier.config import ConfigError
 from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
 from kvtier.router.tokens import PieceEncoder
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, tenant_salt
 from kvtier.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
@@ -79,15 +80,6 @@ class Prompt:
         return [hash_full_blocks(ids, block_size, root) for ids in (self.token_ids, *self.more)]
 
 
-def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, scope: str) -> str | None:
-    """The salt the replica uses (``kvtier.server.app.tenant_salt``, pinned by a test)."""
-    if scope != "user":
-        return cache_salt
-    _, _, key = authorization.partition(" ")
-    parts = (key.strip(), user or "", cache_salt or "")
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
 def parse_prompt(
     tokenizer: Tokenizer,
     path: str,
@@ -99,10 +91,6 @@ def parse_prompt(
     """The request's prompts as token ids, or None when the body is not one the replica would
     run (the replica then answers its own 400; the router routes such a request by load). ``encoder``
     tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
-    from pydantic import ValidationError
-
-    from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
-
     try:
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(body)

@@ -30,8 +30,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvtier.router.core import Route, Router
-from kvtier.router.errors import RouterError
 from kvtier.router.replicas import Replica
+from kvtier.server.protocol import APIError
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 _REQUEST_HEADERS = ("authorization", "content-type", "accept")
@@ -76,7 +76,7 @@ async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> A
             yield chunk
     except httpx.TransportError as exc:
         if "text/event-stream" in upstream.headers.get("content-type", ""):
-            error = RouterError(
+            error = APIError(
                 502, f"the replica broke off the stream: {type(exc).__name__}", type="server_error"
             )
             yield f"data: {json.dumps(error.body())}\n\n".encode()
@@ -188,7 +188,7 @@ async def attempt(
         return (
             None
             if not last
-            else RouterError(502, "the replica broke off its answer", type="server_error").response()
+            else APIError(502, "the replica broke off its answer", type="server_error").response()
         )
     return Response(content, status_code=upstream.status_code, headers=headers)
 
@@ -218,7 +218,7 @@ async def forward(
             return answer
     router.metrics.failures.labels("upstream").inc()
     urls = ", ".join(r.url for r in tries)
-    return RouterError(
+    return APIError(
         502,
         f"no replica answered ({urls}); retry later",
         type="server_error",

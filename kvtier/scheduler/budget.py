@@ -62,8 +62,3 @@ class StepBudget:
         spare_s = max(0.0, self.target_s(oldest_wait_s) - cost.decode_step_s)
         tokens = int(spare_s * cost.prefill_tokens_per_s)
         return min(cap, max(tokens, MIN_PREFILL_TOKENS))
-
-    def step_limit_s(self, num_decodes: int, oldest_wait_s: float = 0.0) -> float:
-        """The longest step this budget plans (what a decode may wait), by the cost model."""
-        tokens = self.prefill_tokens(num_decodes, oldest_wait_s)
-        return self.cost_model.step_seconds(num_decodes, tokens)

@@ -20,9 +20,9 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
                          them at once (those already mid-prefill first)
                     with P = 0: running prompts first, then waiting ones, each takes what is left
 
-**legacy** (the scheduler before issue 14): one fixed token budget; running sequences in admission
-order take 1 token or their next chunk (a long prompt's 2,048-token chunk shares the step with
-every decode), then waiting ones in arrival order.
+**legacy** (the first scheduler, before step budgets and fair order): one fixed token budget; running
+sequences in admission order take 1 token or their next chunk (a long prompt's 2,048-token chunk
+shares the step with every decode), then waiting ones in arrival order.
 
 In both, preemption either *swaps* the sequence's KV to the host tier (loaded back when it resumes)
 or drops its blocks to be *recomputed* later (usually mostly from the prefix cache);
@@ -93,10 +93,6 @@ class SchedulerOutput:
     @property
     def scheduled(self) -> list[ScheduledSeq]:
         return self.decodes + self.prefills
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.decodes) + sum(s.num_new_tokens for s in self.prefills)
 
     @property
     def is_empty(self) -> bool:
@@ -352,7 +348,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------- the legacy policy
     def _schedule_legacy(self, out: SchedulerOutput) -> list[ScheduledSeq]:
-        """The scheduler before issue 14: one fixed token budget, admission order."""
+        """The first scheduler: one fixed token budget, admission order."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         i = 0
@@ -442,27 +438,34 @@ class Scheduler:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     # ------------------------------------------------------------------------- inspection
-    def describe(self) -> list[dict[str, Any]]:
-        """One row per running and waiting sequence: its state and timings (monotonic seconds), for
-        a dashboard (call it on the engine thread)."""
-        return [
-            {
-                "request_id": s.request_id,
-                "seq_id": s.seq_id,
-                "status": s.status.value,
-                "priority": s.priority,
-                "tenant": s.tenant,
-                "num_prompt_tokens": s.num_prompt_tokens,
-                "num_computed_tokens": s.num_computed_tokens,
-                "num_output_tokens": s.num_output_tokens,
-                "num_preemptions": s.num_preemptions,
-                "arrival_time": s.arrival_time,
-                "first_scheduled_time": s.first_scheduled_time,
-                "first_token_time": s.first_token_time,
-                "last_token_time": s.last_token_time,
-            }
-            for s in itertools.chain(self.running, self.waiting)
-        ]
+    def describe(self, limit: int) -> dict[str, Any]:
+        """Up to ``limit`` running and waiting sequences, one row each (what they hold, what each tier
+        served them), and the whole counts: for a dashboard (call it on the engine thread)."""
+        now = self.clock()
+        return {
+            "running": [self._row(s, now) for s in self.running[:limit]],
+            "waiting": [self._row(s, now) for s in itertools.islice(self.waiting, limit)],
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+        }
+
+    def _row(self, seq: Sequence, now: float) -> dict[str, Any]:
+        return {
+            "seq_id": seq.seq_id,
+            "status": seq.status.value,
+            "prompt_tokens": seq.num_prompt_tokens,
+            "output_tokens": seq.num_output_tokens,
+            "computed_tokens": seq.num_computed_tokens,
+            "cached_tokens": seq.num_cached_tokens,
+            "cached_tokens_by_tier": {str(m): n for m, n in seq.cached_tokens_by_tier.items() if n},
+            "preemptions": seq.num_preemptions,
+            "swapped": self.kv.is_swapped(seq.seq_id),
+            "age_s": max(0.0, now - seq.arrival_time),
+        }
+
+    def waiting_weight(self) -> int:
+        """Sequences waiting to start, a prompt that will fork into ``n`` counting ``n``."""
+        return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in self.waiting)
 
 
 class _PrefillPlan:

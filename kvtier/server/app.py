@@ -28,9 +28,10 @@ routes run in three steps::
                                  respond: an SSE stream, or one JSON body (499 if the client left)
 
 With ``--prefix-cache-scope user`` every request's ``cache_salt`` is derived from its tenant (the API key
-it presented and its ``user`` field), so one tenant's prompts are never a prefix-cache hit for another
-(see the README's Security section). On SIGTERM the server drains (:mod:`.shutdown`): ``/health`` and new
-requests answer 503 while the running ones finish.
+it presented and its ``user`` field: :func:`.protocol.tenant_salt`, which the router shares), so one
+tenant's prompts are never a prefix-cache hit for another (see the README's Security section). On
+SIGTERM the server drains (:mod:`.shutdown`): ``/health`` and new requests answer 503 while the running
+ones finish.
 """
 
 from __future__ import annotations
@@ -55,23 +56,10 @@ from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
+from kvtier.scheduler.admission import KVCapacityExceeded, QueueWaitExceeded
 from kvtier.server import bodies, prompts
-from kvtier.server.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineNotReady,
-    KVCapacityExceeded,
-    QueueWaitExceeded,
-    RequestStream,
-)
-from kvtier.server.auth import (
-    check_distinct,
-    check_key,
-    check_kv_reader,
-    check_metrics,
-    tenant_of,
-    tenant_salt,
-)
+from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
+from kvtier.server.auth import check_distinct, check_key, check_kv_reader, check_metrics
 from kvtier.server.dashboard import dashboard_router
 from kvtier.server.kv_routes import kv_router
 from kvtier.server.limits import RequestLimits
@@ -82,7 +70,11 @@ from kvtier.server.protocol import (
     CompletionRequest,
     GenerationRequest,
     bad_request,
+    check_model,
     clip,
+    http_error,
+    tenant_of,
+    tenant_salt,
     validation_error,
 )
 from kvtier.server.responses import DONE, Formatter, Kind, sse
@@ -178,7 +170,7 @@ def create_app(
         on_load_error=on_load_error,
         on_ready=on_ready,
     )
-    metrics.watch_kv_admission(lambda: engine.kv_admission)
+    metrics.watch_kv_admission(lambda: engine.stats)
     app = FastAPI(title="kvtier", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
     app.state.metrics = metrics
@@ -196,7 +188,7 @@ def create_app(
     app.include_router(v1)
     app.include_router(kv_router())  # GET /v1/kv/info, /v1/kv/blocks, ...; POST /admin/kv/quarantine
     app.include_router(dashboard_router(app, check_kv_reader))  # GET /dashboard, /v1/kv/dashboard
-    app.include_router(tokenize_router(check_key))  # POST /tokenize, /detokenize
+    app.include_router(tokenize_router())  # POST /tokenize, /detokenize
     app.include_router(root)
     return app
 
@@ -228,8 +220,7 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
+    return http_error(exc).response()
 
 
 async def _not_ready(request: Request, exc: EngineNotReady) -> JSONResponse:
@@ -247,13 +238,6 @@ async def _internal(request: Request, exc: Exception) -> JSONResponse:
 
 
 # ---------------------------------------------------------------------------------------- checks
-def check_model(settings: ServerSettings, model: str | None) -> None:
-    if model is not None and model != settings.model_name:
-        raise APIError(
-            404, f"The model `{clip(model)}` does not exist.", param="model", code="model_not_found"
-        )
-
-
 def check_open(request: Request) -> None:
     """503 once the server is draining (SIGTERM): the router sends the request elsewhere."""
     if request.app.state.draining:
@@ -327,7 +311,7 @@ def _refusal(exc: Exception, metrics: ServerMetrics, param: str) -> APIError:
     """The answer to a request the engine refused: 503 past capacity, 400 for bad input."""
     if isinstance(exc, QueueWaitExceeded | KVCapacityExceeded):
         code = "queue_wait" if isinstance(exc, QueueWaitExceeded) else "kv_capacity"
-        retry = exc.retry_after_s if isinstance(exc, QueueWaitExceeded) else exc.verdict.retry_after_s
+        retry = exc.retry_after_s
         metrics.reject(code)
         headers = {"Retry-After": str(retry)}
         return APIError(503, str(exc), type="server_error", code=code, headers=headers)
@@ -412,10 +396,7 @@ class _Opened:
 
     def tokenizer(self) -> tuple[Tokenizer, int]:
         """The model's tokenizer and ``max_model_len``; EngineNotReady (503) while the model loads."""
-        engine: AsyncEngine = self.request.app.state.engine
-        if not engine.ready or engine.tokenizer is None or engine.max_model_len is None:
-            raise EngineNotReady(engine.not_ready_reason())
-        return engine.tokenizer, engine.max_model_len
+        return prompts.loaded_tokenizer(self.request.app.state.engine)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the tokenizer pool (never the event loop)."""
@@ -433,16 +414,19 @@ class _Opened:
         """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
         body, state = self.body, self.request.app.state
         check_open(self.request)
+        authorization = self.request.headers.get("authorization", "")
         streams = await admit(
             state.engine,
             state.metrics,
             given,
             self.params,
-            cache_salt=tenant_salt(self.request, body),
+            cache_salt=tenant_salt(
+                authorization, body.user, body.cache_salt, state.settings.prefix_cache_scope
+            ),
             arrival=self.arrival,
             param=param,
             priority=body.priority,
-            tenant=tenant_of(self.request, body),
+            tenant=tenant_of(authorization, body.user),
         )
         tokenizer = state.engine.tokenizer
         assert tokenizer is not None  # admitted: the model has loaded
@@ -467,7 +451,7 @@ def _open(request: Request, body: GenerationRequest) -> _Opened:
     arrival = time.monotonic()
     check_open(request)
     settings: ServerSettings = request.app.state.settings
-    check_model(settings, body.model)
+    check_model(settings.model_name, body.model)
     if body.n > settings.max_n:
         raise bad_request(f"n must be at most {settings.max_n} (--max-n), got {clip(body.n)}", "n")
     return _Opened(request, body, body.sampling_params(), arrival)
@@ -531,7 +515,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 @v1.get("/models/{model:path}")
 async def model(model: str, request: Request) -> dict[str, Any]:
-    check_model(request.app.state.settings, model)
+    check_model(request.app.state.settings.model_name, model)
     return _model_card(request)
 
 

@@ -22,8 +22,9 @@ thread holds the ``LLMEngine``.
 
 Admission counts sequences, not API calls: a request with ``n`` completions weighs ``n`` in the queue
 (``add(..., weight=n)``), so ``queue_depth()`` is the number of sequences waiting to start. It also
-weighs KV blocks (:class:`~kvtier.server.limits.KVAdmission`, on the engine thread as the request is
-handed over): a request that would oversubscribe the KV cache fails with :class:`KVCapacityExceeded`.
+weighs KV blocks and the predicted wait: the engine decides as the request is handed over
+(``add_request(..., admit=True)``, kvtier/scheduler/admission.py), and a refused one fails with
+:class:`KVCapacityExceeded` or :class:`QueueWaitExceeded`.
 A request's ``arrival_time`` (when the HTTP layer received it), ``priority`` and ``tenant`` go into the
 engine with it: the scheduler orders by them and ``RequestOutput.metrics`` measures from that arrival.
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import queue
 import threading
 import time
@@ -46,7 +46,6 @@ from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.server.limits import MAX_RETRY_S, KVAdmission, KVVerdict
 from kvtier.stats import EngineStats
 from kvtier.worker.structured import COMPILE_TIMEOUT_S, Grammars
 
@@ -68,26 +67,6 @@ class EngineDeadError(RuntimeError):
 class RequestFailed(EngineDeadError):
     """This request alone ended with an error (its sampling failed, or its K/V was corrupt): raised on
     its stream only; the engine and every other request go on."""
-
-
-class QueueWaitExceeded(RuntimeError):
-    """The request would wait longer than ``--max-queue-wait-s`` to start (a 503 with ``Retry-After``)."""
-
-    def __init__(self, wait_s: float, limit_s: float):
-        self.wait_s, self.limit_s = wait_s, limit_s
-        self.retry_after_s = max(1, min(MAX_RETRY_S, math.ceil(wait_s - limit_s)))
-        super().__init__(
-            f"the server is past its capacity: this request would wait about {wait_s:.0f} s to start "
-            f"(--max-queue-wait-s {limit_s:g}); retry in {self.retry_after_s} s"
-        )
-
-
-class KVCapacityExceeded(RuntimeError):
-    """Admitting the request would oversubscribe the KV cache (a 503 with ``Retry-After``)."""
-
-    def __init__(self, verdict: KVVerdict):
-        super().__init__(verdict.message())
-        self.verdict = verdict
 
 
 class EngineObserver(Protocol):
@@ -198,7 +177,6 @@ class AsyncEngine:
         # (latest stats, weight processed when it was taken, weight waiting in the scheduler):
         # replaced whole, read without a lock.
         self._snapshot: tuple[EngineStats | None, int, int] = (None, 0, 0)
-        self.kv_admission: KVAdmission | None = None  # set when the model has loaded
         self._stopped = False
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -381,12 +359,9 @@ class AsyncEngine:
                 self._on_load_error(exc)
             return
         self._snapshot = (engine.stats(), 0, 0)
-        config = engine.config
-        self.kv_admission = KVAdmission(config.scheduler.kv_admission_factor, config.cache.num_device_blocks)
         _ = engine.tokenizer.max_token_chars  # computed once here, not on the event loop
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        sampler = getattr(engine, "sampler", None)  # thread-safe compiles (kvtier/worker/structured.py)
-        self.grammars = getattr(sampler, "grammars", None)
+        self.grammars = engine.grammars  # thread-safe compiles (kvtier/worker/structured.py)
         self._engine = engine  # ready from here on
         self._loaded.set()
         if self._on_ready is not None:
@@ -431,11 +406,10 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("canary check failed")
             now = time.monotonic()
-            self._note_kv(engine, outputs)
             stats = engine.stats()
             if self._observer is not None:
                 self._observer.on_step(outputs, stats, now)
-            self._snapshot = (stats, self._num_processed, _waiting_weight(engine))
+            self._snapshot = (stats, self._num_processed, stats.num_seqs_waiting)
             if outputs:
                 self._post(self._dispatch, outputs)
             elif stats.num_requests_running == 0 and engine.has_unfinished_requests():
@@ -451,49 +425,10 @@ class AsyncEngine:
             if isinstance(cmd, _Add | _Call):
                 self._post(self._resolve, cmd.future, None, stopped)
 
-    def _note_kv(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
-        """The KV demand estimate for /metrics, and the blocks finished requests gave back."""
-        admission = self.kv_admission
-        if admission is None:
-            return
-        admission.demand_blocks = engine.scheduler.kv_demand_blocks()
-        bs = engine.kv.block_size
-        for out in outputs:
-            if out.finished:
-                num_prompt = len(out.prompt_token_ids)
-                admission.on_finished(sum(-(-(num_prompt + len(c.token_ids)) // bs) for c in out.outputs))
-
-    def _check_kv(self, engine: LLMEngine, cmd: _Add) -> None:
-        """``KVCapacityExceeded`` when this request would oversubscribe the KV cache."""
-        admission = self.kv_admission
-        if admission is None or not admission.enabled:
-            return
-        _, token_ids = engine.tokenize_prompt(cmd.prompt)
-        extra_keys = (engine.cache_identity, cmd.cache_salt or "")
-        need = engine.scheduler.kv_need_for(
-            token_ids, extra_keys, cmd.params.max_tokens, engine.max_model_len, cmd.params.n
-        )
-        verdict = admission.check(engine.scheduler.kv_demand_blocks(), need)
-        if not verdict.admit:
-            raise KVCapacityExceeded(verdict)
-
-    @staticmethod
-    def _check_wait(engine: LLMEngine, cmd: _Add) -> None:
-        """``QueueWaitExceeded`` when this request would wait longer than ``--max-queue-wait-s``
-        to join the running batch (kvtier.scheduler.goodput)."""
-        limit = engine.config.scheduler.max_queue_wait_s
-        if limit <= 0:
-            return
-        wait = engine.scheduler.predicted_wait_s(cmd.weight)
-        if wait is not None and wait > limit:
-            raise QueueWaitExceeded(wait, limit)
-
     def _handle(self, engine: LLMEngine, cmd: Any) -> None:
         if isinstance(cmd, _Add):
             self._num_processed += cmd.weight
-            try:
-                self._check_kv(engine, cmd)
-                self._check_wait(engine, cmd)
+            try:  # refused past capacity: KVCapacityExceeded / QueueWaitExceeded (503 + Retry-After)
                 engine.add_request(
                     cmd.prompt,
                     cmd.params,
@@ -502,6 +437,7 @@ class AsyncEngine:
                     priority=cmd.priority,
                     tenant=cmd.tenant,
                     arrival_time=cmd.arrival_time,
+                    admit=True,
                 )
             except Exception as exc:
                 self._post(self._resolve, cmd.future, None, exc)
@@ -520,7 +456,3 @@ class AsyncEngine:
             else:
                 self._post(self._resolve, cmd.future, result)
 
-
-def _waiting_weight(engine: LLMEngine) -> int:
-    """Sequences waiting in the scheduler, a prompt that will fork into ``n`` counting ``n``."""
-    return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in engine.scheduler.waiting)

@@ -22,32 +22,25 @@ A key that is not set leaves its role open, except the admin's: **without ``--ad
 convention), and with it a wrong or missing key is a 401 and the client key is never accepted there.
 The admin key must differ from every other key (``check_distinct``), so holding a lower role's key
 never grants it. A key is sent as ``Authorization: Bearer <key>`` and compared in constant time; a
-wrong one is a 401 with ``WWW-Authenticate: Bearer`` and OpenAI's error body.
+wrong one is a 401 with ``WWW-Authenticate: Bearer`` and OpenAI's error body (both the wire contract's,
+:mod:`kvtier.server.protocol`, which ``kvtier router`` shares).
 
 Why ``/v1/kv/blocks`` has its own role: its block hashes let whoever reads them test guesses of other
 users' prompts (hash a guess, look it up). ``kvtier router`` reads ``/v1/kv/info`` and ``/v1/kv/blocks``
 with the one key it holds for its replicas (its ``--api-key``), so without ``--kv-read-key`` those
 routes take the client key and the router keeps working; an operator whose clients must not read block
 hashes sets ``--kv-read-key`` and gives the router that key for its own calls to the replicas.
-
-``tenant_salt`` and ``tenant_of`` derive a request's prefix-cache salt and fair-share key from the
-client key it presented (``--prefix-cache-scope user``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from fastapi import Request
 
 from kvtier.config import ConfigError
-from kvtier.server.protocol import APIError
-
-if TYPE_CHECKING:
-    from kvtier.server.protocol import GenerationRequest
+from kvtier.server.protocol import not_found, presents, unauthorized
 
 
 class Keys(Protocol):
@@ -69,27 +62,9 @@ def check_distinct(keys: Keys) -> None:
             raise ConfigError(f"--admin-key must differ from {flag} (its holders would be admins)")
 
 
-def _bearer(request: Request) -> bytes | None:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return token.strip().encode() if scheme.lower() == "bearer" else None
-
-
 def _presents(request: Request, *keys: str | None) -> bool:
-    """Whether the request carries one of ``keys`` (the Nones skipped); every key compared."""
-    token = _bearer(request)
-    if token is None:
-        return False
-    matches = [secrets.compare_digest(token, key.encode()) for key in keys if key is not None]
-    return any(matches)
-
-
-def _refuse(what: str) -> APIError:
-    return APIError(
-        401,
-        f"Incorrect or missing {what} (send 'Authorization: Bearer <key>').",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+    """Whether the request carries one of ``keys`` (the Nones skipped)."""
+    return presents(request.headers.get("authorization", ""), *keys)
 
 
 def _keys(request: Request) -> Keys:
@@ -101,14 +76,14 @@ def check_key(request: Request) -> None:
     """The client role: 401 unless the request carries the ``--api-key`` (when one is set)."""
     keys = _keys(request)
     if keys.api_key is not None and not _presents(request, keys.api_key):
-        raise _refuse("API key")
+        raise unauthorized("API key")
 
 
 def check_kv_info(request: Request) -> None:
     """``/v1/kv/info``: any of the client, kv reader and admin keys (open when no client key is set)."""
     keys = _keys(request)
     if keys.api_key is not None and not _presents(request, keys.api_key, keys.kv_read_key, keys.admin_key):
-        raise _refuse("API key")
+        raise unauthorized("API key")
 
 
 def check_kv_reader(request: Request) -> None:
@@ -117,42 +92,23 @@ def check_kv_reader(request: Request) -> None:
     keys = _keys(request)
     if keys.kv_read_key is None:
         if keys.api_key is not None and not _presents(request, keys.api_key, keys.admin_key):
-            raise _refuse("API key")
+            raise unauthorized("API key")
         return
     if not _presents(request, keys.kv_read_key, keys.admin_key):
-        raise _refuse("KV read key (--kv-read-key)")
+        raise unauthorized("KV read key (--kv-read-key)")
 
 
 def check_metrics(request: Request) -> None:
     """``/metrics``: open without ``--metrics-key``; else that key or the admin key."""
     keys = _keys(request)
     if keys.metrics_key is not None and not _presents(request, keys.metrics_key, keys.admin_key):
-        raise _refuse("metrics key (--metrics-key)")
+        raise unauthorized("metrics key (--metrics-key)")
 
 
 def check_admin(request: Request) -> None:
     """``/admin/*``: 404 without ``--admin-key`` (the route does not exist), 401 without that key."""
     keys = _keys(request)
     if keys.admin_key is None:
-        raise APIError(404, "Not Found", code="not_found")
+        raise not_found()
     if not _presents(request, keys.admin_key):
-        raise _refuse("admin key (--admin-key)")
-
-
-# -------------------------------------------------------------------------------------- tenants
-def tenant_salt(request: Request, body: GenerationRequest) -> str | None:
-    """The request's ``cache_salt``; with ``--prefix-cache-scope user`` one derived from its tenant (the
-    key it presented and its ``user`` field; neither: the anonymous tenant) and its own salt."""
-    if request.app.state.settings.prefix_cache_scope != "user":
-        return body.cache_salt
-    _, _, key = request.headers.get("authorization", "").partition(" ")
-    parts = (key.strip(), body.user or "", body.cache_salt or "")
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def tenant_of(request: Request, body: GenerationRequest) -> str:
-    """The request's fair-share key: its API key and ``user`` field, hashed (neither: "")."""
-    _, _, key = request.headers.get("authorization", "").partition(" ")
-    if not key.strip() and not body.user:
-        return ""
-    return hashlib.sha256(json.dumps((key.strip(), body.user or "")).encode()).hexdigest()[:16]
+        raise unauthorized("admin key (--admin-key)")

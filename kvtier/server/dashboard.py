@@ -63,7 +63,6 @@ if TYPE_CHECKING:  # plain Starlette at import, no torch nor FastAPI: ``kvtier r
     from fastapi import APIRouter
 
     from kvtier.engine import LLMEngine
-    from kvtier.sequence import Sequence
     from kvtier.server.async_engine import AsyncEngine
 
 HISTORY_S = 300  # seconds of history kept
@@ -217,38 +216,10 @@ def block_map(
     }
 
 
-def _seq_row(seq: Sequence, engine: LLMEngine, now: float) -> dict[str, Any]:
-    """One running or waiting sequence, with the prompt tokens each tier served it."""
-    return {
-        "seq_id": seq.seq_id,
-        "status": seq.status.value,
-        "prompt_tokens": seq.num_prompt_tokens,
-        "output_tokens": seq.num_output_tokens,
-        "computed_tokens": seq.num_computed_tokens,
-        "cached_tokens": seq.num_cached_tokens,
-        "cached_tokens_by_tier": {str(m): n for m, n in seq.cached_tokens_by_tier.items() if n},
-        "preemptions": seq.num_preemptions,
-        "swapped": engine.kv.is_swapped(seq.seq_id),
-        "age_s": max(0.0, now - seq.arrival_time),
-    }
-
-
 def engine_view(engine: LLMEngine) -> dict[str, Any]:
     """What only the engine thread can read: each block's state and the sequences (``AsyncEngine.call``;
     ``block_states`` is encoded by :func:`block_map` off that thread)."""
-    now = time.monotonic()
-    sched = engine.scheduler
-    return {
-        "replica_id": engine.replica_id,
-        "block_size": engine.kv.block_size,
-        "block_states": engine.kv.block_map(),
-        "requests": {
-            "running": [_seq_row(s, engine, now) for s in sched.running[:MAX_LISTED]],
-            "waiting": [_seq_row(s, engine, now) for s in list(sched.waiting)[:MAX_LISTED]],
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-        },
-    }
+    return engine.describe(MAX_LISTED)
 
 
 def _serves(app: Starlette, path: str) -> bool:

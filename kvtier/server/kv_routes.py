@@ -85,7 +85,7 @@ def kv_router() -> APIRouter:
         def snapshot(e: LLMEngine) -> tuple[dict[Medium, list[bytes]], int | None, str | None, str, int]:
             held, seq = e.kv_blocks()
             instance = e.kv_events.instance if e.kv_events is not None else None
-            return held, seq, instance, e.replica_id, e.kv.block_size
+            return held, seq, instance, e.replica_id, e.block_size
 
         engine: AsyncEngine = request.app.state.engine
         held, seq, instance, replica_id, block_size = await engine.call(snapshot)

@@ -15,27 +15,14 @@ after the body, the app's ``receive`` is the server's again (so a client that le
 connection's opening) to the end of its headers: uvicorn itself never times out a connection that has
 not finished a first request.
 
-:class:`KVAdmission` is admission by KV capacity (issue 14), beyond ``--max-queue``'s count of
-sequences. Every request's KV need is estimated as ``prompt + max_tokens`` in blocks, minus the
-prompt's blocks the device pool already caches (a running one: minus the blocks it holds)::
-
-    demand = need(running) + need(waiting)                    (Scheduler.kv_demand_blocks)
-    refuse the new request (503)  when demand > 0 and demand + need(new) > kv_admission_factor * pool
-
-Below that bound the scheduler can run everything without preempting much (at factor 1, not at
-all); above it accepting would only turn into a preemption storm. ``Retry-After`` is how long the
-excess takes to drain at the rate finished requests have been releasing blocks (the last
-``DRAIN_WINDOW_S`` seconds), clamped to [1, 60] s.
+Admission by KV capacity and by queue wait is the engine's decision (``kvtier/scheduler/admission.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import h11
@@ -188,67 +175,3 @@ class TimedH11Protocol(H11Protocol):
 def timed_h11_protocol(header_timeout: float) -> type[TimedH11Protocol]:
     """A :class:`TimedH11Protocol` class with this header timeout (uvicorn's ``http=`` takes a class)."""
     return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout": header_timeout})
-
-
-# ------------------------------------------------------------------------- admission by KV capacity
-DRAIN_WINDOW_S = 30.0
-UNKNOWN_DRAIN_RETRY_S = 5  # Retry-After before any request has finished
-MAX_RETRY_S = 60
-
-
-@dataclass(frozen=True)
-class KVVerdict:
-    admit: bool
-    need_blocks: int  # the new request's estimate
-    demand_blocks: int  # running + waiting requests' estimate before it
-    limit_blocks: int  # kv_admission_factor x the device pool
-    retry_after_s: int  # when refused: the excess over the drain rate
-
-    def message(self) -> str:
-        return (
-            f"the server's KV cache is oversubscribed: running and waiting requests need about "
-            f"{self.demand_blocks} blocks and this one {self.need_blocks}, above the admission limit of "
-            f"{self.limit_blocks} (--kv-admission-factor x the device pool); retry in {self.retry_after_s} s"
-        )
-
-
-class KVAdmission:
-    """Admission by KV capacity and the drain rate behind ``Retry-After``. Used on the engine thread."""
-
-    def __init__(self, factor: float, num_device_blocks: int, clock: Any = time.monotonic):
-        self.factor = factor
-        self.limit_blocks = int(factor * num_device_blocks)
-        self.clock = clock
-        self._freed: deque[tuple[float, int]] = deque()  # (time, blocks) of finished requests
-        self.demand_blocks = 0  # the latest estimate (exported on /metrics)
-
-    @property
-    def enabled(self) -> bool:
-        return self.factor > 0
-
-    def check(self, demand_blocks: int, need_blocks: int) -> KVVerdict:
-        """Whether a request needing ``need_blocks`` may join ``demand_blocks`` of running + waiting work."""
-        self.demand_blocks = demand_blocks
-        excess = demand_blocks + need_blocks - self.limit_blocks
-        admit = not self.enabled or demand_blocks == 0 or excess <= 0
-        retry = 0 if admit else self.retry_after_s(excess)
-        return KVVerdict(admit, need_blocks, demand_blocks, self.limit_blocks, retry)
-
-    def on_finished(self, num_blocks: int) -> None:
-        """A request finished and gave ``num_blocks`` device blocks back."""
-        self._freed.append((self.clock(), num_blocks))
-
-    def drain_blocks_per_s(self) -> float | None:
-        now = self.clock()
-        while self._freed and self._freed[0][0] < now - DRAIN_WINDOW_S:
-            self._freed.popleft()
-        if not self._freed:
-            return None
-        span = max(now - self._freed[0][0], 1.0)
-        return sum(b for _, b in self._freed) / span
-
-    def retry_after_s(self, excess_blocks: int) -> int:
-        rate = self.drain_blocks_per_s()
-        if not rate:
-            return UNKNOWN_DRAIN_RETRY_S
-        return max(1, min(MAX_RETRY_S, math.ceil(excess_blocks / rate)))

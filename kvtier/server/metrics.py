@@ -116,10 +116,6 @@ class _StatsCollector(Collector):
         yield from _insight_families(stats)
 
 
-def _limit(admission: Any) -> int:
-    return admission.limit_blocks if admission is not None and admission.enabled else 0
-
-
 def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
     errors = CounterMetricFamily(PREFIX + _REMOTE_ERRORS[0], _REMOTE_ERRORS[1], labels=["kind"])
     for kind in list(ERROR_KINDS) + sorted(set(remote.errors) - set(ERROR_KINDS)):
@@ -207,7 +203,8 @@ class ServerMetrics:
         self._last_token: dict[str, dict[int, float]] = {}  # request id -> choice -> time
 
     def watch_kv_admission(self, source: Callable[[], Any]) -> None:
-        """Gauges of admission by KV capacity, read from ``source()`` (a ``KVAdmission`` or None)."""
+        """Gauges of admission by KV capacity, read from ``source()`` (the latest ``EngineStats``, None
+        before the model has loaded)."""
         demand = Gauge(
             PREFIX + "kv_demand_blocks",
             "KV blocks running and waiting requests still need, at most (prompt + max_tokens, minus "
@@ -219,8 +216,8 @@ class ServerMetrics:
             "Demand in KV blocks above which new requests get 503 (0: admission by KV capacity off).",
             registry=self.registry,
         )
-        demand.set_function(lambda: float(getattr(source(), "demand_blocks", 0)))
-        limit.set_function(lambda: float(_limit(source())))
+        demand.set_function(lambda: float(getattr(source(), "kv_demand_blocks", 0)))
+        limit.set_function(lambda: float(getattr(source(), "kv_admission_limit_blocks", 0)))
 
     # ----------------------------------------------------------------------- engine thread
     def on_add(self, request_id: str, arrival_time: float) -> None:

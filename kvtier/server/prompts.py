@@ -4,6 +4,7 @@
 
     on the event loop (microseconds)             on the tokenizer pool (a few threads)
     ────────────────────────────────             ─────────────────────────────────────
+    loaded_tokenizer(): 503 while loading
     check_text_length(): characters /            render_chat(): the chat template, contents as text
       max_token_chars >= max_model_len: 400      encode_prompts(): each text prompt
     check_chat_length(): the same, plus one      check_context(): prompt + max_tokens <= max_model_len
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 
 from kvtier.config import ConfigError
 from kvtier.engine import PromptType
+from kvtier.server.async_engine import AsyncEngine, EngineNotReady
 from kvtier.server.protocol import APIError, bad_request
 from kvtier.tokenizer import Tokenizer
 
@@ -42,6 +44,13 @@ def tokenizer_pool() -> ThreadPoolExecutor:
 async def off_loop(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
     """``fn(*args)`` on the tokenizer pool."""
     return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
+def loaded_tokenizer(engine: AsyncEngine) -> tuple[Tokenizer, int]:
+    """The served model's tokenizer and ``max_model_len``; EngineNotReady (503) while the model loads."""
+    if not engine.ready or engine.tokenizer is None or engine.max_model_len is None:
+        raise EngineNotReady(engine.not_ready_reason())
+    return engine.tokenizer, engine.max_model_len
 
 
 def context_error(num_prompt: int, max_tokens: int | None, max_model_len: int, param: str) -> APIError:

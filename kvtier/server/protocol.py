@@ -1,4 +1,10 @@
-"""The OpenAI wire format: request models, their ``SamplingParams``, and errors in OpenAI's JSON shape.
+"""The OpenAI wire contract of ``kvtier serve`` and ``kvtier router``: request models, their
+``SamplingParams``, errors in OpenAI's JSON shape, how a key is presented and a tenant's cache salt.
+
+One module for both processes: the router validates a body with the replica's own request models (to
+hash its prompt as the replica will), answers its own errors with :class:`APIError` and derives the
+salt with :func:`tenant_salt`, so what it computes and what it answers cannot drift from the replica's.
+It imports pydantic and Starlette, never FastAPI or torch (the router starts on plain Starlette).
 
 Request models are strict (a string is not a number, ``true`` is not an integer) and accept unknown
 fields (clients send fields kvtier has no use for, such as ``metadata``), except the parameters that
@@ -32,14 +38,24 @@ and ``Infinity``).
 
 Every error body is ``{"error": {"message", "type", "param", "code"}}``; a message quotes at most
 ``MAX_ECHO`` characters of what the client sent.
+
+A key is sent as ``Authorization: Bearer <key>`` and compared in constant time (:func:`presents`); a
+missing or wrong one is a 401 (:func:`unauthorized`). Which route takes which key is each app's own
+table (``kvtier.server.auth``, ``kvtier.router.auth``). With ``--prefix-cache-scope user`` a request's
+``cache_salt`` is derived from its tenant (:func:`tenant_salt`: the key it presented, its ``user`` field
+and its own salt), so one tenant's prompts are never a prefix-cache hit for another.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import secrets
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.config import ConfigError
@@ -103,6 +119,40 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def http_error(exc: HTTPException) -> APIError:
+    """Starlette's own 404 (no such route) or 405 (another method) in OpenAI's shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
+
+
+def not_found() -> APIError:
+    """The 404 of a route that does not exist (an ``/admin`` route while the admin role is off)."""
+    return APIError(404, "Not Found", code="not_found")
+
+
+def unauthorized(what: str) -> APIError:
+    """The 401 for a missing or wrong key; ``what`` names the key the route takes."""
+    return APIError(
+        401,
+        f"Incorrect or missing {what} (send 'Authorization: Bearer <key>').",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def invalid_json(reason: str) -> APIError:
+    """The 400 for a body that is not JSON (``reason``: why)."""
+    return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
+
+
+def check_model(served: str, model: str | None) -> None:
+    """404 when the request names another model than the ``served`` one (None: any)."""
+    if model is not None and model != served:
+        raise APIError(
+            404, f"The model `{clip(model)}` does not exist.", param="model", code="model_not_found"
+        )
+
+
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
 _PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
 _PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority"}
@@ -143,10 +193,48 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     )
     message = err.get("msg", "invalid value")
     if err.get("type") == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
+        return invalid_json(message)
     text = f"{path}: {message}" if path else message
     code = "invalid_value" if err.get("type") in _RANGE_ERRORS else "invalid_type"
     return APIError(400, text, param=loc[0] if loc else None, code=code)
+
+
+# ------------------------------------------------------------------------------------- keys, tenants
+def bearer(authorization: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header's value, or None."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def presents(authorization: str, *keys: str | None) -> bool:
+    """Whether the ``Authorization`` header carries one of ``keys`` (the Nones skipped); every key is
+    compared, each in constant time."""
+    token = bearer(authorization)
+    if token is None:
+        return False
+    given = token.encode()
+    matches = [secrets.compare_digest(given, key.encode()) for key in keys if key is not None]
+    return any(matches)
+
+
+def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, scope: str) -> str | None:
+    """A request's prefix-cache salt: its own ``cache_salt``; with ``scope`` ``"user"``
+    (``--prefix-cache-scope user``) one derived from its tenant (the ``Authorization`` header's key and the
+    ``user`` field; neither: the anonymous tenant) and its own salt."""
+    if scope != "user":
+        return cache_salt
+    _, _, key = authorization.partition(" ")
+    parts = (key.strip(), user or "", cache_salt or "")
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
+def tenant_of(authorization: str, user: str | None) -> str:
+    """A request's fair-share key: the ``Authorization`` header's key and the ``user`` field, hashed
+    (neither: "")."""
+    _, _, key = authorization.partition(" ")
+    if not key.strip() and not user:
+        return ""
+    return hashlib.sha256(json.dumps((key.strip(), user or "")).encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -402,3 +490,19 @@ class CompletionRequest(GenerationRequest):
         if len(items) > MAX_PROMPTS:
             raise bad_request(f"prompt holds at most {MAX_PROMPTS} prompts, got {len(items)}", "prompt")
         return items
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize``: a ``prompt``, or ``messages`` rendered with the chat template."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize``."""
+
+    model: Text | None = None
+    tokens: list[int]

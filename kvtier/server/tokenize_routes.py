@@ -10,45 +10,34 @@
 A ``prompt`` is tokenized as ``/v1/completions`` tokenizes it, ``messages`` rendered and tokenized as
 ``/v1/chat/completions`` does, so ``count`` is the ``usage.prompt_tokens`` such a request reports.
 Both need the API key when the server has one (like ``/v1``); their bodies are parsed and counted as the
-completion routes' are (:mod:`.bodies`: at most 2048 messages); errors are OpenAI-shaped (400 for a
-body that has neither or both inputs, or a token id the tokenizer does not know; 404 for another
-model's name; 503 while the model loads).
+completion routes' are (:mod:`.bodies`: at most 2048 messages); their request models and errors are the
+wire contract's (:mod:`.protocol`: 400 for a body that has neither or both inputs, or a token id the
+tokenizer does not know; 404 for another model's name; 503 while the model loads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
 from kvtier.config import ConfigError
 from kvtier.server import bodies, prompts
-from kvtier.server.async_engine import AsyncEngine, EngineNotReady
-from kvtier.server.protocol import ChatMessage, Text, _Request, bad_request, conversation_of
+from kvtier.server.auth import check_key
+from kvtier.server.protocol import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    bad_request,
+    check_model,
+    conversation_of,
+)
 from kvtier.tokenizer import Tokenizer
 
 
-class TokenizeRequest(_Request):
-    model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-
-
-class DetokenizeRequest(_Request):
-    model: Text | None = None
-    tokens: list[int]
-
-
 def _tokenizer(request: Request, model: str | None) -> tuple[Tokenizer, int]:
-    from kvtier.server.app import check_model  # the app module imports this one
-
-    check_model(request.app.state.settings, model)
-    engine: AsyncEngine = request.app.state.engine
-    if not engine.ready or engine.tokenizer is None or engine.max_model_len is None:
-        raise EngineNotReady(engine.not_ready_reason())
-    return engine.tokenizer, engine.max_model_len
+    """The served model's tokenizer and ``max_model_len``: 404 for another model, 503 while loading."""
+    check_model(request.app.state.settings.model_name, model)
+    return prompts.loaded_tokenizer(request.app.state.engine)
 
 
 def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
@@ -63,7 +52,8 @@ def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
         raise bad_request(exc, "messages") from None
 
 
-def tokenize_router(check_key: Callable[[Request], None]) -> APIRouter:
+def tokenize_router() -> APIRouter:
+    """``/tokenize`` and ``/detokenize``, behind the client key (as ``/v1``)."""
     router = APIRouter(dependencies=[Depends(check_key)])
 
     @router.post("/tokenize")

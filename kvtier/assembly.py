@@ -1,0 +1,153 @@
+"""Building an engine's parts from ``EngineArgs`` and a loaded model, in dependency order.
+
+::
+
+    EngineArgs + LoadedModel ─► EngineConfig (resolve_engine_config: pool sizes, max_model_len)
+      model          the forward pass, weights packed or dense           build_model
+      runner         the device KV pool and the step's forward            ModelRunner
+      tiers, mover   host / disk / remote under the pool                  build_tiers (tier_stack.py)
+      kv             block tables, prefix cache, swap plans               KVCacheManager
+      scheduler      who runs each step; admission (capacity, queue wait)
+      sampler        one token per row (grammars for structured output)
+      insight        miss-ratio curves and the canary, told every lookup
+      kv_events      what the pool and the tiers store and remove, to Redis (when a URL is set)
+      inspector      /v1/kv/* answers and the canary's quarantine
+
+This is the one place where the parts are chosen and wired: a model architecture, a KV group layout
+or a serving role is decided here, and ``LLMEngine`` only runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import EngineArgs, EngineConfig, resolve_engine_config
+from kvtier.insight.hub import CacheInsight
+from kvtier.insight.inspector import CacheFacts, KVInspector
+from kvtier.kv.hashing import cache_identity
+from kvtier.kv.manager import KVCacheManager
+from kvtier.kv_events import KVEventRecorder, RedisStreamPublisher, default_replica_id
+from kvtier.models.kv_quant import STORAGE_DTYPES
+from kvtier.models.llama import LlamaModel
+from kvtier.models.loader import LoadedModel
+from kvtier.models.qpack import cached_dense, keep_dense, load_packed
+from kvtier.scheduler.admission import Admission
+from kvtier.scheduler.preemption import CostModel
+from kvtier.scheduler.scheduler import Scheduler
+from kvtier.tier_stack import build_tiers
+from kvtier.tiers.base import TierIdentity
+from kvtier.tiers.coordinator import TierCoordinator
+from kvtier.transfer.mover import TierMover
+from kvtier.worker.runner import ModelRunner
+from kvtier.worker.sampler import Sampler
+from kvtier.worker.structured import Grammars
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@dataclass
+class EngineParts:
+    """Everything an ``LLMEngine`` runs, built and wired."""
+
+    config: EngineConfig
+    dtype: torch.dtype  # the compute dtype
+    device: torch.device
+    model: LlamaModel
+    runner: ModelRunner
+    tiers: TierCoordinator | None
+    mover: TierMover | None
+    kv: KVCacheManager
+    eos_token_ids: tuple[int, ...]  # the tokenizer's and the model config's, sorted
+    cost_model: CostModel
+    scheduler: Scheduler
+    admission: Admission
+    sampler: Sampler
+    insight: CacheInsight
+    cache_identity: str  # the first extra key of every block-hash chain (kvtier/kv/hashing.py)
+    replica_id: str
+    kv_events: KVEventRecorder | None
+    inspector: KVInspector
+
+
+def build_model(
+    loaded: LoadedModel, config: EngineConfig, device: torch.device, weight_dtype: str
+) -> LlamaModel:
+    """The model with its weights packed (gguf / int8) or dense (auto: kept fused in the conversion
+    cache, so a later start maps them instead of transposing; kvtier/models/qpack.py)."""
+    dtype = STORAGE_DTYPES[config.dtype]
+    packed, kernels = load_packed(loaded, weight_dtype, config.dtype, device.type)
+    on_cpu = device.type == "cpu"  # elsewhere: the weights move there, no kept fused copies
+    weights = loaded.weights if on_cpu else {k: v.to(device) for k, v in loaded.weights.items()}
+    cached = cached_dense(loaded, dtype) if weight_dtype == "auto" and on_cpu else {}
+    model = LlamaModel(config.model, weights, dtype, config.max_model_len, packed, kernels, cached)
+    if weight_dtype == "auto" and on_cpu and not cached:
+        keep_dense(loaded, dtype, model.dense_groups())
+    return model
+
+
+def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, device: torch.device):
+    """The device pool, the tiers under it and the block manager over both."""
+    cache = config.cache
+    runner = ModelRunner(model, cache.num_device_blocks, cache.block_size, device, cache.kv_dtype)
+    identity = TierIdentity(  # disk and remote headers record the KV dtype: another's is a miss
+        loaded.fingerprint,
+        cache.kv_dtype,
+        tuple(runner.kv_cache.shape[1:]),
+        runner.kv_cache.element_size(),
+    )
+    tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache)
+    kv = KVCacheManager(cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, tiers=tiers)
+    return runner, tiers, mover, kv
+
+
+def _start_kv_events(
+    args: EngineArgs, replica_id: str, kv: KVCacheManager, tiers: TierCoordinator | None
+) -> KVEventRecorder | None:
+    """A recorder on the device pool and every tier when events are on (a URL is set; the remote
+    tier's store is the default)."""
+    url = args.kv_events_url or args.kv_remote_url
+    if url is None:
+        return None
+    recorder = KVEventRecorder(replica_id, RedisStreamPublisher(url, replica_id))
+    kv.listener = recorder
+    if tiers is not None:
+        tiers.attach_listener(recorder)  # announces what they hold already (the disk's files)
+    recorder.end_step()  # batch 1: "cleared", then those blocks
+    return recorder
+
+
+def assemble(args: EngineArgs, loaded: LoadedModel) -> EngineParts:
+    """Every part of an engine for ``args`` over ``loaded``, wired (``args`` already validated)."""
+    config = resolve_engine_config(args, loaded.config)
+    cache, tokenizer = config.cache, loaded.tokenizer
+    device = default_device()
+    model = build_model(loaded, config, device, args.weight_dtype)
+    runner, tiers, mover, kv = _kv_side(loaded, config, model, device)
+    eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(config.model.eos_token_ids)))
+    cost_model = CostModel(cache.block_bytes)
+    scheduler = Scheduler(config.scheduler, kv, eos, cost_model)
+    admission = Admission(config.scheduler, scheduler, cache.num_device_blocks, config.max_model_len)
+    vocab = max(tokenizer.vocab_size, config.model.vocab_size)
+    sampler = Sampler(args.seed, Grammars(tokenizer.backend, vocab, eos))
+    # Miss-ratio curves and the equivalence canary (kvtier/insight): told every adopted lookup.
+    lower = [t.medium for t in tiers.tiers] if tiers is not None else []
+    insight = CacheInsight(args.canary_rate, cache.block_size, cache.kv_dtype, args.seed, lower=lower)
+    kv.observer = insight
+    if tiers is not None:
+        insight.attach(tiers)  # per-tier simulations, told of the blocks offered
+    identity = cache_identity(loaded.fingerprint, config.dtype, cache.kv_dtype)
+    replica_id = args.kv_replica_id or default_replica_id()
+    kv_events = _start_kv_events(args, replica_id, kv, tiers)
+    facts = CacheFacts(
+        replica_id, loaded.fingerprint, identity, cache.kv_dtype, cache.block_bytes, cache.num_device_blocks
+    )
+    inspector = KVInspector(facts, kv, tiers, insight, cost_model, kv_events)
+    dtype = STORAGE_DTYPES[config.dtype]
+    return EngineParts(
+        config, dtype, device, model, runner, tiers, mover, kv, eos, cost_model, scheduler, admission,
+        sampler, insight, identity, replica_id, kv_events, inspector,
+    )  # fmt: skip
