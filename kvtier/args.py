@@ -11,8 +11,9 @@
     enable_prefix_caching: bool = True        --enable-prefix-caching / --no-...      BooleanOptionalAction
 
 The help text is the field's ``metadata["help"]``; ``metadata["aliases"]`` adds other spellings of the
-flag. ``generate``, ``chat``, ``serve`` and ``bench serve`` take every engine flag; a benchmark or demo
-takes the few it varies, with its own defaults. Torch-free and cheap to import (``kvtier --help``).
+flag, ``metadata["metavar"]`` names its value in the help (``--chat-template FILE``). ``generate``,
+``chat``, ``serve`` and ``bench serve`` take every engine flag; a benchmark or demo takes the few it
+varies, with its own defaults. Torch-free and cheap to import (``kvtier --help``).
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def add_engine_args(
             help_text += f" ({notes[name]})"
         flags = ["--" + name.replace("_", "-"), *f.metadata.get("aliases", ())]
         default = defaults.get(name, None if f.default is dataclasses.MISSING else f.default)
-        group.add_argument(
-            *flags, dest=name, default=default, help=help_text, **_argparse_kwargs(hints[name])
-        )
+        kwargs = _argparse_kwargs(hints[name])
+        if "metavar" in f.metadata:  # e.g. --chat-template FILE
+            kwargs["metavar"] = f.metadata["metavar"]
+        group.add_argument(*flags, dest=name, default=default, help=help_text, **kwargs)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

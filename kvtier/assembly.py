@@ -29,6 +29,7 @@ from kvtier.insight.inspector import CacheFacts, KVInspector
 from kvtier.kv.hashing import cache_identity
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv_events import KVEventRecorder, RedisStreamPublisher, default_replica_id
+from kvtier.models import registry
 from kvtier.models.kv_quant import STORAGE_DTYPES
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel
@@ -83,7 +84,7 @@ def build_model(
     on_cpu = device.type == "cpu"  # elsewhere: the weights move there, no kept fused copies
     weights = loaded.weights if on_cpu else {k: v.to(device) for k, v in loaded.weights.items()}
     cached = cached_dense(loaded, dtype) if weight_dtype == "auto" and on_cpu else {}
-    model = LlamaModel(config.model, weights, dtype, config.max_model_len, packed, kernels, cached)
+    model = registry.build_model(config.model, weights, dtype, config.max_model_len, packed, kernels, cached)
     if weight_dtype == "auto" and on_cpu and not cached:
         keep_dense(loaded, dtype, model.dense_groups())
     return model

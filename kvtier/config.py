@@ -42,6 +42,8 @@ SchedulingPolicy = Literal["stall_free", "legacy"]
 # "int8" per-channel weight-only int8. gguf/int8 run fp32 activations through kvtier/models/qmatmul.c.
 WeightDType = Literal["auto", "gguf", "int8"]
 DEFAULT_KV_DEVICE_GB = 1.0
+# A layer's attention kind, as HF's ``layer_types`` names it (ModelConfig.layer_types).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -58,7 +60,9 @@ def check_choice(name: str, value: object, choices: Any) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, SmolLM, TinyLlama, Qwen2-style biases)."""
+    """Architecture of a decoder the engine runs: a model family of ``kvtier/models/registry.py``
+    (``llama``: Llama, Mistral, SmolLM, TinyLlama, Qwen2-style biases; ``qwen3``; ``gemma3``), its
+    sizes, and each layer's attention kind."""
 
     vocab_size: int
     hidden_size: int
@@ -80,17 +84,39 @@ class ModelConfig:
     # The precision the weights were published in ("float32", "bfloat16", "float16").
     # A quantized GGUF reports "float32": it is dequantized to fp32 on CPU.
     native_dtype: str = "float32"
+    # The model family that runs it (kvtier/models/registry.py): "llama", "qwen3" or "gemma3".
+    family: str = "llama"
+    # Each layer's attention kind, HF's ``layer_types`` names: "full_attention" (every earlier token)
+    # or "sliding_attention" (the last ``sliding_window`` positions, the new one included). Empty
+    # means every layer full; ``__post_init__`` fills it in, so it always has ``num_layers`` entries.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # tokens a sliding layer attends to (None: no sliding layer)
+    rope_local_theta: float | None = None  # RoPE base of sliding layers (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (Gemma 3); None: head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        if unknown := set(self.layer_types) - set(LAYER_TYPES):
+            raise ConfigError(
+                f"unsupported layer type {sorted(unknown)[0]!r} (supported: {', '.join(LAYER_TYPES)})"
+            )
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ConfigError(
+                f"sliding_attention layers need a positive sliding_window, got {self.sliding_window}"
+            )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V for one token over all layers, at 4 bytes per element (fp32)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+    def layer_window(self, layer: int) -> int | None:
+        """The tokens layer ``layer`` attends to: ``sliding_window`` for a sliding layer, else None."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,7 +165,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "auto"
     # How long a request whose prefix continues below the host tier waits for the reads.
     disk_load_timeout_s: float = 1.0
-    # --- issue 14: smooth streaming (kvtier/scheduler/budget.py, fairness.py) ---
+    # --- smooth streaming: a step budget and fair order (kvtier/scheduler/budget.py, fairness.py) ---
     scheduling_policy: SchedulingPolicy = "stall_free"
     max_step_ms: float = 100.0  # the least target step time; 0: the fixed max_num_batched_tokens budget
     step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
@@ -257,7 +283,16 @@ class EngineArgs:
     model: str | None = field(  # None: the embedded SmolLM2-135M-Instruct GGUF
         default=None,
         metadata={
-            "help": "model path: an HF directory or a .gguf file (default: embedded SmolLM2-135M-Instruct)"
+            "help": "model path: an HF directory or a .gguf file, or gemma-3-270m (the packaged Gemma 3 "
+            "270M GGUF) (default: embedded SmolLM2-135M-Instruct)"
+        },
+    )
+    chat_template: str | None = field(  # read and compiled by kvtier.models.loader.read_chat_template
+        default=None,
+        metadata={
+            "help": "chat template replacing the model's: a jinja file, or the template itself (vLLM's "
+            "flag; default: the model's own, else its family's, Gemma 3's or Qwen3's)",
+            "metavar": "FILE",
         },
     )
     dtype: DType = field(

@@ -69,7 +69,11 @@ class LLMEngine:
         self.args = args
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
-        self.loaded = loaded if loaded is not None else load_model(args.model, progress=progress)
+        self.loaded = (
+            loaded
+            if loaded is not None
+            else load_model(args.model, progress=progress, chat_template=args.chat_template)
+        )
         self.tokenizer = self.loaded.tokenizer
         parts = assemble(args, self.loaded)
         self.config, self.model_config = parts.config, parts.config.model

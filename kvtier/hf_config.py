@@ -4,7 +4,8 @@ Two readers of ``config.json`` share this module, and keep their own rules on to
 
     hf_loader.parse_config   -> ModelConfig   the loader: refuses what the engine cannot run
                                               (architecture, activation, rope type), adds norms,
-                                              biases, special ids, dtype, sliding-window context
+                                              biases, special ids, dtype, layer types and window,
+                                              Gemma 3's local RoPE base (``parse_local_rope``)
     planner_presets.hf_spec  -> ModelSpec     the planner: any decoder (Qwen3, multimodal text
                                               configs...), adds the parameter count and qk-norm
 
@@ -108,3 +109,19 @@ def parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "llama3" and (missing := [k for k in required if k not in out]):
         raise ConfigError(f"llama3 rope scaling is missing {', '.join(missing)}")
     return theta, {"rope_type": rope_type, **out}
+
+
+def parse_local_rope(cfg: dict[str, Any]) -> float:
+    """The RoPE base of sliding-window layers (Gemma 3): ``rope_parameters["sliding_attention"]``
+    (transformers 5), else ``rope_local_base_freq`` (4), else 10000. Scaling there is a ConfigError."""
+    params = cfg.get("rope_parameters")
+    local = params.get("sliding_attention") if isinstance(params, dict) else None
+    if isinstance(local, dict):
+        rope_type = local.get("rope_type", local.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ConfigError(
+                f"unsupported rope type {rope_type!r} for sliding_attention layers (supported: default)"
+            )
+        if local.get("rope_theta") is not None:
+            return float(local["rope_theta"])
+    return float(cfg.get("rope_local_base_freq") or 10000.0)

@@ -3,6 +3,9 @@
 ``Tokenizer.from_dir`` reads an HF-style directory (``tokenizer.json`` + ``tokenizer_config.json``, optionally
 ``chat_template.jinja``). Chat templates render in a sandboxed jinja2 environment set up the way
 ``transformers`` sets up its own, so prompts match ``apply_chat_template(..., tokenize=False)`` byte for byte.
+The template is, first found: the one given (``--chat-template FILE``, vLLM's flag), the model's own, the
+documented default of its family (``DEFAULT_CHAT_TEMPLATES``: Gemma 3's turns, Qwen3's ChatML; none for
+llama, whose checkpoints carry their own), else none: chat is then an error naming the flag.
 ``IncrementalDetokenizer`` turns streamed token ids into text deltas without ever cutting a UTF-8 character.
 
 Chat messages are data, not markup: ``encode_chat`` tokenizes what the template itself wrote with its
@@ -29,6 +32,68 @@ from kvtier.hf_config import read_json
 _REPLACEMENT_CHAR = "\ufffd"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 CHAT_ROLES = ("system", "user", "assistant")
+CHAT_TEMPLATE_FLAG = "--chat-template"
+NO_TEMPLATE_MESSAGE = (
+    f"this model has no chat template: give one with {CHAT_TEMPLATE_FLAG} FILE (LLM(chat_template=...)), "
+    "or send a plain prompt instead of chat messages"
+)
+
+# Gemma 3's turns (its instruction-tuned checkpoints' template): a system message is folded into the
+# first user turn, the assistant is "model", roles must alternate, contents are trimmed; a content may
+# be a list of parts ({"type": "text", "text": ...}; an image part writes <start_of_image>).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}"
+    "{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}"
+    "{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{ raise_exception('Invalid content type') }}"
+    "{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# Qwen3's ChatML (its template without tools and reasoning traces); enable_thinking=False writes the
+# empty thought block Qwen3's own template writes then.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{ '<think>\n\n</think>\n\n' }}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+# By config.json's model_type (the GGUF converter writes Gemma 3's as transformers does, gemma3_text).
+DEFAULT_CHAT_TEMPLATES = {
+    "gemma3_text": GEMMA3_CHAT_TEMPLATE,
+    "gemma3": GEMMA3_CHAT_TEMPLATE,
+    "qwen3": QWEN3_CHAT_TEMPLATE,
+}
 
 
 def _token_content(value: Any) -> str | None:
@@ -56,6 +121,18 @@ def _find_chat_template(path: Path, config: dict[str, Any]) -> str | None:
         value = read_json(json_file).get("chat_template")
         return value if isinstance(value, str) else None
     return None
+
+
+def _family_template(path: Path) -> str | None:
+    """The documented chat template of the model ``path/config.json`` describes (by its ``model_type``)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        model_type = read_json(config_file).get("model_type")
+    except ConfigError:  # a broken config.json: the model loader says so
+        return None
+    return DEFAULT_CHAT_TEMPLATES.get(model_type) if isinstance(model_type, str) else None
 
 
 _RELEASE_GIL_CHARS = 2048
@@ -100,8 +177,17 @@ class Tokenizer:
         self.add_bos: bool = self._post_processor_adds_bos if add_bos is None else bool(add_bos)
 
     @classmethod
-    def from_dir(cls, path: Path, *, extra_eos_token_ids: Iterable[int] = ()) -> Tokenizer:
-        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``) from ``path``."""
+    def from_dir(
+        cls,
+        path: Path,
+        *,
+        extra_eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Load ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``) from ``path``.
+
+        ``chat_template`` (the source given by the user) replaces the model's own; without either, the
+        default of the family ``path/config.json`` names applies (``DEFAULT_CHAT_TEMPLATES``)."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -118,7 +204,7 @@ class Tokenizer:
             backend,
             special_tokens=specials,
             add_bos=add_bos if isinstance(add_bos, bool) else None,
-            chat_template=_find_chat_template(path, config),
+            chat_template=chat_template or _find_chat_template(path, config) or _family_template(path),
             extra_eos_token_ids=extra_eos_token_ids,
         )
 
@@ -251,7 +337,7 @@ class Tokenizer:
     ) -> str:
         """Render ``messages`` with the model's chat template, exactly as ``transformers`` renders it."""
         if self.chat_template is None:
-            raise ConfigError("this model has no chat template; send a plain prompt instead of chat messages")
+            raise ConfigError(NO_TEMPLATE_MESSAGE)
         chat = _plain_messages(messages, self.chat_roles)
         import jinja2  # deferred: only chat requests pay for jinja2
 
@@ -288,6 +374,14 @@ def _plain_messages(messages: Any, roles: frozenset[str]) -> list[dict[str, Any]
             )
         chat.append(dict(message))
     return chat
+
+
+def check_chat_template(source: str) -> None:
+    """ConfigError (naming ``--chat-template``) when a user's chat template does not compile."""
+    try:
+        _compile_template(source)
+    except ConfigError as exc:
+        raise ConfigError(f"{CHAT_TEMPLATE_FLAG}: {exc}") from None
 
 
 @lru_cache(maxsize=16)

