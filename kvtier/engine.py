@@ -360,7 +360,8 @@ class LLMEngine:
             if request.finished:
                 self.outputs.forget(request)
                 del self.requests[request.request_id]
-                self.admission.on_finished([seq.num_tokens for seq in request.seqs], self.kv.block_size)
+                freed = sum(self.kv.num_blocks_for(seq.num_tokens) for seq in request.seqs)
+                self.admission.on_finished(freed)  # the drain rate behind Retry-After
         return outputs
 
     def _seq_for(self, parent: Sequence, index: int) -> Sequence:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.kv.hashing import HASH_SPEC_VERSION, hash_full_blocks, root_hash
+from kvtier.kv.hashing import HASH_SPEC_VERSION, group_key, hash_full_blocks, root_hash
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "block-hashes.md"
 FINGERPRINT = hashlib.sha256(b"kvtier test vector").hexdigest()
@@ -30,6 +30,9 @@ VECTORS = {  # cache_salt -> (root, h_0, h_1)
         "574cb1ab5b7f262701db772ad94a5a45241b90c94f40c1849a47b828cb3d127f",
     ),
 }
+
+# Hybrid models: group 1's key of block 1 (cache_salt ""); group 0's keys are the chain itself.
+GROUP_KEY_VECTOR = (1, 1, "616353ce847bac8fe86bbdd8c92e5eda84e0b1954376e0eb3a322dab4c1f927d")
 
 
 def independent_chain(cache_identity: str, salt: str, token_ids: list[int], block_size: int) -> list[str]:
@@ -106,3 +109,17 @@ def test_struct_and_int_to_bytes_encodings_agree() -> None:
     packed = struct.pack(f"<Q{len(block)}q", len(block), *block)
     manual = len(block).to_bytes(8, "little") + b"".join(t.to_bytes(8, "little", signed=True) for t in block)
     assert packed == manual
+
+
+def test_group_keys_match_the_known_answer_three_ways() -> None:
+    """kvtier's code, a re-implementation from the doc's prose, and the doc's reference code agree on
+    the group-key vector; group 0 keeps the chain's own hashes (dense keys never change)."""
+    group, block, expected = GROUP_KEY_VECTOR
+    chain = hash_full_blocks(TOKEN_IDS, BLOCK_SIZE, root_hash((CACHE_IDENTITY, "")))
+    assert group_key(chain[block], group).hex() == expected
+    assert [group_key(h, 0) for h in chain] == chain
+    prose = hashlib.sha256(b"kvtier-block-v1" + b"\x02group" + chain[block] + group.to_bytes(8, "little"))
+    assert prose.hexdigest() == expected
+    ns = doc_reference_code()
+    assert ns["group_key"](chain[block], group).hex() == expected  # type: ignore[operator]
+    assert expected in DOC.read_text()

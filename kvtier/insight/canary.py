@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvtier.kv.hashing import BlockHash
-from kvtier.kv.manager import AdoptedPrefix
+from kvtier.kv.computed import AdoptedPrefix
 from kvtier.models.attention import AttentionMetadata, PrefillGroup
 from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize
 from kvtier.models.llama import LlamaModel

@@ -32,7 +32,7 @@ from kvtier.insight.canary import Canary
 from kvtier.insight.minisim import TierSimulator
 from kvtier.insight.mrc import ReuseTracker
 from kvtier.kv.hashing import BlockHash
-from kvtier.kv.manager import AdoptedPrefix
+from kvtier.kv.computed import AdoptedPrefix
 from kvtier.stats import Medium
 
 

@@ -20,6 +20,15 @@ length-prefixed byte encoding; never Python's ``hash()``, which changes with ``P
 That matters once blocks outlive the process on a lower tier.
 
 Only *full* blocks have a hash. A partial tail block is still being written and is never shared.
+
+A hybrid model keeps its KV in several *groups* (``kvtier/kv/groups.py``: layers of one attention kind,
+e.g. Gemma 3's full-attention layers and its sliding-window layers). The chain stays one per sequence;
+group ``g``'s block ``i`` is keyed ``group_key(h_i, g)``. Group 0 keeps ``h_i`` itself, so a dense model
+(one group) keys its blocks exactly as before, and every other group's keys are distinct from it and
+from each other: every tier below the device sees one flat key space::
+
+    group_key(h_i, 0) = h_i
+    group_key(h_i, g) = sha256(DOMAIN | "group" | h_i | g as u64)        for g >= 1
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ HASH_SPEC_VERSION = 1
 _DOMAIN = b"kvtier-block-v%d" % HASH_SPEC_VERSION
 _ROOT_TAG = b"\x00root"
 _BLOCK_TAG = b"\x01block"
+_GROUP_TAG = b"\x02group"
 
 ExtraKey = str | bytes | int
 
@@ -141,3 +151,22 @@ def extend_block_hashes(
     new_hashes = hash_full_blocks(token_ids, block_size, parent, len(block_hashes), num_tokens)
     block_hashes.extend(new_hashes)
     return len(new_hashes)
+
+
+def group_key(block_hash: BlockHash, group: int) -> BlockHash:
+    """The key of KV group ``group``'s block whose chained hash is ``block_hash`` (docs/block-hashes.md).
+
+    Group 0 (a dense model's only group; a hybrid model's first full-attention group) is keyed by the
+    chain itself. Any other group's key is a domain-separated SHA-256 over the chain hash and the
+    group index, so it never equals a chain hash or another group's key.
+    """
+    if group < 0:
+        raise ValueError(f"group must be >= 0, got {group}")
+    if len(block_hash) != BLOCK_HASH_NUM_BYTES:
+        raise ValueError(f"block hash must be {BLOCK_HASH_NUM_BYTES} bytes, got {len(block_hash)}")
+    if group == 0:
+        return block_hash
+    h = hashlib.sha256(_DOMAIN + _GROUP_TAG)
+    h.update(block_hash)
+    h.update(struct.pack("<Q", group))
+    return BlockHash(h.digest())

@@ -1,4 +1,4 @@
-"""``KVCacheManager``: per-sequence block tables over one :class:`BlockPool`.
+"""``KVCacheManager``: per-sequence block tables over one :class:`BlockPool`, one table per KV group.
 
 This is the only KV API the scheduler calls. A sequence's *block table* maps its token slots to
 blocks: slot ``s`` lives in ``table[s // block_size]`` at offset ``s % block_size``::
@@ -27,73 +27,39 @@ Writers never share a block: before slots are written, ``allocate_slots`` gives 
 sequence a private copy of any block another sequence also references (copy-on-write, after a
 fork) and records ``(src_block_id, dst_block_id)``; the worker must apply those copies (from
 ``take_block_copies``) before the step's forward pass writes KV.
+
+**KV groups** (``groups.py``): a hybrid model's layers form several groups, each with its own table
+per sequence over the one shared pool and its own keys (``group_key(h_i, g)``; group 0 keeps ``h_i``).
+A sliding group releases the blocks its window no longer reaches (null entries: ``None``, and
+``NULL_BLOCK_ID`` in ``block_ids`` / ``block_tables``, the runner's view; see ``seq_blocks.py``); being
+full and cached they stay in the prefix cache as idle blocks, evicted and stored down the tiers like
+any other. A hit is exact across groups (``group_lookup.py``). One full group (every dense model, and
+a manager built without a layout) behaves exactly as before: same block ids, hashes and calls.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
-from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, hash_block, root_hash
-from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerHit, LowerTiers, SwappedOut
+from kvtier.kv.computed import (
+    NO_COMPUTED_BLOCKS,
+    AccessObserver,
+    ComputedBlocks,
+    group_hits,
+)
+from kvtier.kv.group_lookup import find_group_hit
+from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
+from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
+from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
+from kvtier.kv.seq_blocks import Load, SeqBlocks, Swapped, blocks_to_allocate, check_tables, hit_tables
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
-
-@dataclass(frozen=True)
-class ComputedBlocks:
-    """Result of a prefix lookup: cached blocks covering a prompt's leading tokens. Owned by no one
-    until ``allocate_slots`` adopts it, so use it in the same scheduling decision that made it.
-
-    The device hits come first, then the blocks a lower tier holds (``lower.host_keys``: loaded into
-    fresh device blocks by this step's swap plan)::
-
-        prompt blocks   | b0  b1  b2 | b3  b4 | b5  b6  (b7 ...)
-                          device hits  host     on disk, being   computed
-                          block_ids    hits     read (pending)
-    """
-
-    block_ids: tuple[int, ...]
-    num_computed_tokens: int  # (len(block_ids) + len(lower.host_keys)) * block_size
-    # The hashes the lookup matched, so ``allocate_slots`` can tell if a block was evicted since.
-    block_hashes: tuple[BlockHash, ...] = field(default=(), repr=False)
-    lower: LowerHit = NO_LOWER_HIT
-    # What the lookup asked, counted in the statistics only when the hit is adopted (a request held
-    # back, e.g. while its disk blocks are read, is looked up again at every step).
-    num_lookup_tokens: int = 0
-    num_lookup_blocks: int = 0  # full blocks asked of the device pool
-
-    def tokens_by_tier(self, block_size: int) -> dict[Medium, int]:
-        """Prompt tokens this hit serves, by the tier they come from (every medium, zeros included)."""
-        blocks = {Medium.DEVICE: len(self.block_ids), **self.lower.blocks_by_tier()}
-        return {medium: blocks.get(medium, 0) * block_size for medium in Medium}
-
-
-NO_COMPUTED_BLOCKS = ComputedBlocks(block_ids=(), num_computed_tokens=0)
-
 BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
-
-
-@dataclass(frozen=True)
-class AdoptedPrefix:
-    """What one adopted lookup touched, for an :class:`AccessObserver` (``kvtier/insight``)."""
-
-    keys: tuple[BlockHash, ...]  # every full prompt block looked up, in order; the hits lead
-    served_by: tuple[Medium, ...]  # the tier of each hit block (device, host, disk, ...)
-    block_ids: tuple[int, ...]  # the device blocks holding the hits now (loads land this step)
-
-
-class AccessObserver(Protocol):
-    """Told of every adopted prefix lookup, of every block newly entered into the device cache, and of
-    a sequence's cached blocks when it frees them (the miss-ratio trackers and the canary); called on
-    the scheduler's thread, must be cheap."""
-
-    def on_adopt(self, seq_id: str, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None: ...
-    def on_cached(self, keys: Sequence[BlockHash]) -> None: ...
-    def on_freed(self, keys: Sequence[BlockHash]) -> None: ...
 
 
 @dataclass
@@ -105,33 +71,9 @@ class KVCacheStats:
     prefix_cache_hits: int = 0  # of those, tokens served by any tier
 
 
-def blocks_to_allocate(num_table_blocks: int, num_total_tokens: int, block_size: int) -> int:
-    """Fresh blocks a table of ``num_table_blocks`` needs to cover ``num_total_tokens`` slots."""
-    return max(0, -(-num_total_tokens // block_size) - num_table_blocks)
-
-
-@dataclass
-class _SeqBlocks:
-    """What the manager knows about one live sequence."""
-
-    blocks: list[KVBlock]
-    root: BlockHash
-    # block_hashes[i] is the chained hash of block i; grows as blocks become full and computed.
-    block_hashes: list[BlockHash]
-    # Blocks [0, num_cached_blocks) have been offered to the hash map (a duplicate may have lost).
-    num_cached_blocks: int
-
-
-@dataclass
-class _Swapped:
-    """A sequence preempted by swap: its hash progress, and its blocks pinned in the host tier."""
-
-    seq: _SeqBlocks  # with no device blocks
-    out: SwappedOut
-
-
 class KVCacheManager:
-    """Block tables for live sequences, prefix reuse, copy-on-write after fork."""
+    """Block tables for live sequences (one per KV group of ``layout``; None: one full-attention group),
+    prefix reuse, copy-on-write after fork."""
 
     def __init__(
         self,
@@ -140,11 +82,13 @@ class KVCacheManager:
         enable_caching: bool,
         on_evict: Callable[[KVBlock], None] | None = None,
         tiers: LowerTiers | None = None,
+        layout: KVLayout | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.layout = layout if layout is not None else DENSE_LAYOUT
         self.stats = KVCacheStats()
         self.device_counters = TierCounters()  # lookups, hits and evictions of the device pool
         self._on_evict = on_evict
@@ -154,8 +98,8 @@ class KVCacheManager:
         self.observer: AccessObserver | None = None  # block-key accesses (kvtier/insight)
         self.device_quarantined = False  # the canary caught a bad device hit: no prefix reuse at all
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
-        self._seqs: dict[str, _SeqBlocks] = {}
-        self._swapped: dict[str, _Swapped] = {}
+        self._seqs: dict[str, SeqBlocks] = {}
+        self._swapped: dict[str, Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
         # Device blocks whose KV was loaded from a lower tier: block_id -> (the key it was loaded under,
         # that tier). Absent: computed on the device. Only read by ``block_map``; dropped on eviction.
@@ -187,23 +131,16 @@ class KVCacheManager:
         least the last token is computed and produces logits. Stops at the first miss (a later
         block cannot be valid without its parent). After the device misses, the lower tiers are
         asked for the following blocks (``ComputedBlocks.lower``); that may start disk reads.
-        Takes no reference and counts nothing: ``allocate_slots`` counts the hit it adopts.
+        Takes no reference and counts nothing: ``allocate_slots`` counts the hit it adopts. With
+        several KV groups the hit is exact across them (``kvtier/kv/group_lookup.py``).
         """
         if not self.enable_caching or self.device_quarantined:
             return NO_COMPUTED_BLOCKS
+        if not self.layout.is_dense:
+            return find_group_hit(self.pool, self.layout, self.block_size, token_ids, extra_keys, self.tiers)
         bs = self.block_size
         max_blocks = max(0, (len(token_ids) - 1) // bs)
-        block_ids: list[int] = []
-        block_hashes: list[BlockHash] = []
-        parent = root_hash(extra_keys)
-        for i in range(max_blocks):
-            block_tokens = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, block_tokens)
-            block = self.pool.get_cached_block(parent, block_tokens)
-            if block is None:
-                break
-            block_ids.append(block.block_id)
-            block_hashes.append(parent)
+        block_ids, block_hashes = self._device_prefix(token_ids, extra_keys)
         lower = NO_LOWER_HIT
         if self.tiers is not None and len(block_ids) < max_blocks:
             rest = list(block_hashes)
@@ -214,6 +151,38 @@ class KVCacheManager:
         return ComputedBlocks(
             tuple(block_ids), num_computed_tokens, tuple(block_hashes), lower, len(token_ids), max_blocks
         )
+
+    def num_device_prefix_blocks(self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]) -> int:
+        """Leading blocks of ``token_ids`` the device pool alone could serve now (a pure lookup, for
+        the scheduler's estimates; a hit of this many blocks in every group)."""
+        if not self.layout.is_dense:
+            hit = find_group_hit(self.pool, self.layout, self.block_size, token_ids, extra_keys, None)
+            return hit.num_computed_tokens // self.block_size
+        return len(self._device_prefix(token_ids, extra_keys)[0])
+
+    def _device_prefix(
+        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
+    ) -> tuple[list[int], list[BlockHash]]:
+        """One group: the ids and hashes of the leading full blocks of ``token_ids`` the device holds
+        (at most ``(len(token_ids) - 1) // block_size``; stops at the first miss)."""
+        bs = self.block_size
+        block_ids: list[int] = []
+        block_hashes: list[BlockHash] = []
+        parent = root_hash(extra_keys)
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            block_tokens = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, block_tokens)
+            block = self.pool.get_cached_block(parent, block_tokens)
+            if block is None:
+                break
+            block_ids.append(block.block_id)
+            block_hashes.append(parent)
+        return block_ids, block_hashes
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of ``num_tokens`` computed tokens holds over every KV group (one group:
+        ``ceil(num_tokens / block_size)``); the unit of the scheduler's KV estimates."""
+        return self.layout.num_blocks_held(num_tokens, self.block_size)
 
     # ---------------------------------------------------------------- allocation
 
@@ -226,12 +195,13 @@ class KVCacheManager:
         computed: ComputedBlocks | None = None,
         extra_keys: tuple[ExtraKey, ...] = (),
     ) -> bool:
-        """Make ``seq_id``'s table cover slots ``[0, num_computed_tokens + num_new_tokens)``.
+        """Make ``seq_id``'s tables cover slots ``[0, num_computed_tokens + num_new_tokens)``.
 
         On the sequence's first call the ``computed`` blocks (if any) become its table prefix and
         ``num_computed_tokens`` must equal ``computed.num_computed_tokens``; ``extra_keys`` fixes
         the root of its hash chain. Returns False, changing nothing, if the pool cannot supply the
-        blocks needed: new blocks, copy-on-write copies, and idle hit blocks taken off the queue.
+        blocks needed: new blocks, copy-on-write copies, and idle hit blocks taken off the queue
+        (a sliding group's blocks out of its window, released first, count as supply).
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"negative token counts: computed={num_computed_tokens} new={num_new_tokens}")
@@ -251,10 +221,10 @@ class KVCacheManager:
             return self._adopt(seq_id, token_ids, computed, num_new_tokens, extra_keys)
         if computed is not None and computed.block_ids:
             raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
-        if num_computed_tokens > len(seq.blocks) * self.block_size:
+        if num_computed_tokens > seq.num_blocks * self.block_size:
             raise ValueError(
                 f"{seq_id}: {num_computed_tokens} computed tokens but the table covers "
-                f"{len(seq.blocks) * self.block_size}"
+                f"{seq.num_blocks * self.block_size}"
             )
         return self._grow(seq, num_computed_tokens, num_new_tokens)
 
@@ -266,115 +236,103 @@ class KVCacheManager:
         num_new_tokens: int,
         extra_keys: tuple[ExtraKey, ...],
     ) -> bool:
-        """A new sequence's first allocation: the prefix hit becomes its table (device hits shared,
-        host hits loaded into fresh blocks), then fresh blocks for its new slots."""
-        hit_blocks = self._check_fresh(seq_id, computed)
-        load_keys = computed.lower.host_keys
+        """A new sequence's first allocation: the prefix hit becomes its tables (device hits shared,
+        lower-tier hits loaded into fresh blocks), then fresh blocks for its new slots in every group."""
+        if seq_id in self._swapped:
+            raise ValueError(f"{seq_id} is swapped out: resume it with swap_in")
+        hits = group_hits(computed, self.layout)
+        tables, loads, firsts = hit_tables(
+            seq_id, self.pool, hits, computed.num_computed_tokens, self.block_size
+        )
+        if loads and (self.tiers is None or not self.tiers.can_load([key for _, _, key, _ in loads])):
+            raise ValueError(f"{seq_id}: stale ComputedBlocks: a host block was evicted after the lookup")
+        hit_blocks = [block for table in tables for block in table if block is not None]
         num_idle_hits = sum(1 for block in hit_blocks if block.ref_cnt == 0)  # taken off the free queue
         num_fresh = blocks_to_allocate(
-            len(hit_blocks) + len(load_keys), computed.num_computed_tokens + num_new_tokens, self.block_size
+            len(tables[0]), computed.num_computed_tokens + num_new_tokens, self.block_size
         )
-        if len(load_keys) + num_fresh + num_idle_hits > self.pool.num_free_blocks:
+        num_groups = len(tables)
+        if len(loads) + num_fresh * num_groups + num_idle_hits > self.pool.num_free_blocks:
             return False
         # Feasible: from here on nothing fails. Touch hits first so new blocks cannot evict them, and
         # hold host hits so write-back stores (evictions below) cannot push them out of the host tier.
         self._count_lookup(computed)
         self.pool.touch(hit_blocks)
-        if load_keys:
+        if loads:
             assert self.tiers is not None
-            self.tiers.hold(load_keys)
-        seq = _SeqBlocks(
-            blocks=list(hit_blocks),
+            self.tiers.hold([key for _, _, key, _ in loads])
+        seq = SeqBlocks(
+            tables=tables,
             root=root_hash(extra_keys),
-            block_hashes=[block.block_hash for block in hit_blocks if block.block_hash is not None],
-            num_cached_blocks=len(hit_blocks) + len(load_keys),
+            block_hashes=list(computed.block_hashes),
+            num_cached_blocks=len(tables[0]),
+            num_computed_tokens=computed.num_computed_tokens,
+            num_released=firsts,
         )
         self._seqs[seq_id] = seq
-        fresh = self.pool.get_new_blocks(len(load_keys) + num_fresh)
-        if load_keys:
-            self._load_into(seq, token_ids, computed.lower, fresh[: len(load_keys)])
-        seq.blocks.extend(fresh[len(load_keys) :])
-        if self.observer is not None:
-            self._observe_adopt(seq_id, token_ids, computed, seq, extra_keys)
+        fresh = self.pool.get_new_blocks(len(loads) + num_fresh * num_groups)
+        if loads:
+            self._load_into(seq, token_ids, loads, fresh[: len(loads)])
+        rest = fresh[len(loads) :]
+        for g, table in enumerate(tables):
+            table.extend(rest[g * num_fresh : (g + 1) * num_fresh])
+        if self.observer is not None and self.layout.groups[0].window is None:  # group 0's view
+            table = [block.block_id for block in tables[0] if block is not None]
+            adopted = computed.adopted(token_ids, self.block_size, seq.root, table)
+            self.observer.on_adopt(seq_id, token_ids, adopted)
         return True
 
-    def _observe_adopt(
-        self,
-        seq_id: str,
-        token_ids: Sequence[int],
-        computed: ComputedBlocks,
-        seq: _SeqBlocks,
-        extra_keys: tuple[ExtraKey, ...],
-    ) -> None:
-        """Tell the observer every full prompt block looked up (hits first) and where the hits came from."""
-        assert self.observer is not None
-        keys = list(computed.block_hashes)
-        extend_block_hashes(
-            keys, token_ids, self.block_size, seq.root, computed.num_lookup_blocks * self.block_size
-        )
-        lower = computed.lower
-        served = [Medium.DEVICE] * len(computed.block_ids)
-        served += [lower.source_of(i) for i in range(len(lower.host_keys))]
-        num_hits = len(served)
-        hit_ids = tuple(block.block_id for block in seq.blocks[:num_hits])
-        self.observer.on_adopt(seq_id, token_ids, AdoptedPrefix(tuple(keys), tuple(served), hit_ids))
-
-    def _check_fresh(self, seq_id: str, computed: ComputedBlocks) -> list[KVBlock]:
-        """The device hit blocks of ``computed``; raises if the lookup went stale (a block evicted since)."""
-        if seq_id in self._swapped:
-            raise ValueError(f"{seq_id} is swapped out: resume it with swap_in")
-        num_blocks = len(computed.block_ids) + len(computed.lower.host_keys)
-        if computed.num_computed_tokens != num_blocks * self.block_size:
-            raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
-        hit_blocks = [self.pool.blocks[block_id] for block_id in computed.block_ids]
-        for block, expected in zip(hit_blocks, computed.block_hashes, strict=False):
-            if block.block_hash is None or block.block_hash != expected:
-                raise ValueError(
-                    f"{seq_id}: stale ComputedBlocks: block {block.block_id} was evicted after the lookup"
-                )
-        if any(block.block_hash is None for block in hit_blocks):
-            raise ValueError(f"{seq_id}: stale ComputedBlocks: a hit block holds no cached KV")
-        load_keys = computed.lower.host_keys
-        if load_keys and (self.tiers is None or not self.tiers.can_load(load_keys)):
-            raise ValueError(f"{seq_id}: stale ComputedBlocks: a host block was evicted after the lookup")
-        return hit_blocks
-
     def _load_into(
-        self, seq: _SeqBlocks, token_ids: Sequence[int], hit: LowerHit, blocks: list[KVBlock]
+        self,
+        seq: SeqBlocks,
+        token_ids: Sequence[int],
+        loads: list[Load],
+        blocks: list[KVBlock],
     ) -> None:
-        """Plan loads of the host-tier keys of ``hit`` into fresh ``blocks`` appended to the table; they
-        are cached under their keys at once (the step's plan fills them before any forward reads them)."""
+        """Plan loads of the lower-tier hits ``(group, position, key, tier)`` into fresh ``blocks`` put
+        in the tables; they are cached under their keys at once (the step's plan fills them before any
+        forward reads them)."""
         assert self.tiers is not None
         bs = self.block_size
-        keys = hit.host_keys
-        self.tiers.load(keys, [block.block_id for block in blocks])
-        first = len(seq.blocks)
-        for j, (block, key) in enumerate(zip(blocks, keys, strict=True)):
-            i = first + j
+        self.tiers.load([key for _, _, key, _ in loads], [block.block_id for block in blocks])
+        for (g, i, key, source), block in zip(loads, blocks, strict=True):
+            seq.tables[g][i] = block
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
-            self._origins[block.block_id] = (key, hit.source_of(j))
-        seq.blocks.extend(blocks)
-        seq.block_hashes.extend(keys)
+            self._origins[block.block_id] = (key, source)
 
-    def _grow(self, seq: _SeqBlocks, num_computed_tokens: int, num_new_tokens: int) -> bool:
-        """A live sequence's next slots: private copies of shared blocks they write into (after a
-        fork), then fresh blocks past the end of its table."""
+    def _grow(self, seq: SeqBlocks, num_computed_tokens: int, num_new_tokens: int) -> bool:
+        """A live sequence's next slots: release what its windows no longer reach, private copies of
+        shared blocks the slots are written into (after a fork), then fresh blocks past the end."""
         bs = self.block_size
         num_total = num_computed_tokens + num_new_tokens
-        shared: list[int] = []  # table indices written this step that another sequence references
+        num_table = len(seq.tables[0])
+        shared: list[tuple[int, int]] = []  # (group, position) written this step, referenced by others
         if num_new_tokens > 0:
-            last = min((num_total - 1) // bs, len(seq.blocks) - 1)
-            shared = [i for i in range(num_computed_tokens // bs, last + 1) if seq.blocks[i].ref_cnt > 1]
-        num_fresh = blocks_to_allocate(len(seq.blocks), num_total, bs)
-        if len(shared) + num_fresh > self.pool.num_free_blocks:
+            positions = range(num_computed_tokens // bs, min((num_total - 1) // bs, num_table - 1) + 1)
+            for g, table in enumerate(seq.tables):
+                shared += [(g, i) for i in positions if (b := table[i]) is not None and b.ref_cnt > 1]
+        num_fresh = max(0, -(-num_total // bs) - num_table)
+        num_needed = len(shared) + num_fresh * len(seq.tables)
+        unreachable = seq.unreachable(self.layout, bs, num_computed_tokens) if self.layout.has_sliding else []
+        num_released = sum(1 for _, _, block in unreachable if block.ref_cnt == 1)
+        if num_needed > self.pool.num_free_blocks + num_released:
             return False
-        fresh = self.pool.get_new_blocks(len(shared) + num_fresh)
-        for i, dst in zip(shared, fresh, strict=False):
-            src = seq.blocks[i]
+        if num_computed_tokens > seq.num_computed_tokens:
+            seq.num_computed_tokens = num_computed_tokens
+        if unreachable:
+            seq.release(self.pool, unreachable)
+        if not num_needed:
+            return True
+        fresh = self.pool.get_new_blocks(num_needed)
+        for (g, i), dst in zip(shared, fresh, strict=False):
+            src = seq.tables[g][i]
+            assert src is not None
             self._pending_copies.append((src.block_id, dst.block_id))
-            seq.blocks[i] = dst
+            seq.tables[g][i] = dst
             self.pool.free_blocks([src])  # ref_cnt was > 1: stays in use by the other sequence(s)
-        seq.blocks.extend(fresh[len(shared) :])
+        rest = fresh[len(shared) :]
+        for g, table in enumerate(seq.tables):
+            table.extend(rest[g * num_fresh : (g + 1) * num_fresh])
         return True
 
     def _count_lookup(self, computed: ComputedBlocks) -> None:
@@ -393,13 +351,16 @@ class KVCacheManager:
         num_computed_tokens: int,
         extra_keys: tuple[ExtraKey, ...] = (),
     ) -> None:
-        """Register every block of ``seq_id`` that is now full and computed in the hash map.
+        """Register every block of ``seq_id`` that is now full and computed in the hash map (each group's
+        under its group key), then release the sliding groups' blocks out of the next query's reach.
 
         Called after a step computed KV for ``token_ids[:num_computed_tokens]``. The chained hashes
         are kept per sequence and extended, never recomputed from block 0. The chain's root was
         fixed by the first ``allocate_slots``; non-empty ``extra_keys`` are checked against it.
         """
         if not self.enable_caching:
+            if self.layout.has_sliding:
+                self._advance(self._seq(seq_id), num_computed_tokens)
             return
         seq = self._seq(seq_id)
         if num_computed_tokens > len(token_ids):
@@ -409,42 +370,63 @@ class KVCacheManager:
         if extra_keys and root_hash(extra_keys) != seq.root:
             raise ValueError(f"{seq_id}: extra_keys differ from the ones of its first allocation")
         bs = self.block_size
-        num_full = min(num_computed_tokens // bs, len(seq.blocks))
-        if num_full <= seq.num_cached_blocks:
-            return
-        if len(seq.block_hashes) < num_full:
-            extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
+        num_full = min(num_computed_tokens // bs, seq.num_blocks)
+        if num_full > seq.num_cached_blocks:
+            if len(seq.block_hashes) < num_full:
+                extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
+            keys = self._cache_new_blocks(seq, token_ids, num_full)
+            if self.observer is not None:
+                self.observer.on_cached(keys)
+            seq.num_cached_blocks = num_full
+        self._advance(seq, num_computed_tokens)
+
+    def _cache_new_blocks(self, seq: SeqBlocks, token_ids: Sequence[int], num_full: int) -> list[BlockHash]:
+        """Cache positions ``[num_cached_blocks, num_full)`` of every group; returns their keys."""
+        bs = self.block_size
+        keys: list[BlockHash] = []
         for i in range(seq.num_cached_blocks, num_full):
-            block = seq.blocks[i]
-            self._cache_block(block, seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
-            if self.tiers is not None:
-                self.tiers.on_block_full(block.block_id, seq.block_hashes[i])
-        if self.observer is not None:
-            self.observer.on_cached(seq.block_hashes[seq.num_cached_blocks : num_full])
-        seq.num_cached_blocks = num_full
+            for g, table in enumerate(seq.tables):
+                block = table[i]
+                if block is None:
+                    continue  # released before it was offered (caching skipped a step)
+                key = group_key(seq.block_hashes[i], g)
+                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+                if self.tiers is not None:
+                    self.tiers.on_block_full(block.block_id, key)
+                keys.append(key)
+        return keys
+
+    def _advance(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
+        """The tokens before ``num_computed_tokens`` are computed: release what no later query reads."""
+        if num_computed_tokens > seq.num_computed_tokens:
+            seq.num_computed_tokens = num_computed_tokens
+        if self.layout.has_sliding:
+            seq.release(self.pool, seq.unreachable(self.layout, self.block_size, seq.num_computed_tokens))
 
     def fork(self, parent_id: str, child_id: str) -> None:
-        """``child_id`` shares ``parent_id``'s whole table (each block one more reference) and its
-        hash progress. The first write into a shared partial block copies it (see allocate_slots)."""
+        """``child_id`` shares ``parent_id``'s tables (each block one more reference; null entries stay
+        null) and its hash progress. The first write into a shared partial block copies it."""
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into {child_id}: it already has blocks")
         parent = self._seq(parent_id)
-        self.pool.touch(parent.blocks)
-        self._seqs[child_id] = _SeqBlocks(
-            blocks=list(parent.blocks),
+        self.pool.touch([block for _, _, block in parent.live()])
+        self._seqs[child_id] = SeqBlocks(
+            tables=[list(table) for table in parent.tables],
             root=parent.root,
             block_hashes=list(parent.block_hashes),
             num_cached_blocks=parent.num_cached_blocks,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_released=list(parent.num_released),
         )
 
     def free(self, seq_id: str) -> None:
-        """Release ``seq_id``'s blocks, last block first (so its tail is evicted before its head), and
-        forget the sequence. Freeing an unknown sequence (never allocated) does nothing."""
+        """Release ``seq_id``'s blocks, last position first (so its tail is evicted before its head),
+        and forget the sequence. Freeing an unknown sequence (never allocated) does nothing."""
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self.pool.free_blocks(reversed(seq.blocks))
+            self.pool.free_blocks(seq.live_from_tail())
             if self.observer is not None:  # the eviction order the pool now has: tail first
-                self.observer.on_freed(seq.block_hashes[: seq.num_cached_blocks])
+                self.observer.on_freed(seq.cached_keys(self.layout.is_dense))
         swapped = self._swapped.pop(seq_id, None)
         if swapped is not None:
             assert self.tiers is not None
@@ -454,26 +436,30 @@ class KVCacheManager:
 
     def swap_out(self, seq_id: str, num_computed_tokens: int) -> bool:
         """Preempt by swap: plan stores of the blocks holding ``num_computed_tokens`` tokens into the
-        host tier (pinned there), then free the device blocks. False, changing nothing, when there
-        is no host tier or it has no room (the caller falls back to recomputation)."""
+        host tier (pinned there), then free the device blocks. A sliding group stores only its window's
+        blocks. False, changing nothing, when there is no host tier or it has no room (the caller
+        falls back to recomputation)."""
         if self.tiers is None:
             return False
         seq = self._seq(seq_id)
-        num_blocks = -(-num_computed_tokens // self.block_size)
+        bs = self.block_size
+        num_blocks = min(-(-num_computed_tokens // bs), seq.num_blocks)
+        firsts = tuple(
+            min(g.first_reachable_block(num_computed_tokens, bs), num_blocks) for g in self.layout.groups
+        )
+        num_cached = min(seq.num_cached_blocks, num_blocks) if self.enable_caching else 0
         blocks = [
-            (
-                block.block_id,
-                seq.block_hashes[i] if i < seq.num_cached_blocks and self.enable_caching else None,
-            )
-            for i, block in enumerate(seq.blocks[:num_blocks])
+            (block.block_id, group_key(seq.block_hashes[i], g) if i < num_cached else None)
+            for g, i, block in seq.window_entries(firsts, num_blocks)
         ]
         out = self.tiers.swap_out(blocks)
         if out is None:
             return False
         self.free(seq_id)
-        self._swapped[seq_id] = _Swapped(
-            _SeqBlocks([], seq.root, list(seq.block_hashes), min(seq.num_cached_blocks, num_blocks)), out
+        kept = SeqBlocks(
+            [[] for _ in seq.tables], seq.root, list(seq.block_hashes), min(seq.num_cached_blocks, num_blocks)
         )
+        self._swapped[seq_id] = Swapped(kept, out, firsts, num_blocks)
         return True
 
     def is_swapped(self, seq_id: str) -> bool:
@@ -486,22 +472,24 @@ class KVCacheManager:
         ones, new ones for ``num_new_tokens``. False, changing nothing, if the pool is short."""
         swapped = self._swapped[seq_id]
         bs = self.block_size
-        num_loads = len(swapped.out.keys)
         num_total = num_computed_tokens + num_new_tokens
-        if num_loads != -(-num_computed_tokens // bs) or num_total > len(token_ids):
+        if swapped.num_blocks != -(-num_computed_tokens // bs) or num_total > len(token_ids):
             raise ValueError(f"{seq_id}: swap_in with {num_computed_tokens} computed tokens does not match")
-        num_blocks = max(num_loads, -(-num_total // bs))
-        if num_blocks > self.pool.num_free_blocks:
+        num_table = max(swapped.num_blocks, -(-num_total // bs))
+        num_fresh = swapped.num_blocks_to_restore(num_table)
+        if num_fresh > self.pool.num_free_blocks:
             return False
         assert self.tiers is not None
         del self._swapped[seq_id]
-        fresh = self.pool.get_new_blocks(num_blocks)
-        self.tiers.swap_in(swapped.out, [block.block_id for block in fresh[:num_loads]])
+        loaded = swapped.restore(self.pool.get_new_blocks(num_fresh), num_table)
+        self.tiers.swap_in(swapped.out, [block.block_id for block in loaded])
         seq = swapped.seq
-        seq.blocks = fresh
-        for i in range(seq.num_cached_blocks):
-            self._cache_block(fresh[i], seq.block_hashes[i], token_ids[i * bs : (i + 1) * bs])
-            self._origins[fresh[i].block_id] = (seq.block_hashes[i], Medium.HOST)
+        seq.num_computed_tokens = num_computed_tokens
+        for g, i, block in seq.live():
+            if i < seq.num_cached_blocks:
+                key = group_key(seq.block_hashes[i], g)
+                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+                self._origins[block.block_id] = (key, Medium.HOST)
         self._seqs[seq_id] = seq
         return True
 
@@ -519,7 +507,7 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- queries
 
-    def _seq(self, seq_id: str) -> _SeqBlocks:
+    def _seq(self, seq_id: str) -> SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise KeyError(f"unknown sequence {seq_id!r}: allocate_slots was never called or it was freed")
@@ -528,9 +516,32 @@ class KVCacheManager:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs or seq_id in self._swapped
 
-    def block_ids(self, seq_id: str) -> list[int]:
-        """The sequence's current block table (a copy)."""
-        return [block.block_id for block in self._seq(seq_id).blocks]
+    def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
+        """The sequence's block table in KV group ``group`` (a copy; a null entry is ``NULL_BLOCK_ID``).
+        With one group (a dense model): its whole block table."""
+        return [
+            NULL_BLOCK_ID if block is None else block.block_id for block in self._seq(seq_id).tables[group]
+        ]
+
+    def block_tables(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
+        """Every KV group's block table, in group order (null entries are ``NULL_BLOCK_ID``): what the
+        runner hands each group's layers."""
+        return tuple(tuple(self.block_ids(seq_id, g)) for g in range(self.layout.num_groups))
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        """Blocks the sequence's tables reference now, over every group (null entries not counted)."""
+        seq = self._seq(seq_id)
+        return sum(
+            len(table) - released for table, released in zip(seq.tables, seq.num_released, strict=True)
+        )
+
+    def num_blocks_in_use_by_group(self) -> tuple[int, ...]:
+        """Distinct device blocks each KV group's tables hold now (a shared block counted once)."""
+        in_use: list[set[int]] = [set() for _ in self.layout.groups]
+        for seq in self._seqs.values():
+            for g, _, block in seq.live():
+                in_use[g].add(block.block_id)
+        return tuple(len(ids) for ids in in_use)
 
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
@@ -568,27 +579,18 @@ class KVCacheManager:
         return TierSnapshot.of(Medium.DEVICE, self.device_counters, pool.num_blocks, used, self.block_size)
 
     def check_integrity(self) -> None:
-        """Pool invariants plus: every table block is in use, and each block's ``ref_cnt`` equals the
-        number of references the tables hold to it. Raises ``AssertionError``."""
+        """Pool invariants plus: every table block is in use, no block is in two groups' tables, null
+        entries only lead a sliding group's table and stay before its window, and each block's
+        ``ref_cnt`` equals the number of references the tables hold to it. Raises ``AssertionError``."""
         self.pool.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
         refs: Counter[int] = Counter()
+        group_of: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
-            ids = [block.block_id for block in seq.blocks]
-            assert len(set(ids)) == len(ids), f"{seq_id}: a block appears twice in its table"
-            assert seq.num_cached_blocks <= len(seq.blocks), f"{seq_id}: more cached blocks than blocks"
             if self.enable_caching:
                 assert seq.num_cached_blocks <= len(seq.block_hashes), f"{seq_id}: cached blocks without hash"
-            for i, block in enumerate(seq.blocks):
-                assert self.pool.blocks[block.block_id] is block, f"{seq_id}: foreign block {block.block_id}"
-                assert block.ref_cnt > 0, f"{seq_id}: table holds block {block.block_id} with ref_cnt 0"
-                # A fork child may not have hashed a block its parent cached since; if it has, they agree.
-                if block.block_hash is not None and i < len(seq.block_hashes):
-                    assert seq.block_hashes[i] == block.block_hash, (
-                        f"{seq_id}: block {block.block_id} is cached under a hash other than the sequence's"
-                    )
-            refs.update(ids)
+            check_tables(seq_id, seq, self.layout, self.pool, self.block_size, refs, group_of)
         for block in self.pool.blocks:
             assert block.ref_cnt == refs[block.block_id], (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} table references"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +147,6 @@ class Admission:
             if wait is not None and wait > self.max_queue_wait_s:
                 raise QueueWaitExceeded(wait, self.max_queue_wait_s)
 
-    def on_finished(self, num_tokens: Sequence[int], block_size: int) -> None:
-        """A request finished: its sequences of ``num_tokens`` tokens each gave their blocks back."""
-        self.kv.on_finished(sum(-(-n // block_size) for n in num_tokens))
+    def on_finished(self, num_blocks: int) -> None:
+        """A request finished and its sequences gave ``num_blocks`` device blocks back."""
+        self.kv.on_finished(num_blocks)

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import SchedulerConfig
-from kvtier.kv.hashing import hash_block, root_hash
 from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
@@ -162,15 +161,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- KV demand (admission control)
     def num_cached_device_blocks(self, token_ids: list[int], extra_keys: tuple[str, ...]) -> int:
-        """Leading full blocks of ``token_ids`` the device pool holds now (a pure lookup)."""
-        pool, bs = self.kv.pool, self.kv.block_size
-        parent = root_hash(extra_keys)
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            block_tokens = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, block_tokens)
-            if pool.get_cached_block(parent, block_tokens) is None:
-                return i
-        return max(0, (len(token_ids) - 1) // bs)
+        """Leading full blocks of ``token_ids`` the device pool holds now, in every KV group (a pure
+        lookup; a block position counts once however many groups hold it)."""
+        return self.kv.num_device_prefix_blocks(token_ids, extra_keys)
 
     def kv_need_blocks(self, seq: Sequence) -> int:
         """Device blocks ``seq`` still needs to reach ``max_total_tokens`` (prompt + max_tokens)."""
@@ -178,10 +171,10 @@ class Scheduler:
         if seq.params.max_tokens is None:
             expected = seq.num_prompt_tokens + UNSPECIFIED_OUTPUT_TOKENS
             max_total = min(max_total, max(expected, seq.num_tokens + 1))
-        total = -(-max_total // self.kv.block_size)
+        total = self.kv.num_blocks_for(max_total)  # over every KV group (one group: ceil(tokens / B))
         if seq.status is SequenceStatus.RUNNING:
-            return max(0, total - len(self.kv.block_ids(seq.seq_id)))
-        return max(0, total - seq.kv_cached_blocks)
+            return max(0, total - self.kv.num_held_blocks(seq.seq_id))
+        return max(0, total - self.kv.num_blocks_for(seq.kv_cached_blocks * self.kv.block_size))
 
     def kv_need_for(
         self,
@@ -194,11 +187,12 @@ class Scheduler:
         """The device blocks a new request would need: prompt + ``max_tokens`` (None:
         ``UNSPECIFIED_OUTPUT_TOKENS``) within ``max_model_len``, minus the cached prompt blocks; each of
         ``n`` completions its own output."""
-        bs, num_prompt = self.kv.block_size, len(token_ids)
+        kv, num_prompt = self.kv, len(token_ids)
         output = max_tokens if max_tokens is not None else UNSPECIFIED_OUTPUT_TOKENS
         total = min(max_model_len, num_prompt + output)
-        need = -(-total // bs) - self.num_cached_device_blocks(token_ids, extra_keys)
-        return max(0, need) + (n - 1) * -(-(total - num_prompt) // bs)
+        cached = self.num_cached_device_blocks(token_ids, extra_keys) * kv.block_size
+        need = kv.num_blocks_for(total) - kv.num_blocks_for(cached)  # blocks over every KV group
+        return max(0, need) + (n - 1) * kv.num_blocks_for(total - num_prompt)
 
     def kv_demand_blocks(self) -> int:
         """Blocks every running and waiting sequence still needs, at most (an estimate: a prompt
@@ -395,9 +389,10 @@ class Scheduler:
         """Swap the sequence's KV out to the host tier, or drop its blocks (they stay cached) to be
         recomputed; either way it keeps its tokens and goes back to the front of the queue."""
         self.running.remove(seq)
-        bs = self.kv.block_size
         mode = self.cost_model.choose(
-            self.config.preemption_mode, seq.num_computed_tokens, -(-seq.num_computed_tokens // bs)
+            self.config.preemption_mode,
+            seq.num_computed_tokens,
+            self.kv.num_blocks_for(seq.num_computed_tokens),
         )
         if (
             mode == "swap"

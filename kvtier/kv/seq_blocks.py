@@ -1,0 +1,215 @@
+"""What the KV manager keeps per sequence: one block table per KV group, and its hash progress.
+
+Every group's table covers the same block positions; a table entry is a block, or ``None`` (a *null
+entry*) where a sliding group released a block its window no longer reaches. Null entries only ever
+form a prefix of a sliding group's table, and never reach into the window of the sequence's next
+query (``num_computed_tokens``)::
+
+    position          0     1     2     3     4     5     6        (B = 4, W = 9, 26 tokens computed)
+    group 0 (full)    b0    b4    b9    b3    b7    b2    b5
+    group 1 (sliding) None  None  None  None  b8    b1    b6       next query at 26 sees 18..26:
+                      └──── num_released[1] = 4 ──┘                blocks 4..6
+
+A dense model has one full group: one table, no null entries (today's layout).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.kv.block_pool import BlockPool, KVBlock
+from kvtier.kv.computed import GroupHit
+from kvtier.kv.groups import KVLayout
+from kvtier.kv.hashing import BlockHash, group_key
+from kvtier.kv.lower import SwappedOut
+from kvtier.stats import Medium
+
+Table = list[KVBlock | None]
+Load = tuple[int, int, BlockHash, Medium]  # (group, position, key, the tier whose bytes are loaded)
+Entry = tuple[int, int, KVBlock]  # (group, position, block) of a live table entry
+
+
+def blocks_to_allocate(num_table_blocks: int, num_total_tokens: int, block_size: int) -> int:
+    """Fresh blocks a table of ``num_table_blocks`` needs to cover ``num_total_tokens`` slots."""
+    return max(0, -(-num_total_tokens // block_size) - num_table_blocks)
+
+
+@dataclass
+class SeqBlocks:
+    """What the manager knows about one live sequence."""
+
+    tables: list[Table]  # one per KV group, all of the same length
+    root: BlockHash
+    # block_hashes[i] is the chained hash of block i (group 0's key); grows as blocks become full.
+    block_hashes: list[BlockHash]
+    # Blocks [0, num_cached_blocks) have been offered to the hash map (a duplicate may have lost).
+    num_cached_blocks: int
+    # The most tokens the manager was told are computed: the next query's position (window release).
+    num_computed_tokens: int = 0
+    # Per group, the leading null entries of its table (0 for a full group).
+    num_released: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_released:
+            self.num_released = [0] * len(self.tables)
+
+    @property
+    def num_blocks(self) -> int:
+        """Block positions the tables cover (null entries included)."""
+        return len(self.tables[0])
+
+    def live(self) -> Iterator[Entry]:
+        """Every non-null entry, group by group."""
+        for g, table in enumerate(self.tables):
+            for i in range(self.num_released[g], len(table)):
+                block = table[i]
+                assert block is not None, f"null entry at {i} after the released prefix of group {g}"
+                yield g, i, block
+
+    def live_from_tail(self) -> list[KVBlock]:
+        """Every non-null entry, last position first (within a position, group by group): the order a
+        free hands them to the pool, so a sequence's tail is evicted before its head."""
+        return [
+            block
+            for i in range(self.num_blocks - 1, -1, -1)
+            for table in self.tables
+            if (block := table[i]) is not None
+        ]
+
+    def cached_keys(self, dense: bool) -> list[BlockHash]:
+        """The keys of the live entries offered to the hash map, by position (``dense``: one group)."""
+        if dense:
+            return self.block_hashes[: self.num_cached_blocks]
+        return [
+            group_key(self.block_hashes[i], g)
+            for i in range(self.num_cached_blocks)
+            for g, table in enumerate(self.tables)
+            if table[i] is not None
+        ]
+
+    def window_entries(self, firsts: Sequence[int], num_blocks: int) -> list[Entry]:
+        """The entries of positions ``[firsts[g], num_blocks)``, group by group (what a swap stores);
+        raises ``ValueError`` if one of them was released."""
+        entries = []
+        for g, table in enumerate(self.tables):
+            for i in range(firsts[g], num_blocks):
+                block = table[i]
+                if block is None:
+                    raise ValueError(f"group {g} released block {i}, still in the window of the swap")
+                entries.append((g, i, block))
+        return entries
+
+    def unreachable(self, layout: KVLayout, block_size: int, query_pos: int) -> list[Entry]:
+        """The live entries that no query at ``query_pos`` or later can read (sliding groups only), by
+        position, then group (the order they reach the free queue: the oldest is evicted first)."""
+        found: list[Entry] = []
+        for g, spec in enumerate(layout.groups):
+            if spec.window is None:
+                continue
+            end = min(spec.first_reachable_block(query_pos, block_size), self.num_blocks)
+            table = self.tables[g]
+            found += [
+                (g, i, block) for i in range(self.num_released[g], end) if (block := table[i]) is not None
+            ]
+        found.sort(key=lambda entry: (entry[1], entry[0]))
+        return found
+
+    def release(self, pool: BlockPool, entries: list[Entry]) -> None:
+        """Null ``entries`` and drop their references: a cached block nobody else holds stays in the
+        prefix cache as an idle block (evicted, and stored down the tiers, like any)."""
+        for g, i, _ in entries:
+            self.tables[g][i] = None
+            self.num_released[g] = max(self.num_released[g], i + 1)
+        pool.free_blocks(block for _, _, block in entries)
+
+
+def hit_tables(
+    seq_id: str, pool: BlockPool, hits: Sequence[GroupHit], num_tokens: int, block_size: int
+) -> tuple[list[Table], list[Load], list[int]]:
+    """Each group's table for an adopted hit of ``num_tokens`` tokens (device hits; None for null
+    entries and for loads), the loads, and each group's null prefix. Raises ``ValueError`` if a device
+    hit went stale (evicted since the lookup)."""
+    num_blocks = num_tokens // block_size
+    if num_tokens % block_size or any(hit.num_blocks != num_blocks for hit in hits):
+        raise ValueError(f"{seq_id}: ComputedBlocks covers a partial block")
+    tables: list[Table] = []
+    loads: list[Load] = []
+    for g, hit in enumerate(hits):
+        table: Table = [None] * num_blocks
+        for j, (block_id, key, source) in enumerate(zip(hit.block_ids, hit.keys, hit.sources, strict=True)):
+            if block_id is None:
+                loads.append((g, hit.first + j, key, source))
+                continue
+            block = pool.blocks[block_id]
+            if block.block_hash is None or block.block_hash != key:
+                raise ValueError(
+                    f"{seq_id}: stale ComputedBlocks: block {block_id} was evicted after the lookup"
+                )
+            table[hit.first + j] = block
+        tables.append(table)
+    return tables, loads, [hit.first for hit in hits]
+
+
+def check_tables(
+    seq_id: str,
+    seq: SeqBlocks,
+    layout: KVLayout,
+    pool: BlockPool,
+    block_size: int,
+    refs: Counter[int],
+    group_of: dict[int, int],
+) -> None:
+    """One sequence's share of ``KVCacheManager.check_integrity``: its tables are well formed (equal
+    lengths, null entries only leading a sliding table and before its window, each block of the pool,
+    in use, cached under the sequence's own key, in one group only); counts its references in
+    ``refs``. Raises ``AssertionError``."""
+    assert len(seq.tables) == layout.num_groups, f"{seq_id}: {len(seq.tables)} tables"
+    assert len({len(table) for table in seq.tables}) == 1, f"{seq_id}: group tables of unequal length"
+    assert seq.num_cached_blocks <= seq.num_blocks, f"{seq_id}: more cached blocks than blocks"
+    for g, (spec, table) in enumerate(zip(layout.groups, seq.tables, strict=True)):
+        released = seq.num_released[g]
+        assert all(b is None for b in table[:released]), f"{seq_id}: group {g} released a live entry"
+        reach = spec.first_reachable_block(seq.num_computed_tokens, block_size)
+        assert released <= reach, f"{seq_id}: group {g} released block {released - 1} still in its window"
+        ids = [block.block_id for block in table[released:] if block is not None]
+        assert len(ids) == len(table) - released, f"{seq_id}: group {g} has a null entry in its window"
+        assert len(set(ids)) == len(ids), f"{seq_id}: a block appears twice in its table"
+        for i, block in enumerate(table[released:], start=released):
+            assert block is not None and pool.blocks[block.block_id] is block, f"{seq_id}: foreign block"
+            assert block.ref_cnt > 0, f"{seq_id}: table holds block {block.block_id} with ref_cnt 0"
+            assert group_of.setdefault(block.block_id, g) == g, f"block {block.block_id} in two groups"
+            # A fork child may not have hashed a block its parent cached since; if it has, they agree.
+            if block.block_hash is not None and i < len(seq.block_hashes):
+                assert group_key(seq.block_hashes[i], g) == block.block_hash, (
+                    f"{seq_id}: block {block.block_id} is cached under a hash other than the sequence's"
+                )
+        refs.update(ids)
+
+
+@dataclass
+class Swapped:
+    """A sequence preempted by swap: its hash progress, and its blocks pinned in the host tier in
+    ``out.keys`` order: group by group, positions ``[firsts[g], num_blocks)`` of each."""
+
+    seq: SeqBlocks  # with empty tables
+    out: SwappedOut
+    firsts: tuple[int, ...]  # per group, the first position stored (its window's first block)
+    num_blocks: int  # block positions that held computed tokens
+
+    def num_blocks_to_restore(self, num_table: int) -> int:
+        """Device blocks a resume covering ``num_table`` positions takes (loads and new ones)."""
+        return sum(num_table - first for first in self.firsts)
+
+    def restore(self, fresh: list[KVBlock], num_table: int) -> list[KVBlock]:
+        """Give ``seq`` its tables back from ``fresh`` blocks (group by group, positions
+        ``[firsts[g], num_table)``, null before); returns the blocks to load, in ``out.keys`` order."""
+        self.seq.tables, loaded, start = [], [], 0
+        for first in self.firsts:
+            blocks = fresh[start : start + num_table - first]
+            start += len(blocks)
+            self.seq.tables.append([None] * first + blocks)
+            loaded += blocks[: self.num_blocks - first]
+        self.seq.num_released = list(self.firsts)
+        return loaded
