@@ -82,8 +82,9 @@ def weight_bytes_per_decode_step(model) -> int:  # noqa: ANN001 - kvtier.models.
     total = model.lm_head.nbytes
     for layer in model.layers:
         total += sum(lin.nbytes for lin in layer.linears)
-        for w in (layer.input_norm, layer.post_norm):
-            total += w.numel() * w.element_size()
+        for w in vars(layer).values():  # the norms' weights (every family's: llama 2, Gemma 3 six)
+            if isinstance(w, torch.Tensor):
+                total += w.numel() * w.element_size()
     return total
 
 

@@ -26,6 +26,7 @@ import torch
 from kvtier.config import EngineArgs, EngineConfig, resolve_engine_config
 from kvtier.insight.hub import CacheInsight
 from kvtier.insight.inspector import CacheFacts, KVInspector
+from kvtier.kv.groups import kv_layout
 from kvtier.kv.hashing import cache_identity
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv_events import KVEventRecorder, RedisStreamPublisher, default_replica_id
@@ -91,9 +92,11 @@ def build_model(
 
 
 def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, device: torch.device):
-    """The device pool, the tiers under it and the block manager over both."""
+    """The device pool, the tiers under it and the block manager over both, in the model's KV groups
+    (one for a dense model; a hybrid one's sliding groups keep only the blocks their window reaches)."""
     cache = config.cache
-    runner = ModelRunner(model, cache.num_device_blocks, cache.block_size, device, cache.kv_dtype)
+    layout = kv_layout(config.model.layer_types, config.model.sliding_window)
+    runner = ModelRunner(model, cache.num_device_blocks, cache.block_size, device, cache.kv_dtype, layout)
     identity = TierIdentity(  # disk and remote headers record the KV dtype: another's is a miss
         loaded.fingerprint,
         cache.kv_dtype,
@@ -101,7 +104,9 @@ def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, devic
         runner.kv_cache.element_size(),
     )
     tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache)
-    kv = KVCacheManager(cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, tiers=tiers)
+    kv = KVCacheManager(
+        cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, tiers=tiers, layout=layout
+    )
     return runner, tiers, mover, kv
 
 

@@ -23,6 +23,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtier.kv import groups
 from kvtier.kv_events import check_replica_id
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -118,6 +119,11 @@ class ModelConfig:
         """The tokens layer ``layer`` attends to: ``sliding_window`` for a sliding layer, else None."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def kv_layout(self) -> groups.KVLayout:
+        """The model's KV groups (``kvtier/kv/groups.py``): which layers share a block table, and the
+        layer slots of every block (a dense model: one group, slot = layer)."""
+        return groups.kv_layout(self.layer_types, self.sliding_window)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -138,9 +144,11 @@ def resolve_kv_dtype(kv_cache_dtype: str, dtype: str) -> str:
 
 
 def kv_block_bytes(model: ModelConfig, block_size: int, dtype: str) -> int:
-    """Bytes of one KV block: K and V of ``block_size`` tokens in every layer, in KV dtype ``dtype``
-    (scales included for a quantized one)."""
-    return block_size * kv_token_bytes(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+    """Bytes of one KV block: K and V of ``block_size`` tokens in each layer slot of a KV group (every
+    layer for a dense model; ``layers_per_group`` slots for a hybrid one, the same in every group), in
+    KV dtype ``dtype`` (scales included for a quantized one)."""
+    slots = model.kv_layout().layers_per_group
+    return block_size * kv_token_bytes(slots, model.num_kv_heads, model.head_dim, dtype)
 
 
 def device_pool_blocks(kv_device_gb: float, block_bytes: int) -> int:
@@ -213,6 +221,26 @@ def _secret(value: str | None) -> bytes | None:
     return value.encode("utf-8") if value else None
 
 
+def _device_pool(args: EngineArgs, model: ModelConfig, block_bytes: int) -> tuple[int, int]:
+    """The device pool's blocks, and the longest sequence they hold over the model's KV groups (one
+    group: blocks x block_size)."""
+    if args.kv_device_blocks is not None:
+        num_blocks = args.kv_device_blocks
+    else:
+        num_blocks = device_pool_blocks(args.kv_device_gb or DEFAULT_KV_DEVICE_GB, block_bytes)
+        if num_blocks < 2:
+            raise ConfigError(
+                f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B"
+            )
+    capacity = model.kv_layout().max_tokens(num_blocks, args.block_size)
+    if capacity <= 0:
+        raise ConfigError(
+            f"{num_blocks} device blocks hold no sequence: each sliding-window KV group keeps up to a "
+            "window of blocks besides the full groups' (kvtier/kv/groups.py); raise kv_device_blocks/gb"
+        )
+    return num_blocks, capacity
+
+
 def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
     """Size the device pool and the tiers in blocks and cap ``max_model_len`` by the pool.
 
@@ -223,19 +251,11 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     bs = args.block_size
     block_bytes = kv_block_bytes(model, bs, kv_dtype)
-    if args.kv_device_blocks is not None:
-        num_blocks = args.kv_device_blocks
-    else:
-        num_blocks = device_pool_blocks(args.kv_device_gb or DEFAULT_KV_DEVICE_GB, block_bytes)
-        if num_blocks < 2:
-            raise ConfigError(
-                f"kv_device_gb={args.kv_device_gb} holds fewer than 2 blocks of {block_bytes} B"
-            )
-    capacity = num_blocks * bs
+    num_blocks, capacity = _device_pool(args, model, block_bytes)
     if args.max_model_len is not None and args.max_model_len > capacity:
         raise ConfigError(
             f"max_model_len={args.max_model_len} needs more KV than the device pool holds "
-            f"({num_blocks} blocks x {bs} = {capacity} tokens); raise kv_device_blocks/gb"
+            f"({num_blocks} blocks of {bs} tokens hold a sequence of {capacity}); raise kv_device_blocks/gb"
         )
     max_model_len = min(args.max_model_len or model.max_position_embeddings, capacity)
     num_host_blocks = int(args.kv_host_gb * 2**30 // block_bytes)

@@ -50,7 +50,7 @@ from kvtier.row_faults import contain
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.scheduler import SchedulerOutput
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
-from kvtier.stats import EngineStats, Medium
+from kvtier.stats import EngineStats, KVGroupUsage, Medium
 from kvtier.worker.runner import StepLogits
 from kvtier.worker.sampler import RowError, SampleRequest
 from kvtier.worker.structured import Grammars
@@ -463,6 +463,12 @@ class LLMEngine:
             num_seqs_waiting=scheduler.waiting_weight(),
             kv_demand_blocks=scheduler.kv_demand_blocks() if admission.enabled else 0,
             kv_admission_limit_blocks=admission.limit_blocks if admission.enabled else 0,
+            kv_groups=tuple(
+                KVGroupUsage(g, spec.kind, spec.window, len(spec.layers), in_use)
+                for g, (spec, in_use) in enumerate(
+                    zip(kv.layout.groups, kv.num_blocks_in_use_by_group(), strict=True)
+                )
+            ),
         )
 
     # ------------------------------------------------------------------------------ shutdown

@@ -7,10 +7,13 @@ Two readers of ``config.json`` share this module, and keep their own rules on to
                                               biases, special ids, dtype, layer types and window,
                                               Gemma 3's local RoPE base (``parse_local_rope``)
     planner_presets.hf_spec  -> ModelSpec     the planner: any decoder (Qwen3, multimodal text
-                                              configs...), adds the parameter count and qk-norm
+                                              configs...), adds the parameter count, qk-norm, and
+                                              the layer types and window (``layer_kinds``)
 
 Both take the shape (``decoder_shape``) and turn a missing key or a bad value into one ``ConfigError``
 naming the file (``config_errors``). The tokenizer reads its JSON files with ``read_json`` too.
+``layer_kinds`` states the loader's rules for each layer's attention kind (``hf_loader._layer_types``
+and ``_attention_fields``, which the planner's tests hold it to).
 """
 
 from __future__ import annotations
@@ -125,3 +128,37 @@ def parse_local_rope(cfg: dict[str, Any]) -> float:
         if local.get("rope_theta") is not None:
             return float(local["rope_theta"])
     return float(cfg.get("rope_local_base_freq") or 10000.0)
+
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+def layer_kinds(
+    cfg: dict[str, Any], family: str, num_layers: int, max_positions: int
+) -> tuple[tuple[str, ...], int | None]:
+    """``(layer_types, sliding_window)`` of a decoder that the engine runs as ``family`` ("llama",
+    "qwen3" or "gemma3"), by the loader's rules; ``((), None)`` when every layer is full attention.
+
+    * llama (Llama, Mistral, Qwen2): every layer full (a window caps the context instead).
+    * ``layer_types`` when config.json has it; else Gemma 3's ``sliding_window_pattern`` (every n-th
+      layer full, 6 by default) or Qwen3's ``max_window_layers`` (layers from there on slide).
+    * Qwen3 slides only with ``use_sliding_window``; Gemma 3 without a window slides over the whole
+      context. A window past ``max_positions`` is clamped to it.
+    """
+    window = cfg.get("sliding_window")
+    if family == "llama" or (family == "qwen3" and not cfg.get("use_sliding_window", False)):
+        return (), None
+    if family == "gemma3" and window is None:
+        window = max_positions
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        kinds = tuple(str(t) for t in types)
+    elif family == "gemma3":
+        period = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        kinds = tuple(_SLIDING if (i + 1) % period else _FULL for i in range(num_layers))
+    else:
+        first = int(cfg.get("max_window_layers", num_layers))
+        kinds = tuple(_SLIDING if i >= first else _FULL for i in range(num_layers))
+    if window is None or _SLIDING not in kinds:
+        return (), None
+    return kinds, min(int(window), max_positions)

@@ -15,6 +15,12 @@ GB (1 GB = 1e9 bytes, as device memory and bandwidth are specified). The model (
 * reloading one full context: its KV over the host<->device link (every device loads its own shard in
   parallel) vs recomputing it: 2 x params x tokens FLOPs at peak x MFU (the quadratic attention-score
   FLOPs are left out, so the recompute estimate is optimistic).
+
+A hybrid model (sliding-window layers beside full ones: Gemma 3, Qwen3 with ``use_sliding_window``) is
+counted as the engine allocates it instead: its KV groups in ``--block-size`` blocks, a sliding group
+holding only the blocks its window reaches (``kvtier.planner_groups``, on ``kvtier/kv/groups.py``). Its
+KV per sequence, max sequences, pool tokens, host tier, decode reads and reload time use those bytes,
+and the plan adds each group's bytes and the comparison with the same model with every layer full.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import ConfigError, kv_token_bytes
+from kvtier.config import LAYER_TYPES, ConfigError, kv_token_bytes
+from kvtier.kv.groups import KVLayout, kv_layout
+from kvtier.planner_groups import GroupedKV, GroupRow, VsAllFull, grouped_kv, render_groups
 from kvtier.planner_presets import PRESETS, gguf_spec, hf_spec
 
 GB = 1e9
@@ -68,6 +76,11 @@ class ModelSpec:
     num_params: int = 0  # 0: derived from the numbers above by count_params
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3-style per-head q/k RMSNorm (counts 2 x head_dim params per layer)
+    sandwich_norm: bool = False  # Gemma 3: RMSNorms after attention and MLP too (4 per layer, not 2)
+    # Each layer's attention kind in HF's names ("full_attention", "sliding_attention") and the window
+    # of the sliding ones (ModelConfig's fields); () and None: every layer full, a dense model.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
     max_context: int | None = None  # the model's own context limit, tokens
     source: str = "preset"  # preset | hf | gguf
 
@@ -79,8 +92,36 @@ class ModelSpec:
             raise ConfigError(
                 f"model {self.name}: {self.num_heads} heads is not a multiple of {self.num_kv_heads} KV heads"
             )
+        self._check_layer_types()
         if self.num_params <= 0:
             object.__setattr__(self, "num_params", count_params(self))
+
+    def _check_layer_types(self) -> None:
+        """Layer types as a tuple, one per layer, known kinds; all full becomes ``()`` and no window."""
+        types = tuple(self.layer_types)
+        if types and len(types) != self.num_layers:
+            raise ConfigError(f"model {self.name}: {len(types)} layer types for {self.num_layers} layers")
+        if unknown := set(types) - set(LAYER_TYPES):
+            raise ConfigError(
+                f"model {self.name}: unsupported layer type {sorted(unknown)[0]!r} "
+                f"(supported: {', '.join(LAYER_TYPES)})"
+            )
+        if "sliding_attention" not in types:
+            types, window = (), None
+        elif not (isinstance(window := self.sliding_window, int) and window > 0):
+            raise ConfigError(f"model {self.name}: sliding layers need a positive window, got {window}")
+        object.__setattr__(self, "layer_types", types)
+        object.__setattr__(self, "sliding_window", window)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers slide: the engine keeps its KV in several groups (``kv_layout``)."""
+        return bool(self.layer_types)
+
+    def kv_layout(self) -> KVLayout:
+        """The engine's KV groups of this model (``kvtier/kv/groups.py``): one group for a dense one."""
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return kv_layout(types, self.sliding_window)
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """K and V bytes of one token over all layers (whole model, all TP ranks together)."""
@@ -88,10 +129,11 @@ class ModelSpec:
 
 
 def count_params(m: ModelSpec) -> int:
-    """Parameter count of a Llama-style decoder (embeddings, attention, SwiGLU MLP, RMSNorms, lm_head)."""
+    """Parameter count of a Llama-style decoder (embeddings, attention, gated MLP, RMSNorms, lm_head)."""
     h, q, kv = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     layer = h * q * 2 + h * kv * 2 + 3 * h * m.intermediate_size + 2 * h
     layer += 2 * m.head_dim if m.qk_norm else 0
+    layer += 2 * h if m.sandwich_norm else 0
     embeddings = m.vocab_size * h * (1 if m.tie_word_embeddings else 2)
     return m.num_layers * layer + embeddings + h
 
@@ -109,6 +151,7 @@ class Deployment:
     weight_dtype: str = "bf16"
     kv_dtype: str = "bf16"
     context: int = 8192  # tokens per sequence (prompt + output)
+    block_size: int = 16  # tokens per KV block, the engine's (a hybrid model's KV is counted in blocks)
     host_mem_gb: float = 256.0  # host RAM given to the KV host tier (whole group), GB
     mem_bw_gbs: float = 3350.0  # device memory bandwidth per GPU, GB/s
     link_gbs: float = 50.0  # host<->device link per GPU, GB/s
@@ -134,6 +177,7 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "weight_dtype": (lambda v: v in DTYPE_BYTES, f"one of {', '.join(DTYPE_BYTES)}"),
     "kv_dtype": (lambda v: v in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}"),
     "context": (lambda v: v >= 1, "at least 1 token"),
+    "block_size": (lambda v: v >= 1 and not v & (v - 1), "a positive power of two"),
     "host_mem_gb": _NON_NEGATIVE,
     "mem_bw_gbs": _POSITIVE,
     "link_gbs": _POSITIVE,
@@ -166,12 +210,14 @@ class Plan:
     usable_bytes_per_device: float  # gpu_mem x util - reserve
     kv_pool_bytes_per_device: float
     max_seqs: int  # full-context sequences the device pools hold
-    pool_tokens: int  # tokens the pool holds
+    pool_tokens: int  # tokens the pool holds (a hybrid model: the longest one sequence, the engine's cap)
     host_seqs: int  # full-context sequences the host tier holds
     decode: tuple[DecodeRow, ...]
     host_load_s: float  # one full context's KV from host over the link
     recompute_s: float  # one full context's prefill recomputed
     notes: tuple[str, ...] = field(default=())
+    kv_groups: tuple[GroupRow, ...] = ()  # a hybrid model's KV groups per device; () for a dense one
+    vs_all_full: VsAllFull | None = None  # a hybrid model against every layer full; None for a dense one
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (the model and deployment nested)."""
@@ -195,9 +241,44 @@ def plan(model: ModelSpec, dep: Deployment, batches: tuple[int, ...] = DECODE_BA
     """Size the deployment; ConfigError when the model does not fit or cannot hold one full sequence."""
     dep.validate()
     tp, ctx = dep.tp, dep.context
+    heads_dev = _kv_heads_per_device(model, tp)
     kv_tok = model.kv_bytes_per_token(dep.kv_dtype)
-    kv_dev = kv_bytes(model.num_layers, _kv_heads_per_device(model, tp), model.head_dim, dep.kv_dtype)
-    weights_dev = model.num_params * DTYPE_BYTES[dep.weight_dtype] / tp
+    kv_dev = kv_bytes(model.num_layers, heads_dev, model.head_dim, dep.kv_dtype)
+    weights_dev, usable, pool = _device_budget(model, dep)
+    seqs = _sequences(model, dep, heads_dev, pool)
+    if seqs.max_seqs < 1:
+        raise ConfigError(
+            f"{model.name} at TP={tp} leaves a {_gb(pool)} KV pool per device, less than one {ctx:,}-token "
+            f"sequence ({_gb(seqs.seq_dev)} per device); lower --context, use --kv-dtype fp8 or raise --tp"
+        )
+    notes = []
+    if model.max_context is not None and ctx > model.max_context:
+        notes.append(f"--context {ctx:,} exceeds {model.name}'s own limit of {model.max_context:,} tokens")
+    grouped = seqs.grouped
+    return Plan(
+        model=model,
+        deployment=dep,
+        kv_bytes_per_token=kv_tok,
+        kv_bytes_per_token_per_device=kv_dev,
+        kv_bytes_per_seq_per_device=seqs.seq_dev,
+        weight_bytes_per_device=weights_dev,
+        usable_bytes_per_device=usable,
+        kv_pool_bytes_per_device=pool,
+        max_seqs=seqs.max_seqs,
+        pool_tokens=seqs.pool_tokens,
+        host_seqs=int(dep.host_mem_gb * GB // seqs.seq_bytes),
+        decode=_decode_rows(model, dep, weights_dev, seqs, batches),
+        host_load_s=seqs.seq_dev / (dep.link_gbs * GB),
+        recompute_s=2 * model.num_params * ctx / (tp * dep.tflops * 1e12 * dep.prefill_mfu),
+        notes=tuple(notes),
+        kv_groups=grouped.groups if grouped else (),
+        vs_all_full=grouped.vs_all_full if grouped else None,
+    )
+
+
+def _device_budget(model: ModelSpec, dep: Deployment) -> tuple[float, float, float]:
+    """``(weights, usable, KV pool)`` bytes per device; ConfigError when nothing is left for the KV."""
+    weights_dev = model.num_params * DTYPE_BYTES[dep.weight_dtype] / dep.tp
     usable = dep.gpu_mem_gb * GB * dep.gpu_util - dep.reserve_gb * GB
     budget = f"{_gb(dep.gpu_mem_gb * GB)} x {dep.gpu_util:g} - {_gb(dep.reserve_gb * GB)} reserve"
     if usable <= 0:
@@ -205,45 +286,53 @@ def plan(model: ModelSpec, dep: Deployment, batches: tuple[int, ...] = DECODE_BA
     pool = usable - weights_dev
     if pool <= 0:
         raise ConfigError(
-            f"{model.name} does not fit at TP={tp}: {_gb(weights_dev)} of {dep.weight_dtype} weights per "
+            f"{model.name} does not fit at TP={dep.tp}: {_gb(weights_dev)} of {dep.weight_dtype} weights per "
             f"device exceed the {_gb(usable)} usable ({budget}); "
             "raise --tp, shrink --weight-dtype or add memory"
         )
-    seq_dev = kv_dev * ctx
-    max_seqs = int(pool // seq_dev)
-    if max_seqs < 1:
-        raise ConfigError(
-            f"{model.name} at TP={tp} leaves a {_gb(pool)} KV pool per device, less than one {ctx:,}-token "
-            f"sequence ({_gb(seq_dev)} per device); lower --context, use --kv-dtype fp8 or raise --tp"
-        )
+    return weights_dev, usable, pool
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """What one ``context``-token sequence holds and how many the pool fits."""
+
+    seq_dev: int  # KV bytes of one sequence per device
+    seq_bytes: int  # the same, whole model (every TP rank together)
+    max_seqs: int
+    pool_tokens: int
+    grouped: GroupedKV | None  # a hybrid model's groups; None for a dense one
+
+
+def _sequences(model: ModelSpec, dep: Deployment, heads_dev: int, pool: float) -> _Sequences:
+    """A dense model: ``context`` x KV bytes per token. A hybrid one: its KV groups, in whole blocks."""
+    ctx, kv_dtype = dep.context, dep.kv_dtype
+    if not model.is_hybrid:
+        kv_dev = kv_bytes(model.num_layers, heads_dev, model.head_dim, kv_dtype)
+        seq_dev = kv_dev * ctx
+        seq = model.kv_bytes_per_token(kv_dtype) * ctx
+        return _Sequences(seq_dev, seq, int(pool // seq_dev), int(pool // kv_dev), None)
+    layout, bs = model.kv_layout(), dep.block_size
+    grouped = grouped_kv(
+        layout, model.num_layers, ctx, bs, kv_bytes(1, heads_dev, model.head_dim, kv_dtype), pool
+    )
+    seq = layout.kv_bytes_held(ctx, bs, kv_bytes(1, model.num_kv_heads, model.head_dim, kv_dtype))
+    return _Sequences(grouped.seq_bytes, seq, grouped.max_seqs, grouped.max_tokens, grouped)
+
+
+def _decode_rows(
+    model: ModelSpec, dep: Deployment, weights_dev: float, seqs: _Sequences, batches: tuple[int, ...]
+) -> tuple[DecodeRow, ...]:
+    """One decode step at each batch below the pool's maximum, and at the maximum."""
     rows = []
-    for batch in sorted({b for b in batches if 1 <= b < max_seqs} | {max_seqs}):
-        kv_read = batch * seq_dev
+    for batch in sorted({b for b in batches if 1 <= b < seqs.max_seqs} | {seqs.max_seqs}):
+        kv_read = batch * seqs.seq_dev
         t_mem = (weights_dev + kv_read) / (dep.mem_bw_gbs * GB)
-        t_compute = 2 * model.num_params * batch / (tp * dep.tflops * 1e12)
+        t_compute = 2 * model.num_params * batch / (dep.tp * dep.tflops * 1e12)
         step = max(t_mem, t_compute)
         bound = "compute" if t_compute > t_mem else "bandwidth"
         rows.append(DecodeRow(batch, step, batch / step, kv_read / (weights_dev + kv_read), bound))
-    notes = []
-    if model.max_context is not None and ctx > model.max_context:
-        notes.append(f"--context {ctx:,} exceeds {model.name}'s own limit of {model.max_context:,} tokens")
-    return Plan(
-        model=model,
-        deployment=dep,
-        kv_bytes_per_token=kv_tok,
-        kv_bytes_per_token_per_device=kv_dev,
-        kv_bytes_per_seq_per_device=seq_dev,
-        weight_bytes_per_device=weights_dev,
-        usable_bytes_per_device=usable,
-        kv_pool_bytes_per_device=pool,
-        max_seqs=max_seqs,
-        pool_tokens=int(pool // kv_dev),
-        host_seqs=int(dep.host_mem_gb * GB // (kv_tok * ctx)),
-        decode=tuple(rows),
-        host_load_s=seq_dev / (dep.link_gbs * GB),
-        recompute_s=2 * model.num_params * ctx / (tp * dep.tflops * 1e12 * dep.prefill_mfu),
-        notes=tuple(notes),
-    )
+    return tuple(rows)
 
 
 # ------------------------------------------------------------------------------------------ model inputs
@@ -307,8 +396,15 @@ def render(p: Plan) -> str:
         ("max sequences", f"{p.max_seqs:,} concurrent at {ctx} tokens"),
         ("host tier", f"{p.host_seqs:,} sequences at {ctx} tokens in {d.host_mem_gb:g} GB of host memory"),
     ]  # fmt: skip
+    if m.is_hybrid:
+        num_full = m.layer_types.count("full_attention")
+        sliding = f"{m.num_layers - num_full} sliding (a {m.sliding_window:,}-token window)"
+        rows.insert(1, ("attention", f"{num_full} full + {sliding} layers"))
     lines = [f"kvtier plan: {m.name} ({m.source}) on {devices}, TP={d.tp}"]
     lines += [f"  {label:<25} {value}" for label, value in rows]
+    if p.vs_all_full is not None:  # a hybrid model: what its KV groups hold
+        slots = m.kv_layout().slots_per_group
+        lines += render_groups(p.kv_groups, p.vs_all_full, slots, d.context, d.block_size, per_dev)
     lines += [
         "",
         f"  decode step: weights + every sequence's KV read once at {d.mem_bw_gbs:g} GB/s per device "
@@ -348,6 +444,7 @@ _HELP = {
     "weight_dtype": "weight precision",
     "kv_dtype": "KV cache precision",
     "context": "tokens per sequence (prompt + output)",
+    "block_size": "tokens per KV block: the live pool's and a hybrid model's KV groups'",
     "host_mem_gb": "host memory for the KV host tier, GB",
     "mem_bw_gbs": "device memory bandwidth per GPU, GB/s",
     "link_gbs": "host<->device link per GPU, GB/s",
@@ -360,7 +457,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """The ``kvtier plan`` flags (defaults: one 80 GB H100-class device, see ``Deployment``)."""
     parser.description = (
         "Capacity planner: KV bytes per token, KV pool, concurrent sequences, host tier, decode step "
-        "estimate and host-load vs recompute time for a model on a tensor-parallel group. Pure arithmetic: "
+        "estimate and host-load vs recompute time for a model on a tensor-parallel group; for a hybrid "
+        "model (Gemma 3) each KV group's bytes and the gain over every layer full. Pure arithmetic: "
         "nothing is loaded. GB = 1e9 bytes."
     )
     presets = ", ".join(PRESETS)
@@ -386,7 +484,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     live = parser.add_argument_group("the live kvtier pool (what `kvtier serve` with these flags allocates)")
     live.add_argument("--kv-device-gb", type=float, help="device KV pool in GiB, as the engine flag")
     live.add_argument("--kv-cache-dtype", default="auto", help="as the engine flag (auto: float32)")
-    live.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     live.add_argument("--server", metavar="URL", help="read the pool of a running `kvtier serve` instead")
     parser.set_defaults(func=run)
 
@@ -431,6 +528,9 @@ class PoolCapacity:
     block_bytes: int  # one block, every layer, scales included
     num_blocks: int
     context: int
+    # blocks one ``context``-token sequence keeps over the model's KV groups (``KVLayout.num_blocks_held``);
+    # None: one full-attention group, ceil(context / block_size) (a server's pool: /v1/kv/info has no groups)
+    blocks_per_seq: int | None = None
 
     @property
     def tokens(self) -> int:
@@ -439,14 +539,15 @@ class PoolCapacity:
     @property
     def max_seqs(self) -> int:
         """Full ``context``-token sequences the pool holds at once (whole blocks each)."""
-        return self.num_blocks // -(-self.context // self.block_size)
+        return self.num_blocks // (self.blocks_per_seq or -(-self.context // self.block_size))
 
 
 def pool_of_flags(
     model: ModelSpec, kv_device_gb: float, kv_cache_dtype: str, block_size: int, context: int
 ) -> PoolCapacity:
     """The pool ``kvtier serve --kv-device-gb G --kv-cache-dtype X`` allocates for ``model`` (the engine's
-    own arithmetic: ``kvtier.config``); ``auto`` is taken as float32 (the embedded GGUF's)."""
+    own arithmetic: ``kvtier.config`` and the model's KV groups, ``kvtier/kv/groups.py``); ``auto`` is
+    taken as float32 (the embedded GGUF's)."""
     from kvtier.config import KVCacheDType, check_choice, device_pool_blocks, resolve_kv_dtype
 
     check_choice("kv_cache_dtype", kv_cache_dtype, KVCacheDType)
@@ -455,9 +556,11 @@ def pool_of_flags(
     if block_size <= 0 or block_size & (block_size - 1):
         raise ConfigError(f"--block-size must be a positive power of two, got {block_size}")
     kv_dtype = resolve_kv_dtype(kv_cache_dtype, "float32")
-    block_bytes = block_size * kv_bytes(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    layout = model.kv_layout()
+    block_bytes = layout.block_bytes(block_size, kv_bytes(1, model.num_kv_heads, model.head_dim, kv_dtype))
     num_blocks = device_pool_blocks(kv_device_gb, block_bytes)
-    return PoolCapacity("flags", kv_dtype, block_size, block_bytes, num_blocks, context)
+    held = layout.num_blocks_held(context, block_size)
+    return PoolCapacity("flags", kv_dtype, block_size, block_bytes, num_blocks, context, held)
 
 
 def pool_of_server(url: str, context: int) -> PoolCapacity:

@@ -4,7 +4,8 @@ Each returns ``kvtier.planner.ModelSpec`` keyword arguments. Nothing here loads 
 
 * ``PRESETS``: the published ``config.json`` numbers of well-known decoders (``--model llama-3.1-8b``). Their
   parameter counts are derived by ``kvtier.planner.count_params`` and match the published safetensors totals
-  exactly (the tests pin them).
+  exactly (the tests pin them). Gemma 3 carries each layer's attention kind and its window (every 6th
+  layer full, the others a sliding window), as ``layer_types`` and ``sliding_window`` in HF's names.
 * ``hf_spec``: an HF ``config.json`` (+ the safetensors headers beside it for the exact parameter count).
 * ``gguf_spec``: a GGUF file's metadata and tensor table, read straight from its header.
 """
@@ -20,9 +21,22 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import ConfigError
-from kvtier.hf_config import config_errors, decoder_shape, read_json
+from kvtier.hf_config import config_errors, decoder_shape, layer_kinds, read_json
 
-# name -> ModelSpec keyword arguments (everything except the derived parameter count)
+GEMMA3_FULL_EVERY = 6  # Gemma 3: layer i is full attention when (i + 1) % 6 == 0, else sliding
+
+
+def gemma3_layers(num_layers: int, window: int) -> dict[str, Any]:
+    """A Gemma 3 preset's attention: ``layer_types`` (every 6th layer full) and ``sliding_window``; the
+    q/k norms and the norms after attention and MLP (4 RMSNorms a layer) for the parameter count."""
+    kinds = ("sliding_attention",) * (GEMMA3_FULL_EVERY - 1) + ("full_attention",)
+    layer_types = tuple(kinds[i % GEMMA3_FULL_EVERY] for i in range(num_layers))
+    return dict(layer_types=layer_types, sliding_window=window, qk_norm=True, sandwich_norm=True)
+
+
+# name -> ModelSpec keyword arguments (everything except the derived parameter count). Gemma 3 4B/12B/27B
+# are multimodal checkpoints: the numbers are their ``text_config``'s (the SigLIP vision tower, ~0.4 B
+# parameters, is not counted). Qwen3's published configs slide nowhere (``use_sliding_window: false``).
 PRESETS: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(  # HuggingFaceTB/SmolLM2-135M(-Instruct): the embedded default model
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
@@ -52,6 +66,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128, hidden_size=5120,
         intermediate_size=25600, vocab_size=151936, qk_norm=True, max_context=40960,
     ),
+    "gemma-3-270m": dict(  # = the sum of gemma-3-270m GGUF's tensors (268,098,176)
+        num_layers=18, num_heads=4, num_kv_heads=1, head_dim=256, hidden_size=640,
+        intermediate_size=2048, vocab_size=262144, tie_word_embeddings=True, max_context=32768,
+        **gemma3_layers(18, window=512),
+    ),
+    "gemma-3-1b": dict(
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, hidden_size=1152,
+        intermediate_size=6912, vocab_size=262144, tie_word_embeddings=True, max_context=32768,
+        **gemma3_layers(26, window=512),
+    ),
+    "gemma-3-4b": dict(
+        num_layers=34, num_heads=8, num_kv_heads=4, head_dim=256, hidden_size=2560,
+        intermediate_size=10240, vocab_size=262208, tie_word_embeddings=True, max_context=131072,
+        **gemma3_layers(34, window=1024),
+    ),
+    "gemma-3-12b": dict(
+        num_layers=48, num_heads=16, num_kv_heads=8, head_dim=256, hidden_size=3840,
+        intermediate_size=15360, vocab_size=262208, tie_word_embeddings=True, max_context=131072,
+        **gemma3_layers(48, window=1024),
+    ),
+    "gemma-3-27b": dict(
+        num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128, hidden_size=5376,
+        intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True, max_context=131072,
+        **gemma3_layers(62, window=1024),
+    ),
     "llama-3.1-70b": dict(
         num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128, hidden_size=8192,
         intermediate_size=28672, vocab_size=128256, max_context=131072,
@@ -66,21 +105,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 def hf_spec(config_path: Path) -> dict[str, Any]:
     """ModelSpec keywords from an HF ``config.json`` (its ``text_config`` for a multimodal config). The
     parameter count is summed from the safetensors headers beside it, else left to the planner (0).
-    Any decoder is read, also one the engine cannot run (a Qwen3, say)."""
-    cfg = read_json(config_path)
-    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    Any decoder is read; Gemma 3 and Qwen3 also with each layer's attention kind and the window, by
+    the loader's rules (``kvtier.hf_config.layer_kinds``), every other one as all full attention."""
+    outer = read_json(config_path)
+    cfg = outer.get("text_config") if isinstance(outer.get("text_config"), dict) else outer
+    family = _family(str(cfg.get("model_type") or outer.get("model_type") or ""))
     params = _safetensors_params(config_path.parent)
     with config_errors(str(config_path)):
         shape = decoder_shape(cfg)
         max_context = int(cfg["max_position_embeddings"]) if cfg.get("max_position_embeddings") else None
+        layer_types, window = layer_kinds(cfg, family, shape.num_layers, max_context or 2048)
     return dict(
         name=config_path.resolve().parent.name,
         **dataclasses.asdict(shape),
         num_params=params,
-        qk_norm=cfg.get("model_type") == "qwen3",
+        qk_norm=family in ("qwen3", "gemma3"),
+        sandwich_norm=family == "gemma3",
+        layer_types=layer_types,
+        sliding_window=window,
         max_context=max_context,
         source="hf",
     )
+
+
+def _family(model_type: str) -> str:
+    """The engine's model family of an HF ``model_type`` (``kvtier.hf_config.layer_kinds``'s names)."""
+    if model_type in ("gemma3", "gemma3_text"):
+        return "gemma3"
+    return "qwen3" if model_type == "qwen3" else "llama"
 
 
 def _safetensors_params(directory: Path) -> int:
@@ -188,9 +240,10 @@ def gguf_spec(path: Path) -> dict[str, Any]:
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
     vocab = lengths.get("tokenizer.ggml.tokens") or key("vocab_size")
+    num_layers, max_context = key("block_count"), key("context_length", 0) or None
     return dict(
         name=path.stem,
-        num_layers=key("block_count"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=key("attention.head_count_kv", heads),
         head_dim=key("attention.key_length", hidden // heads),
@@ -199,6 +252,21 @@ def gguf_spec(path: Path) -> dict[str, Any]:
         vocab_size=vocab,
         num_params=sum(tensors.values()),
         tie_word_embeddings="output.weight" not in tensors,
-        max_context=key("context_length", 0) or None,
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sandwich_norm=arch == "gemma3",
+        **(_gguf_gemma3_layers(meta, path, num_layers, max_context) if arch == "gemma3" else {}),
+        max_context=max_context,
         source="gguf",
     )
+
+
+def _gguf_gemma3_layers(meta: dict[str, Any], path: Path, num_layers: int, max_context: int | None) -> dict:
+    """A Gemma 3 GGUF's ``layer_types`` and ``sliding_window``, read as the engine's GGUF loader reads
+    them (``kvtier.models.gguf_arch.gemma3_config``); a window past the context is clamped to it."""
+    from kvtier.models.gguf_arch import gemma3_layer_types  # torch-free
+
+    window = meta.get("gemma3.attention.sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"{path}: GGUF metadata has no gemma3.attention.sliding_window (a positive size)")
+    layer_types = gemma3_layer_types(meta.get("gemma3.attention.sliding_window_pattern"), num_layers)
+    return dict(layer_types=tuple(layer_types), sliding_window=min(window, max_context or window))

@@ -3,7 +3,8 @@
 ::
 
     sampler: RowError(model=True) for sequence s
-    corrupt_blocks(cache, s's table)   the blocks of s holding NaN/inf K/V (dequantized when compact)
+    corrupt_blocks(cache, s's tables)  the blocks of s holding NaN/inf K/V (dequantized when compact),
+                                       over every KV group's table (null entries skipped)
     blame(kv, corrupt)                 each one's key, by the tier it was loaded from (KVCacheManager's
                                        origins); a block computed here (or a device hit computed here
                                        earlier) has no tier to blame: its key is only forgotten
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.insight.canary import block_values
+from kvtier.kv.groups import NULL_BLOCK_ID
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.manager import KVCacheManager
 from kvtier.models.kv_quant import PagedKVCache
@@ -51,6 +53,12 @@ def corrupt_blocks(cache: PagedKVCache, block_ids: Iterable[int]) -> list[int]:
     ]
 
 
+def held_blocks(kv: KVCacheManager, seq_id: str) -> list[int]:
+    """Every device block ``seq_id``'s tables hold, over its KV groups (a sliding group's released,
+    null entries left out); ``KeyError`` when it holds none (waiting, or swapped out)."""
+    return [b for table in kv.block_tables(seq_id) for b in table if b != NULL_BLOCK_ID]
+
+
 def blame(kv: KVCacheManager, bad: list[int]) -> Blame:
     """Each corrupt block's key by the lower tier its bytes were loaded from (none: computed here)."""
     _, origins = kv.block_map()
@@ -74,7 +82,7 @@ def holders(kv: KVCacheManager, requests: Mapping[str, Request], bad: list[int])
     for request_id, request in requests.items():
         for seq in request.seqs:
             try:
-                table = kv.block_ids(seq.seq_id)
+                table = held_blocks(kv, seq.seq_id)
             except KeyError:  # waiting without blocks, or swapped out
                 continue
             if wanted.intersection(table):
@@ -94,7 +102,7 @@ def contain(
     """Contain the corrupt K/V behind ``seq_id``'s non-finite logits (see the module's doc); returns
     the ids of the live requests whose tables hold a corrupt block (``seq_id``'s own included)."""
     try:
-        table = kv.block_ids(seq_id)
+        table = held_blocks(kv, seq_id)
     except KeyError:
         return []
     bad = corrupt_blocks(cache, table)

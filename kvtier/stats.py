@@ -102,6 +102,19 @@ class TierSnapshot(TierCounters):
 
 
 @dataclass(frozen=True)
+class KVGroupUsage:
+    """One KV group of the device pool (``kvtier/kv/groups.py``): its kind, its window, and the blocks
+    its tables hold now. The groups share the pool's blocks: a group has no size of its own, it takes
+    what its sequences need (a sliding group at most about W / block_size blocks per sequence)."""
+
+    group: int
+    kind: str  # "full" or "sliding"
+    window: int | None  # tokens a sliding group's query sees; None for full attention
+    num_layers: int  # model layers in the group's slots
+    blocks_in_use: int  # distinct device blocks its tables hold (a shared block counted once)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_requests_running: int  # sequences in the running batch
     num_requests_waiting: int  # sequences queued (new, preempted or waiting for a lower-tier load)
@@ -124,6 +137,7 @@ class EngineStats:
     # waiting requests still need at most, and the demand above which a new request is refused
     kv_demand_blocks: int = 0
     kv_admission_limit_blocks: int = 0
+    kv_groups: tuple[KVGroupUsage, ...] = ()  # the device pool by KV group (one for a dense model)
 
     @property
     def kv_capacity_tokens(self) -> dict[Medium, int]:

@@ -168,7 +168,7 @@ def test_copy_on_write_copies_the_shared_partial_block(tiny_dir) -> None:
     out = engine.scheduler.schedule()
     assert len(out.block_copies) == 1  # the second writer of the partial block got its own copy
     src, dst = out.block_copies[0]
-    assert [s.block_ids[8] for s in out.decodes] in ([src, dst], [dst, src])
+    assert [s.block_tables[0][8] for s in out.decodes] in ([src, dst], [dst, src])
     assert not torch.equal(kv_cache[dst, :, :1], kv_cache[src, :, :1])  # nothing copied yet
     logits = engine.runner.execute(out).logits
     # Slot 0 (the shared token 32) was copied; slot 1 (the new token 33) each wrote the same KV.

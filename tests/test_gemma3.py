@@ -257,10 +257,17 @@ def gemma_reference(engine_dir: Path) -> tuple[list[list[int]], list[list[int]]]
     return prompts, hf_greedy(engine_dir, prompts)
 
 
+# The hybrid layout (a full group, two sliding ones of one slot each) holds a 100-token sequence in
+# 25 full + 2 x 3 sliding blocks: 34 blocks preempt as 28 do for one group (kvtier/kv/groups.py).
+HYBRID_POOL = {"pool_that_preempts": dict(kv_device_blocks=34)}
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_engine_greedy_matches_transformers(engine_dir: Path, gemma_reference, scenario: str) -> None:
-    # prompts of up to 81 tokens (+12 generated) against a 6-token window; chunks of 7 cross it
-    check_engine(engine_dir, *gemma_reference, scenario)
+    # prompts of up to 81 tokens (+12 generated) against a 6-token window; chunks of 7 cross it; the
+    # sliding groups release what the window left behind
+    llm = check_engine(engine_dir, *gemma_reference, scenario, **HYBRID_POOL.get(scenario, {}))
+    assert llm.engine.kv.layout.num_groups == 3 and llm.engine.runner.kv_cache.shape[1] == 1
 
 
 def test_engine_answers_depend_on_the_window(engine_dir: Path, gemma_reference, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -283,10 +284,16 @@ def test_greedy_in_a_pool_small_enough_to_preempt(converted: Any, reference: Any
     tokenizer = converted.tokenizer
     prompts = [tokenizer.encode(f"{p} Then,") for p in PROMPTS] + [tokenizer.encode("Primes: 2, 3, 5,")]
     prompts += [_long_prompt(tokenizer), _long_prompt(tokenizer, variant=1)]
-    blocks = -(-(max(map(len, prompts)) + GREEDY_TOKENS) // 16) + 8
+    # the hybrid layout (1 full + 5 sliding groups of 3 slots): the least pool that holds the longest,
+    # plus 8 blocks per group
+    layout = converted.config.kv_layout()
+    longest = max(map(len, prompts)) + GREEDY_TOKENS
+    blocks = (
+        next(n for n in itertools.count(1) if layout.max_tokens(n, 16) >= longest) + 8 * layout.num_groups
+    )
     small = _llm(
         kv_device_blocks=blocks,
-        max_model_len=blocks * 16,
+        max_model_len=layout.max_tokens(blocks, 16),
         max_num_batched_tokens=128,
         enable_prefix_caching=False,
         max_num_partial_prefills=0,  # admit every prompt at once (so the pool must run dry)
@@ -308,7 +315,8 @@ def test_greedy_through_host_and_disk_tiers_and_a_restart(
     from kvtier.stats import Medium
 
     prompt = _long_prompt(converted.tokenizer)
-    tiers = dict(kv_device_blocks=96, kv_host_gb=0.25, kv_disk_dir=str(tmp_path / "kv"))
+    # the bytes of 96 all-full blocks: 576 blocks of 3 layer slots
+    tiers = dict(kv_device_blocks=576, kv_host_gb=0.25, kv_disk_dir=str(tmp_path / "kv"))
     first = _llm(**tiers)
     try:
         out = first.generate({"prompt_token_ids": prompt}, _greedy())[0]
@@ -322,3 +330,31 @@ def test_greedy_through_host_and_disk_tiers_and_a_restart(
         restarted.close()
     assert again.cached_tokens_by_tier.get(Medium.DISK, 0) > 512
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_a_long_prompt_holds_what_the_layout_predicts(converted: Any, reference: Any) -> None:
+    """A ~2,300-token prompt (three of ``_long_prompt``) and 16 greedy tokens: after every step the
+    sequence holds the blocks ``KVLayout.num_blocks_held`` predicts (all full-group blocks, about a
+    window's per sliding group): 0.36x the layer-blocks an all-full layout holds at this length."""
+    llm = _llm(kv_device_blocks=1024)
+    try:
+        engine, kv = llm.engine, llm.engine.kv
+        prompt = sum((_long_prompt(converted.tokenizer, v) for v in range(3)), [])
+        engine.add_request(prompt, _greedy())
+        seq = next(iter(engine.requests.values())).seqs[0]
+        held: list[tuple[int, int, int]] = []  # (computed tokens, blocks held, predicted)
+        while engine.has_unfinished_requests():
+            engine.step()
+            if not seq.status.finished:
+                n = seq.num_computed_tokens
+                held.append((n, kv.num_held_blocks(seq.seq_id), kv.layout.num_blocks_held(n, 16)))
+        ours = seq.token_ids[len(prompt) :]
+    finally:
+        llm.close()
+    assert all(blocks == predicted for _, blocks, predicted in held), held
+    n, blocks, _ = held[-1]
+    hybrid, all_full = blocks * kv.layout.layers_per_group, -(-n // 16) * 18  # layer-blocks held
+    print(f"gemma-3-270m, {n} tokens: {blocks} blocks x 3 slots = {hybrid} vs all-full {all_full}")
+    assert hybrid / all_full < 0.4
+    assert_greedy_equal(reference, prompt, ours)

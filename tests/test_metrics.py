@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.outputs import CompletionOutput, RequestOutput
 from kvtier.server.metrics import TIERS, ServerMetrics
-from kvtier.stats import EngineStats, Medium, TierSnapshot
+from kvtier.stats import EngineStats, KVGroupUsage, Medium, TierSnapshot
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "kvtier-dashboard.json"
 REQUIRED = {
@@ -143,3 +143,20 @@ def test_grafana_dashboard_uses_only_exposed_metrics() -> None:
         assert name in families, f"the dashboard does not chart {name}"
     for panel in dashboard["panels"]:
         assert {"type", "title", "gridPos", "targets"} <= set(panel)
+
+
+def test_kv_groups_are_gauges_labelled_by_group_and_kind() -> None:
+    """Each KV group's blocks in use, window and layers (Gemma 3 270M's layout: a full group and five
+    sliding ones sharing the pool); none before the engine has a snapshot."""
+    groups = (KVGroupUsage(0, "full", None, 3, 40),) + tuple(
+        KVGroupUsage(g, "sliding", 512, 3, 33) for g in range(1, 6)
+    )
+    stats = EngineStats(1, 0, 0.5, 0, 0, {}, 0, 0, {}, kv_groups=groups)
+    samples = scrape(ServerMetrics(lambda: stats))
+    in_use = samples["kvtier:kv_group_blocks_in_use"]
+    assert in_use[(("group", "0"), ("kind", "full"))] == 40
+    assert in_use[(("group", "5"), ("kind", "sliding"))] == 33 and len(in_use) == 6
+    assert samples["kvtier:kv_group_window_tokens"][(("group", "1"), ("kind", "sliding"))] == 512
+    assert samples["kvtier:kv_group_window_tokens"][(("group", "0"), ("kind", "full"))] == 0
+    assert samples["kvtier:kv_group_layers"][(("group", "2"), ("kind", "sliding"))] == 3
+    assert "kvtier:kv_group_blocks_in_use" not in scrape(ServerMetrics(lambda: None))

@@ -15,15 +15,19 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.config import ConfigError
+from kvtier.kv.groups import kv_layout
 from kvtier.planner import (
     DTYPE_BYTES,
     Deployment,
     ModelSpec,
     count_params,
+    kv_bytes,
     load_model_spec,
     plan,
+    pool_of_flags,
     render,
 )
+from kvtier.planner_groups import all_full_layout
 from kvtier.planner_presets import PRESETS, read_gguf_header
 
 CTX = 8192
@@ -420,6 +424,276 @@ def test_cli_bad_input_is_one_line_exit_2(
     rc, out, err = run_cli(["plan", *argv], capsys)
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("kvtier: error: ") and fragment in err
+
+
+# ------------------------------------------------------------------------------- hybrid KV (Gemma 3)
+
+GEMMA_270M_TYPES = (("sliding_attention",) * 5 + ("full_attention",)) * 3  # every 6th layer full
+LAYER_BF16 = 2 * 1 * 256 * 2  # K and V of one token in one layer: 1 KV head of 256, bf16
+
+
+def test_gemma3_presets_carry_their_layer_kinds_and_window() -> None:
+    # Gemma 3 (google/gemma_pytorch config.py, HF config.json): every 6th layer full, a 512-token window
+    # for 270M and 1B, 1024 for 4B, 12B and 27B
+    for name, layers, window in [
+        ("gemma-3-270m", 18, 512),
+        ("gemma-3-1b", 26, 512),
+        ("gemma-3-4b", 34, 1024),
+        ("gemma-3-12b", 48, 1024),
+        ("gemma-3-27b", 62, 1024),
+    ]:
+        spec = preset(name)
+        full = [i for i, kind in enumerate(spec.layer_types) if kind == "full_attention"]
+        assert spec.is_hybrid and spec.num_layers == len(spec.layer_types) == layers, name
+        assert full == [i for i in range(layers) if (i + 1) % 6 == 0] and spec.sliding_window == window
+    small = preset("gemma-3-270m")
+    assert (small.num_heads, small.num_kv_heads, small.head_dim, small.vocab_size) == (4, 1, 256, 262_144)
+    assert small.num_params == 268_098_176  # = the gemma-3-270m GGUF's tensors
+    assert not any(preset(n).is_hybrid for n in ("qwen3-8b", "qwen3-32b", "llama-3.1-8b", "smollm2-135m"))
+
+
+def test_gemma3_270m_plan_reports_the_engines_groups() -> None:
+    spec, layout = preset("gemma-3-270m"), kv_layout(GEMMA_270M_TYPES, 512)
+    assert spec.kv_layout() == layout and layout.blocks_held_by_group(16384, 16) == (1024, 32, 32, 32, 32, 32)
+    p = plan(spec, Deployment(context=CTX))
+    held = layout.kv_bytes_held_by_group(CTX, 16, LAYER_BF16)
+    assert [(g.kind, g.window, g.layers) for g in p.kv_groups] == [
+        (s.kind, s.window, s.layers) for s in layout.groups
+    ]
+    assert (
+        [g.bytes_per_token for g in p.kv_groups]
+        == [layout.group_bytes_per_token(LAYER_BF16)] * 6
+        == [3072] * 6
+    )
+    assert [g.bytes_held for g in p.kv_groups] == list(held) and sum(held) == p.kv_bytes_per_seq_per_device
+    assert [g.blocks_held for g in p.kv_groups] == list(layout.blocks_held_by_group(CTX, 16))
+    assert held[0] == 512 * 16 * 3072 and held[1:] == (32 * 16 * 3072,) * 5  # full grows, sliding capped
+    blocks = int(p.kv_pool_bytes_per_device // layout.block_bytes(16, LAYER_BF16))
+    assert p.max_seqs == layout.max_sequences(blocks, CTX, 16) and p.pool_tokens == layout.max_tokens(
+        blocks, 16
+    )
+
+
+def test_gemma3_270m_holds_a_quarter_of_all_full_at_16k_and_fits_4x_at_8k() -> None:
+    spec, layout, full = preset("gemma-3-270m"), kv_layout(GEMMA_270M_TYPES, 512), all_full_layout(18)
+    at_16k = plan(spec, Deployment(context=16384)).vs_all_full
+    assert at_16k is not None
+    assert at_16k.seq_bytes == layout.kv_bytes_held(16384, 16, LAYER_BF16) == 1184 * 16 * 3072
+    assert at_16k.all_full_seq_bytes == full.kv_bytes_held(16384, 16, LAYER_BF16) == 16384 * 18 * LAYER_BF16
+    assert at_16k.bytes_ratio == at_16k.seq_bytes / at_16k.all_full_seq_bytes <= 0.25
+    p8 = plan(spec, Deployment(context=CTX))
+    at_8k = p8.vs_all_full
+    assert at_8k is not None and at_8k.max_seqs == p8.max_seqs
+    full_blocks = int(p8.kv_pool_bytes_per_device // full.block_bytes(16, LAYER_BF16))
+    assert at_8k.all_full_max_seqs == full.max_sequences(full_blocks, CTX, 16)
+    assert at_8k.concurrency_gain == at_8k.max_seqs / at_8k.all_full_max_seqs >= 4
+
+
+def _printed(out: str, label: str) -> list[str]:
+    """The numbers (commas dropped) on the line of ``out`` that starts with ``label``."""
+    import re
+
+    line = next(x for x in out.splitlines() if x.strip().startswith(label))
+    return re.findall(r"\d+(?:\.\d+)?", line.replace(",", ""))
+
+
+@pytest.mark.parametrize("context", [CTX, 16384])
+def test_cli_prints_the_groups_numbers(context: int, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["plan", "--model", "gemma-3-270m", "--context", str(context)], capsys)
+    assert rc == 0
+    vs = plan(preset("gemma-3-270m"), Deployment(context=context)).vs_all_full
+    assert vs is not None
+    layout, full = kv_layout(GEMMA_270M_TYPES, 512), all_full_layout(18)
+    seq, full_seq = layout.kv_bytes_held(context, 16, LAYER_BF16), full.kv_bytes_held(context, 16, LAYER_BF16)
+    assert _printed(out, "one sequence holds") == [str(seq), str(full_seq), f"{seq / full_seq:.3f}"]
+    assert _printed(out, "the KV pool fits") == [
+        str(vs.max_seqs),
+        str(vs.all_full_max_seqs),
+        f"{vs.max_seqs / vs.all_full_max_seqs:.2f}",
+    ]
+    held = layout.kv_bytes_held_by_group(context, 16, LAYER_BF16)
+    for g, spec in enumerate(layout.groups):
+        numbers = _printed(out, f"{g}  {spec.kind}")
+        assert numbers[-3:] == [str(3072), str(held[g] // (16 * 3072)), str(held[g])], numbers
+    assert "3 full + 15 sliding (a 512-token window) layers" in out
+
+
+DENSE_TABLE = """\
+kvtier plan: qwen3-8b (preset) on one 80 GB device, TP=1
+  model                     36 layers, 32 heads / 8 KV heads x 128, 8.191 B params
+  KV per token              147,456 B (bf16)
+  KV per token per device   147,456 B (TP=1)
+  KV per sequence           1.21 GB at 8,192 tokens
+  weights                   16.38 GB (bf16)
+  usable memory             70.00 GB (80 GB x 0.9 - 2 GB reserve)
+  KV pool                   53.62 GB = 363,623 tokens
+  max sequences             44 concurrent at 8,192 tokens
+  host tier                 211 sequences at 8,192 tokens in 256 GB of host memory
+
+  decode step: weights + every sequence's KV read once at 3350 GB/s per device (compute: 989 TFLOPS)
+    batch        step    tokens/s  tok/s/seq  KV bytes  bound
+        1     5.25 ms         190      190.5        7%  bandwidth
+        8     7.77 ms       1,029      128.6       37%  bandwidth
+       32    16.43 ms       1,948       60.9       70%  bandwidth
+      44*    20.76 ms       2,120       48.2       76%  bandwidth
+  (* the most sequences the KV pool holds; tokens/s for the whole group)
+
+  one full 8,192-token context back on the device:
+    load from host    24.16 ms  (1.21 GB over a 50 GB/s link)
+    recompute        271.38 ms  (2 x params x tokens FLOPs at 0.5 x 989 TFLOPS; attention FLOPs left out)
+    loading is 11.2x faster than recomputing
+"""
+
+
+def test_a_dense_models_plan_is_unchanged(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_cli(["plan", "--model", "qwen3-8b"], capsys)
+    assert rc == 0 and out == DENSE_TABLE  # the table before the KV groups, byte for byte
+    p = plan(preset("qwen3-8b"), Deployment())
+    assert p.kv_groups == () and p.vs_all_full is None and not preset("qwen3-8b").layer_types
+    # a dense layout is one group of every layer: the live pool is counted as before
+    pool = pool_of_flags(preset("qwen3-8b"), 1.0, "bfloat16", 16, CTX)
+    assert pool.block_bytes == 16 * 147_456 and pool.max_seqs == pool.num_blocks // (CTX // 16)
+
+
+def test_live_pool_of_a_hybrid_model_counts_its_groups() -> None:
+    pool = pool_of_flags(preset("gemma-3-270m"), 1.0, "auto", 16, CTX)  # auto: float32
+    layout = kv_layout(GEMMA_270M_TYPES, 512)
+    assert pool.block_bytes == layout.block_bytes(16, kv_bytes(1, 1, 256, "float32")) == 16 * 3 * 2048
+    assert pool.max_seqs == layout.max_sequences(pool.num_blocks, CTX, 16) == pool.num_blocks // 672
+
+
+def _gemma3_text(**overrides: Any) -> Any:
+    from transformers import Gemma3TextConfig
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    sizes |= dict(head_dim=16, vocab_size=100, max_position_embeddings=256)
+    return Gemma3TextConfig(**(sizes | overrides))
+
+
+def _engine_layout(path: Path) -> Any:
+    """The layout the engine's loader reads from the same config.json."""
+    from kvtier.models.hf_loader import parse_config
+
+    return parse_config(json.loads(path.read_text())).kv_layout()
+
+
+def test_hf_spec_reads_a_gemma3_config_saved_by_transformers(tmp_path: Path) -> None:
+    cfg = _gemma3_text(num_hidden_layers=14, sliding_window=32, architectures=["Gemma3ForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    spec = load_model_spec(str(tmp_path))
+    assert spec.layer_types == tuple(cfg.layer_types) and spec.sliding_window == 32
+    assert [i for i, t in enumerate(spec.layer_types) if t == "full_attention"] == [5, 11]
+    assert spec.kv_layout() == _engine_layout(tmp_path / "config.json")
+    assert spec.qk_norm and spec.sandwich_norm and spec.num_params == count_params(spec)
+    # transformers 4's form: no layer_types, a sliding_window_pattern; a window past the context
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["layer_types"]
+    raw |= {"sliding_window_pattern": 3, "sliding_window": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    spec = load_model_spec(str(tmp_path))
+    assert [i for i, t in enumerate(spec.layer_types) if t == "full_attention"] == [2, 5, 8, 11]
+    assert spec.sliding_window == 256  # clamped to max_position_embeddings, as the loader does
+    assert spec.kv_layout() == _engine_layout(tmp_path / "config.json")
+
+
+def test_hf_spec_reads_a_multimodal_gemma3_config(tmp_path: Path) -> None:
+    from transformers import Gemma3Config
+
+    text = _gemma3_text(num_hidden_layers=12, sliding_window=64).to_dict()
+    Gemma3Config(text_config=text).save_pretrained(tmp_path)
+    spec = load_model_spec(str(tmp_path))
+    assert spec.is_hybrid and spec.sliding_window == 64 and spec.layer_types.count("full_attention") == 2
+
+
+def test_hf_spec_reads_qwen3_configs_saved_by_transformers(tmp_path: Path) -> None:
+    from transformers import Qwen3Config
+
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    sizes |= dict(head_dim=16, vocab_size=100, max_position_embeddings=256, num_hidden_layers=4)
+    sizes |= dict(architectures=["Qwen3ForCausalLM"])
+    sliding, dense = tmp_path / "sliding", tmp_path / "dense"
+    Qwen3Config(**sizes, use_sliding_window=True, sliding_window=32, max_window_layers=2).save_pretrained(
+        sliding
+    )
+    Qwen3Config(**sizes, sliding_window=32).save_pretrained(dense)  # use_sliding_window defaults to False
+    spec = load_model_spec(str(sliding))
+    assert (
+        spec.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2 and spec.sliding_window == 32
+    )
+    assert spec.kv_layout() == _engine_layout(sliding / "config.json") and spec.qk_norm
+    p = plan(spec, Deployment(context=1024, gpu_mem_gb=4))
+    assert p.vs_all_full is not None and p.vs_all_full.bytes_ratio < 1
+    flat = load_model_spec(str(dense))
+    assert not flat.is_hybrid and flat.sliding_window is None and flat.kv_layout().is_dense
+    assert flat.kv_layout() == _engine_layout(dense / "config.json")
+    assert plan(flat, Deployment(context=1024, gpu_mem_gb=4)).vs_all_full is None
+
+
+def test_hybrid_spec_rejects_bad_layer_types() -> None:
+    base = {k: v for k, v in PRESETS["gemma-3-270m"].items() if k not in ("layer_types", "sliding_window")}
+    with pytest.raises(ConfigError, match="17 layer types for 18 layers"):
+        ModelSpec(name="g", **base, layer_types=GEMMA_270M_TYPES[:17], sliding_window=512)
+    with pytest.raises(ConfigError, match="positive window"):
+        ModelSpec(name="g", **base, layer_types=GEMMA_270M_TYPES, sliding_window=None)
+    with pytest.raises(ConfigError, match="unsupported layer type 'chunked_attention'"):
+        ModelSpec(name="g", **base, layer_types=("chunked_attention",) * 18, sliding_window=512)
+
+
+def test_gemma3_gguf_layer_kinds(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    for key, value in [("block_count", 12), ("context_length", 256), ("embedding_length", 32)]:
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_uint32("gemma3.feed_forward_length", 64)
+    writer.add_uint32("gemma3.attention.head_count", 4)
+    writer.add_uint32("gemma3.attention.head_count_kv", 1)
+    writer.add_uint32("gemma3.attention.sliding_window", 64)
+    writer.add_token_list([f"t{i}" for i in range(10)])
+    writer.add_tensor("token_embd.weight", np.zeros((10, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    spec = load_model_spec(str(tmp_path / "g.gguf"))
+    assert spec.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
+    assert spec.sliding_window == 64 and spec.qk_norm and spec.sandwich_norm
+
+
+def test_gemma3_270m_preset_matches_the_packaged_gguf() -> None:
+    from kvtier.models.loader import packaged_gguf_path
+
+    try:
+        path = packaged_gguf_path("gemma-3-270m")
+    except ConfigError:
+        pytest.skip("the packaged Gemma 3 270M GGUF is not installed")
+    spec, ours = load_model_spec(str(path)), preset("gemma-3-270m")
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size"):
+        assert getattr(spec, field) == getattr(ours, field), field
+    assert (spec.vocab_size, spec.num_params, spec.max_context) == (ours.vocab_size, ours.num_params, 32768)
+    assert (spec.layer_types, spec.sliding_window) == (ours.layer_types, ours.sliding_window)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_plan_agrees_with_the_engines_pool() -> None:
+    """The packaged GGUF read the engine's way (~10 s: GGUFReader decodes the 262k vocabulary)."""
+    from kvtier.config import EngineArgs, resolve_engine_config
+    from kvtier.models.gguf_loader import hf_config, open_reader, read_metadata
+    from kvtier.models.hf_loader import parse_config
+    from kvtier.models.loader import packaged_gguf_path
+
+    try:
+        path = packaged_gguf_path("gemma-3-270m")
+    except ConfigError:
+        pytest.skip("the packaged Gemma 3 270M GGUF is not installed")
+    reader = open_reader(path)
+    model = parse_config(hf_config(read_metadata(reader), reader))
+    assert model.kv_layout() == preset("gemma-3-270m").kv_layout()
+    for kv_dtype in ("bfloat16", "int8"):
+        args = EngineArgs(model=str(path), kv_device_gb=1.0, kv_cache_dtype=kv_dtype)
+        cache = resolve_engine_config(args, model).cache
+        pool = pool_of_flags(preset("gemma-3-270m"), 1.0, kv_dtype, 16, CTX)
+        assert (pool.num_blocks, pool.block_bytes) == (cache.num_device_blocks, cache.block_bytes), kv_dtype
 
 
 def test_planner_imports_no_torch() -> None:

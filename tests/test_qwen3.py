@@ -114,10 +114,11 @@ SCENARIOS = {
 
 
 def check_engine(
-    directory: Path, prompts: list[list[int]], reference: list[list[int]], scenario: str
-) -> None:
-    """The engine's greedy answers under ``scenario`` equal ``reference``; the pool is idle after."""
-    kwargs: dict[str, Any] = {"block_size": 4, "kv_device_blocks": 256, **SCENARIOS[scenario]}
+    directory: Path, prompts: list[list[int]], reference: list[list[int]], scenario: str, **changes: Any
+) -> LLM:
+    """The engine's greedy answers under ``scenario`` (LLM arguments: ``changes`` over the scenario's)
+    equal ``reference``; the pool is idle after. Returns the engine."""
+    kwargs: dict[str, Any] = {"block_size": 4, "kv_device_blocks": 256, **SCENARIOS[scenario], **changes}
     llm = LLM(str(directory), **kwargs)
     if scenario == "one_at_a_time":
         assert [token_ids(llm.generate([p], GREEDY))[0] for p in prompts] == reference
@@ -131,6 +132,7 @@ def check_engine(
         assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.num_free_blocks() == llm.engine.config.cache.num_device_blocks
+    return llm
 
 
 # ------------------------------------------------------------------------------------------------ logits

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sampling_params import SamplingParams
+from kvtier.scheduler.admission import KVAdmission
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvtier.sequence import Sequence, SequenceStatus
-from kvtier.scheduler.admission import KVAdmission
 
 BLOCK = 16
 TOKEN = 7  # every sampled token; the EOS id is 0, so nothing stops early

@@ -61,7 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chart", default="bench-multiturn.png", help="PNG chart path ('' for none)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     notes = {"kv_disk_dir": "default: a temporary one", "num_threads": "and llama.cpp's"}
-    add_engine_args(p, ["kv_disk_dir", "num_threads"], notes=notes)
+    add_engine_args(p, ["model", "chat_template", "kv_disk_dir", "num_threads"], notes=notes)
     p.set_defaults(func=main)
 
 
@@ -395,7 +395,11 @@ def run_all(loaded: Any, work: Workload, ns: argparse.Namespace, pools: Pools) -
         ]
         for name, note, kwargs, max_tokens in runs:
             results[name] = run_kvtier(name, note, loaded, work, kwargs, max_tokens)
-        results["llama.cpp"] = run_llamacpp(work, int(max(host_all, 0.1) * 2**30), ns.num_threads)
+        if ns.model is None:  # the llama.cpp row runs the default model's GGUF
+            results["llama.cpp"] = run_llamacpp(work, int(max(host_all, 0.1) * 2**30), ns.num_threads)
+        else:
+            skipped = "run on the default model only"
+            results["llama.cpp"] = RunResult("llama.cpp + LlamaRAMCache", "", skipped=skipped)
     finally:
         if disk_tmp is not None:
             disk_tmp.cleanup()
@@ -422,7 +426,7 @@ def main(ns: argparse.Namespace) -> int:
     if ns.conversations < 1 or ns.turns < 1 or ns.answer_tokens < 1:
         raise ValueError("--conversations, --turns and --answer-tokens must be at least 1")
     t_all = time.perf_counter()
-    loaded = load_model(None)
+    loaded = load_model(ns.model, chat_template=ns.chat_template)
     work = build_workload(loaded.tokenizer, ns)
     pools = size_pools(work, loaded.config, ns.device_fraction)
     print_setup(work, ns, pools)

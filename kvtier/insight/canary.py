@@ -11,6 +11,11 @@ the canary checks a few of the cached blocks it served::
     mismatch            log the block keys and the tier the bytes came from, count   on_mismatch(tier, keys)
                         it, and the engine quarantines that tier (no more loads)
 
+With several KV groups (a hybrid model, ``kvtier/kv/groups.py``) the hits it samples are group 0's
+(``AdoptedPrefix``: the first full-attention group, which covers every hit token): each picked block's
+slots are compared with the recomputed layers they hold (``group.layers``); the sliding groups' blocks
+are not sampled. A dense model is one group whose slots are its layers: the whole block, as before.
+
 Checks wait in a queue of at most ``MAX_PENDING`` (more are skipped and counted) and run only when the
 engine has no request to step (``LLMEngine.run_idle_work``): they never share a step with user work.
 
@@ -32,8 +37,8 @@ from typing import Any
 
 import torch
 
-from kvtier.kv.hashing import BlockHash
 from kvtier.kv.computed import AdoptedPrefix
+from kvtier.kv.hashing import BlockHash
 from kvtier.models.attention import AttentionMetadata, PrefillGroup
 from kvtier.models.kv_quant import KVFormat, PagedKVCache, dequantize
 from kvtier.models.llama import LlamaModel
@@ -71,7 +76,7 @@ class _Candidate:
 @dataclass
 class _Check:
     candidate: _Candidate
-    served: torch.Tensor  # [k, L, BS, 2, KVH, D]: the bytes the cache served, copied out
+    served: torch.Tensor  # [k, S, BS, 2, KVH, D] (raw rows): the bytes the cache served, copied out
 
 
 @dataclass
@@ -96,8 +101,8 @@ class CanaryStats:
 
 def recompute_kv(model: LlamaModel, token_ids: Sequence[int], block_size: int, fmt: KVFormat) -> PagedKVCache:
     """K/V of ``token_ids`` (a whole number of blocks) computed from scratch, in one causal prefill
-    into a private pool of the engine's KV format (its ``raw`` rows: one per block). The engine's pool
-    is not touched."""
+    into a private pool of the engine's KV format with one slot per layer (its ``raw`` rows: one per
+    block, [n / BS, L, ...], whatever the model's KV groups). The engine's pool is not touched."""
     c = model.config
     n = len(token_ids)
     device = model.embed.device
@@ -209,10 +214,16 @@ class Canary:
         scratch = recompute_kv(model, cand.token_ids, self.block_size, self._cache.fmt)
         self.stats.checks_run += 1
         self.stats.recomputed_tokens += len(cand.token_ids)
+        layers = model.kv_layout.groups[0].layers  # the layers in group 0's slots 0, 1, ...
+        rows = (
+            None if layers == tuple(range(len(layers))) else torch.tensor(layers, device=scratch.raw.device)
+        )
         bad: dict[Medium, list[tuple[BlockHash, float]]] = {}
         for j, (index, tier) in enumerate(zip(cand.indices, cand.tiers, strict=True)):
-            served = block_values(self._cache, check.served[j])
-            ok, diff = block_diff(served, block_values(scratch, scratch.raw[index]), self.tolerance)
+            served = block_values(self._cache, check.served[j][: len(layers)])  # padded slots left out
+            block = scratch.raw[index]  # [L, ...] one row per layer
+            recomputed = block_values(scratch, block if rows is None else block.index_select(0, rows))
+            ok, diff = block_diff(served, recomputed, self.tolerance)
             self._count(tier, ok)
             if not ok:
                 bad.setdefault(tier, []).append((cand.keys[j], diff))

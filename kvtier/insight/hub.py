@@ -31,8 +31,8 @@ from kvtier.insight.advice import Advisor, Costs, TierSize
 from kvtier.insight.canary import Canary
 from kvtier.insight.minisim import TierSimulator
 from kvtier.insight.mrc import ReuseTracker
-from kvtier.kv.hashing import BlockHash
 from kvtier.kv.computed import AdoptedPrefix
+from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium
 
 

@@ -149,6 +149,19 @@ class KVLayout:
         attention: ``ceil(num_tokens / block_size)``)."""
         return sum(self.blocks_held_by_group(num_tokens, block_size))
 
+    def max_tokens(self, num_blocks: int, block_size: int) -> int:
+        """The longest sequence a pool of ``num_blocks`` holds at every length on its way (one full
+        group: ``num_blocks * block_size``). A sliding group never holds more than
+        ``ceil((W - 1) / B) + 1`` blocks; the full groups share the rest. Without a full group: as if
+        it were one (the bound the pool had before the groups)."""
+        full = sum(1 for spec in self.groups if spec.window is None)
+        sliding = sum(
+            -(-(spec.window - 1) // block_size) + 1 for spec in self.groups if spec.window is not None
+        )
+        if not full:
+            return num_blocks * block_size
+        return max(0, (num_blocks - sliding) // full) * block_size
+
     def group_bytes_per_token(self, layer_token_bytes: int) -> int:
         """Bytes one token's KV takes in one group's block: ``slots_per_group`` layers of
         ``layer_token_bytes`` (K and V of one layer and token), padded slots included."""
@@ -161,6 +174,21 @@ class KVLayout:
     def kv_bytes_held(self, num_tokens: int, block_size: int, layer_token_bytes: int) -> int:
         """Device bytes a sequence of ``num_tokens`` computed tokens holds (whole blocks)."""
         return self.num_blocks_held(num_tokens, block_size) * self.block_bytes(block_size, layer_token_bytes)
+
+    def kv_bytes_held_by_group(
+        self, num_tokens: int, block_size: int, layer_token_bytes: int
+    ) -> tuple[int, ...]:
+        """Device bytes a sequence of ``num_tokens`` computed tokens holds in each group (whole blocks;
+        they sum to ``kv_bytes_held``): a full group's grow with the sequence, a sliding group's stop
+        at the blocks its window reaches."""
+        block = self.block_bytes(block_size, layer_token_bytes)
+        return tuple(n * block for n in self.blocks_held_by_group(num_tokens, block_size))
+
+    def max_sequences(self, num_blocks: int, num_tokens: int, block_size: int) -> int:
+        """Sequences of ``num_tokens`` computed tokens that a pool of ``num_blocks`` holds at once, each
+        keeping ``num_blocks_held`` blocks (on its way there, a sliding group may hold one block more
+        at some lengths: ``max_tokens`` counts that peak for one sequence)."""
+        return num_blocks // max(1, self.num_blocks_held(num_tokens, block_size))
 
 
 DENSE_LAYOUT = KVLayout((KVGroupSpec("full", None, ()),), slots_per_group=0)

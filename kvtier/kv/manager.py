@@ -536,7 +536,10 @@ class KVCacheManager:
         )
 
     def num_blocks_in_use_by_group(self) -> tuple[int, ...]:
-        """Distinct device blocks each KV group's tables hold now (a shared block counted once)."""
+        """Distinct device blocks each KV group's tables hold now (a shared block counted once). One
+        group: the pool's referenced blocks (O(1)); several: a walk over the live tables."""
+        if self.layout.num_groups == 1:
+            return (self.pool.num_blocks - self.pool.num_free_blocks,)
         in_use: list[set[int]] = [set() for _ in self.layout.groups]
         for seq in self._seqs.values():
             for g, _, block in seq.live():

@@ -2,10 +2,15 @@
 
 The device KV pool is one tensor (``PagedKVCache.raw``, ``kvtier/models/kv_quant.py``)::
 
-    kv_cache: [num_blocks, num_layers, block_size, 2, num_kv_heads, head_dim]
-               └─ one block = every layer's K and V for block_size tokens, contiguous,
-                  so a tier transfer moves a block with a single indexed copy.
-    (fp8/int8 KV: uint8 [num_blocks, num_layers, layer_bytes], each layer row = data | scales)
+    kv_cache: [num_blocks, num_slots, block_size, 2, num_kv_heads, head_dim]
+               └─ one block = K and V of block_size tokens in each layer slot of a KV group,
+                  contiguous, so a tier transfer moves a block with a single indexed copy.
+    (fp8/int8 KV: uint8 [num_blocks, num_slots, layer_bytes], each slot row = data | scales)
+
+A dense model has one KV group whose slots are its layers (num_slots = num_layers). A hybrid one
+(``kvtier/kv/groups.py``) has several groups of ``num_slots`` layers each over the same pool: each
+group has its own ``AttentionMetadata`` (slot mapping and block tables), and a layer reads and writes
+its slot of its group's blocks (``LlamaModel.layer_kv``). Below, ``layer`` is that slot.
 
 A step's tokens are flattened to ``T`` rows (decodes first, then prefill chunks). Attention reads
 K/V only through block tables and writes new K/V only through slot mappings (block id, offset):
@@ -167,7 +172,8 @@ class PrefillWindow:
 
 @dataclass
 class AttentionMetadata:
-    """Everything attention needs for one step; built by the model runner, read by every layer."""
+    """Everything attention needs for one step in one KV group; built by the model runner, read by every
+    layer of the group (a dense model: one for every layer)."""
 
     slot_block_ids: torch.Tensor  # [T] long: where each new token's K/V is written
     slot_offsets: torch.Tensor  # [T] long
@@ -177,8 +183,9 @@ class AttentionMetadata:
     _slot_bytes: tuple[PagedKVCache, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def slot_bytes(self, kv_cache: PagedKVCache) -> torch.Tensor:
-        """[T] int64: where each new token's K|V slot starts inside one layer of a plain pool's ``raw``
-        ([NB, L, BS, 2, KVH, D]), in bytes; counted once per step for every layer's cache write."""
+        """[T] int64: where each new token's K|V slot starts inside one layer slot of a plain pool's
+        ``raw`` ([NB, S, BS, 2, KVH, D]), in bytes; counted once per step (and KV group) for every
+        layer's cache write."""
         if self._slot_bytes is None or self._slot_bytes[0] is not kv_cache:
             raw, size = kv_cache.raw, kv_cache.raw.element_size()
             at = self.slot_block_ids * (raw.stride(0) * size) + self.slot_offsets * (raw.stride(2) * size)
@@ -218,9 +225,9 @@ def write_kv(
 def paged_attention(
     q: torch.Tensor,  # [T, H, D] (RoPE applied)
     kv_new: torch.Tensor,  # [T, 2, KVH, D] this step's K/V as stored (write_kv's result)
-    kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
-    layer: int,
-    meta: AttentionMetadata,
+    kv_cache: PagedKVCache,  # raw [NB, S, BS, 2, KVH, D] (or its compact form)
+    layer: int,  # the layer's slot in its KV group's blocks
+    meta: AttentionMetadata,  # the layer's KV group's
     scale: float,
     kernel: bool = True,
     window: int | None = None,

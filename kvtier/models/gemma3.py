@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
-from kvtier.models.attention import AttentionMetadata
 from kvtier.models.fused_ops import TorchOps, ops_for
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.llama import Packed, rope_table
+from kvtier.models.llama import Packed, StepMetadata, rope_table
 from kvtier.models.qwen3 import Qwen3Layer, Qwen3Model
 
 
@@ -103,11 +102,12 @@ class Gemma3Model(Qwen3Model):
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
-        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,  # raw [NB, S, BS, 2, KVH, D] (S slots per block; or its compact form)
+        meta: StepMetadata,  # one per KV group (``LlamaModel.layer_kv``)
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         c = self.config
         T, eps = input_ids.shape[0], c.rms_norm_eps
+        kv = self.layer_kv(meta)  # [L] (slot, metadata)
         cpu = input_ids.is_cpu
         global_ops = self.ops if cpu else self.torch_ops
         local_ops = self.local_ops if cpu else self.local_torch_ops
@@ -123,7 +123,7 @@ class Gemma3Model(Qwen3Model):
         for i, layer in enumerate(self.layers):
             ops = local_ops if self.local[i] else global_ops
             attn = self.attention(
-                i, layer, ops.rms_norm(x, layer.input_norm, eps, h), qkv, positions, kv_cache, meta, ops
+                i, layer, ops.rms_norm(x, layer.input_norm, eps, h), qkv, positions, kv_cache, kv[i], ops
             )
             x.add_(ops.rms_norm(layer.o(attn, out), layer.attn_out_norm, eps, h))
             gate_up = layer.gate_up(ops.rms_norm(x, layer.ffn_norm, eps, h), gate_up)  # [T, 2 * I]

@@ -180,15 +180,17 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class PagedKVCache:
     """The device KV pool: ``raw`` (what tiers move, one row per block) and typed views of it.
 
-    Plain (``auto``/bfloat16): ``raw`` is [NB, L, BS, 2, KVH, D] in the storage dtype.
-    Quantized: ``raw`` is uint8 [NB, L, layer_bytes]; ``data`` [NB, L, BS, 2, KVH, D] and ``scales``
-    [NB, L, BS, 2, KVH] float32 are views into it (see the module docstring for the row layout).
+    Plain (``auto``/bfloat16): ``raw`` is [NB, S, BS, 2, KVH, D] in the storage dtype.
+    Quantized: ``raw`` is uint8 [NB, S, layer_bytes]; ``data`` [NB, S, BS, 2, KVH, D] and ``scales``
+    [NB, S, BS, 2, KVH] float32 are views into it (see the module docstring for the row layout).
+    S is the layer slots of a block: every layer for a dense model, ``KVLayout.layers_per_group`` for
+    a hybrid one (``kvtier/kv/groups.py``); ``layer`` arguments below are slots.
     """
 
     def __init__(
         self, fmt: KVFormat, num_blocks: int, shape: tuple[int, int, int, int], device: torch.device
     ) -> None:
-        num_layers, block_size, num_kv_heads, head_dim = shape
+        num_layers, block_size, num_kv_heads, head_dim = shape  # num_layers: the layer slots S
         self.fmt = fmt
         self.block_size = block_size
         self.token_shape = (2, num_kv_heads, head_dim)

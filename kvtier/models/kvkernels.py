@@ -114,7 +114,7 @@ class StepCall:
     def __init__(
         self,
         lib: ctypes.CDLL,
-        kv_cache: PagedKVCache,  # raw uint8 [NB, L, layer_bytes] (compact) or [NB, L, BS, 2, KVH, D]
+        kv_cache: PagedKVCache,  # raw uint8 [NB, S, layer_bytes] (compact) or [NB, S, BS, 2, KVH, D]
         num_heads: int,
         block_tables: torch.Tensor,  # [B * max_blocks] long
         context_lens: torch.Tensor | None,  # [B] long; None: every sequence has max_context tokens
@@ -175,7 +175,7 @@ def stores(kv_cache: PagedKVCache) -> bool:
 
 def store_quantized(
     lib: ctypes.CDLL,
-    kv_cache: PagedKVCache,  # compact: raw uint8 [NB, L, layer_bytes]; bfloat16 [NB, L, BS, 2, KVH, D]
+    kv_cache: PagedKVCache,  # compact: raw uint8 [NB, S, layer_bytes]; bfloat16 [NB, S, BS, 2, KVH, D]
     layer: int,
     kv_new: torch.Tensor,  # [T, 2, KVH, D] float32, the model's basis
     slot_block_ids: torch.Tensor,  # [T] long

@@ -13,7 +13,7 @@ unchanged; only the cached K rows are stored in the interleaved order.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,9 @@ from kvtier.models.kv_quant import PagedKVCache
 from kvtier.models.qlinear import DenseLinear, QuantLinear, calibrate, calibrate_dense
 
 Packed = dict  # group name -> (block type, uint8 rows, scale | None): kvtier/models/qpack.py
+# A step's attention metadata: one per KV group of the model's layout (``LlamaModel.layer_kv``), or one
+# alone for a pool of one slot per layer (every layer reading one table: teacher-forced passes, tests).
+StepMetadata = AttentionMetadata | Sequence[AttentionMetadata]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -151,7 +154,15 @@ class LlamaModel:
     """Forward pass over a step's flattened tokens. Stateless apart from its weights.
 
     The base of the other families (``qwen3.py``, ``gemma3.py``): a subclass names its layer class and
-    whether the C decode program (which runs this class's layer only) may run its steps."""
+    whether the C decode program (which runs this class's layer only) may run its steps.
+
+    K/V live in the KV groups of ``config.kv_layout()`` (``kvtier/kv/groups.py``): layer ``i`` writes
+    and reads slot ``j`` of its group ``g``'s blocks, ``(g, j) = kv_slots[i]``, through group ``g``'s
+    metadata (its slot mapping and block tables). A dense model is one group, slot = layer::
+
+        Gemma 3 270M   pool [NB, 3, BS, 2, KVH, D]    layer 5 -> (0, 0)   layer 0 -> (1, 0)
+                       metas (full, sliding x 5)       layer 11 -> (0, 1)  layer 6 -> (1, 1) ...
+    """
 
     layer_class: type[LlamaLayer] = LlamaLayer
     runs_decode_program = True
@@ -169,6 +180,8 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         c = config
+        self.kv_layout = c.kv_layout()
+        self.kv_slots = tuple(self.kv_layout.slot_of(i) for i in range(c.num_layers))  # [L] (group, slot)
         self.embed = weights["model.embed_tokens.weight"].to(dtype)  # [V, hidden]
         head = weights.get("lm_head.weight")
         tied = head is None or c.tie_word_embeddings
@@ -190,11 +203,22 @@ class LlamaModel:
         self.gemv_times = self._choose_gemv()
         self.parallel_min = self._choose_parallel()
         # a decode step's layers in one C call where it covers the step (kvtier/models/decode_program.py)
-        fused = self.runs_decode_program and isinstance(self.ops, FusedOps)
+        # (llama's layer over one KV group: every layer at slot = layer of the one metadata)
+        fused = self.runs_decode_program and isinstance(self.ops, FusedOps) and self.kv_layout.is_dense
         self.program = DecodeProgram(self) if fused else None
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.q_size = c.num_heads * c.head_dim
         self.k_size = c.num_kv_heads * c.head_dim
+
+    def layer_kv(self, meta: StepMetadata) -> list[tuple[int, AttentionMetadata]]:
+        """[L] (slot, metadata) each layer writes and reads its K/V with: group ``g``'s metadata at slot
+        ``j`` for ``(g, j) = kv_slots[i]`` (a dense model: slot i, the one metadata); a lone
+        ``AttentionMetadata``: slot i of a pool of one slot per layer, whatever the layout."""
+        if isinstance(meta, AttentionMetadata):
+            return [(i, meta) for i in range(len(self.kv_slots))]
+        if len(meta) != self.kv_layout.num_groups:
+            raise ValueError(f"{len(meta)} metadata for {self.kv_layout.num_groups} KV groups")
+        return [(j, meta[g]) for g, j in self.kv_slots]
 
     def dense_groups(self) -> dict[str, torch.Tensor]:
         """Every dense linear's transposed matrix by group name (``layers.{i}.qkv`` ... ``lm_head``), what
@@ -238,8 +262,8 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
-        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,  # raw [NB, S, BS, 2, KVH, D] (S slots per block; or its compact form)
+        meta: StepMetadata,  # one per KV group (see ``layer_kv``)
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         c = self.config
         T = input_ids.shape[0]
@@ -253,14 +277,15 @@ class LlamaModel:
         qkv = x.new_empty(T, (H + 2 * KVH) * D)
         gate_up = x.new_empty(T, 2 * c.intermediate_size)
         act = x.new_empty(T, c.intermediate_size)
-        if self.program is not None and ops is self.ops and self.program.run(x, kv_cache, meta):
+        kv = self.layer_kv(meta)  # [L] (slot, metadata): one group here, slot = layer
+        if self.program is not None and ops is self.ops and self.program.run(x, kv_cache, kv[0][1]):
             return ops.rms_norm(x, self.final_norm, eps, torch.empty_like(x))  # every layer in one C call
-        for i, layer in enumerate(self.layers):
+        for layer, (slot, m) in zip(self.layers, kv, strict=True):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, eps, h), qkv)  # [T, (H + 2*KVH) * D]
             # RoPE on Q and K heads in place, new K/V into the cache: [T, 2, KVH, D] as stored
-            kv_new = ops.rope_store(qkv, positions, (H, KVH, D), kv_cache, i, meta)
+            kv_new = ops.rope_store(qkv, positions, (H, KVH, D), kv_cache, slot, m)
             q = qkv[:, : self.q_size].view(T, H, D)
-            attn = paged_attention(q, kv_new, kv_cache, i, meta, self.scale, ops.attention_kernel)  # [T, H*D]
+            attn = paged_attention(q, kv_new, kv_cache, slot, m, self.scale, ops.attention_kernel)  # [T, H*D]
             x = layer.o.residual(x, attn)  # x + attn @ W_o
             gate_up = layer.gate_up(ops.rms_norm(x, layer.post_norm, eps, h), gate_up)  # [T, 2 * I]
             x = layer.down.residual(x, ops.silu_mul(gate_up, act))  # x + (silu(gate) * up) @ W_down

@@ -29,7 +29,7 @@ from kvtier.config import ModelConfig
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.fused_ops import FusedOps, TorchOps, rms_norm_torch
 from kvtier.models.kv_quant import PagedKVCache
-from kvtier.models.llama import LlamaLayer, LlamaModel, Packed, _interleave_rows
+from kvtier.models.llama import LlamaLayer, LlamaModel, Packed, StepMetadata, _interleave_rows
 
 
 class Qwen3Layer(LlamaLayer):
@@ -94,29 +94,32 @@ class Qwen3Model(LlamaModel):
         qkv: torch.Tensor,  # [T, (H + 2*KVH) * D] buffer
         positions: torch.Tensor,  # [T] long
         kv_cache: PagedKVCache,
-        meta: AttentionMetadata,
+        kv: tuple[int, AttentionMetadata],  # (slot, metadata) of layer i's KV group: ``layer_kv``
         ops: TorchOps | FusedOps,  # RoPE with this layer's table
     ) -> torch.Tensor:  # [T, H * D]
-        """Layer ``i``'s attention before its output projection: QKV, q/k norm, RoPE, cache write, read."""
+        """Layer ``i``'s attention before its output projection: QKV, q/k norm, RoPE, cache write (at
+        its slot of its KV group's blocks), read."""
         c = self.config
         heads = (c.num_heads, c.num_kv_heads, c.head_dim)
+        slot, meta = kv
         qkv = layer.qkv(h, qkv)  # [T, (H + 2*KVH) * D]
         qk_norm_(qkv, layer.qk_norm, c.rms_norm_eps)
-        kv_new = ops.rope_store(qkv, positions, heads, kv_cache, i, meta)  # [T, 2, KVH, D] as stored
+        kv_new = ops.rope_store(qkv, positions, heads, kv_cache, slot, meta)  # [T, 2, KVH, D] as stored
         q = qkv[:, : self.q_size].view(qkv.shape[0], c.num_heads, c.head_dim)  # [T, H, D]
         return paged_attention(
-            q, kv_new, kv_cache, i, meta, self.scale, ops.attention_kernel, self.windows[i]
+            q, kv_new, kv_cache, slot, meta, self.scale, ops.attention_kernel, self.windows[i]
         )
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_cache: PagedKVCache,  # raw [NB, L, BS, 2, KVH, D] (or its compact form)
-        meta: AttentionMetadata,
+        kv_cache: PagedKVCache,  # raw [NB, S, BS, 2, KVH, D] (S slots per block; or its compact form)
+        meta: StepMetadata,  # one per KV group (``LlamaModel.layer_kv``)
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         c = self.config
         T, eps = input_ids.shape[0], c.rms_norm_eps
+        kv = self.layer_kv(meta)  # [L] (slot, metadata)
         ops = self.ops if input_ids.is_cpu else self.torch_ops
         ops.begin(positions)
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
@@ -127,7 +130,7 @@ class Qwen3Model(LlamaModel):
         act = x.new_empty(T, c.intermediate_size)
         for i, layer in enumerate(self.layers):
             attn = self.attention(
-                i, layer, ops.rms_norm(x, layer.input_norm, eps, h), qkv, positions, kv_cache, meta, ops
+                i, layer, ops.rms_norm(x, layer.input_norm, eps, h), qkv, positions, kv_cache, kv[i], ops
             )
             x = layer.o.residual(x, attn)  # x + attn @ W_o
             gate_up = layer.gate_up(ops.rms_norm(x, layer.post_norm, eps, h), gate_up)  # [T, 2 * I]

@@ -71,7 +71,9 @@ class ScheduledSeq:
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
-    block_ids: tuple[int, ...]  # the block table after this step's allocation
+    # Every KV group's block table after this step's allocation (one for a dense model); a sliding
+    # group's leading entries may be null (NULL_BLOCK_ID: released, out of its window, never read).
+    block_tables: tuple[tuple[int, ...], ...]
 
     @property
     def samples(self) -> bool:
@@ -312,7 +314,12 @@ class Scheduler:
             num_new = min(seq.num_remaining_tokens, budget)
             if must_finish and num_new < seq.num_remaining_tokens:
                 return None
-            if not self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new):
+            num_new = self._fit_chunk(
+                num_new,
+                must_finish,
+                lambda n: self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n),
+            )
+            if not num_new:
                 raise _Stop
         else:
             # prompt logprobs need every prompt token's logits: no cache hit for such a prefill
@@ -327,9 +334,14 @@ class Scheduler:
             num_new = min(rest, budget)
             if must_finish and num_new < rest:
                 return None
-            if not self.kv.allocate_slots(
-                seq.seq_id, seq.token_ids, computed.num_computed_tokens, num_new, computed, seq.extra_keys
-            ):
+            num_new = self._fit_chunk(
+                num_new,
+                must_finish,
+                lambda n: self.kv.allocate_slots(
+                    seq.seq_id, seq.token_ids, computed.num_computed_tokens, n, computed, seq.extra_keys
+                ),
+            )
+            if not num_new:
                 raise _Stop
             seq.num_computed_tokens = computed.num_computed_tokens
             if seq.num_cached_tokens is None:
@@ -382,8 +394,31 @@ class Scheduler:
             seq.disk_wait_deadline = now + self.config.disk_load_timeout_s
         return now < seq.disk_wait_deadline
 
+    def _fit_chunk(self, num_new: int, must_finish: bool, allocate: Callable[[int], bool]) -> int:
+        """``allocate(n)`` for a prompt chunk of ``n = num_new`` tokens; the tokens allocated, 0 when it
+        does not fit. With several KV groups a chunk takes one block per group for each of its blocks (a
+        sliding group releases them once computed), so one too large for the pool is halved, down to a
+        block, rather than waiting for room that may never come (not when it ``must_finish``)."""
+        bs = self.kv.block_size
+        while not allocate(num_new):
+            if self.kv.layout.is_dense or must_finish or num_new <= bs:
+                return 0
+            num_new = max(bs, num_new // 2)
+        return num_new
+
+    def _grow(self, seq: Sequence, num_new: int, must_finish: bool) -> int:
+        """``_fit_chunk`` for the next chunk of a sequence that has blocks."""
+        kv = self.kv
+
+        def allocate(n: int) -> bool:
+            return kv.allocate_slots(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, n, None, seq.extra_keys
+            )
+
+        return self._fit_chunk(num_new, must_finish, allocate)
+
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, seq.num_computed_tokens, num_new, tuple(self.kv.block_ids(seq.seq_id)))
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.block_tables(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence's KV out to the host tier, or drop its blocks (they stay cached) to be
@@ -487,9 +522,8 @@ class _PrefillPlan:
         num_new = min(seq.num_remaining_tokens, self.budget)
         if num_new <= 0 or seq.seq_id in self.taken or (must_finish and num_new < seq.num_remaining_tokens):
             return False
-        if not self.s.kv.allocate_slots(
-            seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
-        ):
+        num_new = self.s._grow(seq, num_new, must_finish)
+        if not num_new:
             return False
         self._take(seq, num_new)
         return True

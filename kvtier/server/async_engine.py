@@ -455,4 +455,3 @@ class AsyncEngine:
                 self._post(self._resolve, cmd.future, None, exc)
             else:
                 self._post(self._resolve, cmd.future, result)
-

@@ -114,6 +114,7 @@ class _StatsCollector(Collector):
                 yield family
         yield from _remote_families(_tier(stats, Medium.REMOTE))
         yield from _insight_families(stats)
+        yield from _group_families(stats)
 
 
 def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
@@ -124,6 +125,28 @@ def _remote_families(remote: TierSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         PREFIX + _REMOTE_BREAKER[0], _REMOTE_BREAKER[1], value=float(remote.breaker_state)
     )
+
+
+def _group_families(stats: EngineStats) -> Iterator[Metric]:
+    """The device pool by KV group (one group, "0", full, for a dense model; none before a snapshot)."""
+    labels = ["group", "kind"]
+    in_use = GaugeMetricFamily(
+        PREFIX + "kv_group_blocks_in_use",
+        "Device KV blocks a KV group's tables hold (the groups share the pool's blocks).",
+        labels=labels,
+    )
+    window = GaugeMetricFamily(
+        PREFIX + "kv_group_window_tokens",
+        "Tokens a KV group's sliding-window query sees (0: full attention).",
+        labels=labels,
+    )
+    layers = GaugeMetricFamily(PREFIX + "kv_group_layers", "Model layers in a KV group.", labels=labels)
+    for g in stats.kv_groups:
+        at = [str(g.group), g.kind]
+        in_use.add_metric(at, float(g.blocks_in_use))
+        window.add_metric(at, float(g.window or 0))
+        layers.add_metric(at, float(g.num_layers))
+    yield from (in_use, window, layers)
 
 
 def _insight_families(stats: EngineStats) -> Iterator[Metric]:
