@@ -13,6 +13,7 @@ the model once per module. The packaging tests use small fake chunk packages and
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import itertools
@@ -324,6 +325,10 @@ def test_greedy_through_host_and_disk_tiers_and_a_restart(
     finally:
         first.close()  # flushes every cached block down to disk
     restarted = _llm(**tiers)
+    # The scheduler computes a prefix whose disk reads take over disk_load_timeout_s (1 s) instead of
+    # waiting; this story is about the bytes, so it waits for them however loaded the machine is.
+    scheduler = restarted.engine.scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, disk_load_timeout_s=120.0)
     try:
         again = restarted.generate({"prompt_token_ids": prompt}, _greedy())[0]
     finally:
