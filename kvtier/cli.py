@@ -226,6 +226,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME: a user's own deploy
 # benchmarks/ directory. The first three were `kvtier bench NAME` once: that now says where they are.
 _CHECKOUT_BENCHMARKS = {
     "python -m benchmarks.throughput": "kvtier vs HF transformers: decode, prefill, mixed, cached, start-up",
+    "python -m benchmarks.decode": "one-stream decode of any model (--model) vs HF transformers, fp32 floor",
     "python -m benchmarks.kvdtype": "KV cache dtypes side by side: perplexity, agreement, capacity, speed",
     "python -m benchmarks.kernels": "this checkout's gguf weight kernel vs a git revision's",
     "python benchmarks/overload.py": "goodput under overload, driven by guidellm (make bench-overload)",

@@ -333,20 +333,25 @@ class Pools:
 
 def size_pools(work: Workload, mc: Any, device_fraction: float) -> Pools:
     bs = 16
-    block_bytes = mc.num_layers * bs * 2 * mc.num_kv_heads * mc.head_dim * 4  # float32 KV
+    layout = mc.kv_layout()  # a hybrid model's blocks: every group's, each of layers_per_group slots
+    block_bytes = layout.layers_per_group * bs * 2 * mc.num_kv_heads * mc.head_dim * 4  # float32 KV
     last = work.num_turns - 1
     final_blocks = [
-        math.ceil((work.prompt_len(c, last) + work.answer_tokens) / bs) for c in range(work.num_convs)
+        layout.num_blocks_held(work.prompt_len(c, last) + work.answer_tokens, bs)
+        for c in range(work.num_convs)
     ]
-    live_blocks = sum(final_blocks) - (work.system_tokens // bs) * (work.num_convs - 1)
-    device_blocks = max(math.ceil(live_blocks * device_fraction), max(final_blocks) + 8)
+    shared = (work.system_tokens // bs) * layout.num_groups  # the system prompt's blocks, held once
+    live_blocks = sum(final_blocks) - shared * (work.num_convs - 1)
+    longest = max(work.prompt_len(c, last) for c in range(work.num_convs)) + work.answer_tokens + 1
+    need = layout.num_blocks_held(longest, bs) + 8 * layout.num_groups  # the longest fits, with room
+    device_blocks = max(math.ceil(live_blocks * device_fraction), need)
     return Pools(
         block_bytes=block_bytes,
         live_blocks=live_blocks,
         device_blocks=device_blocks,
         host_all_gb=max(0.02, live_blocks * 1.5 * block_bytes / 2**30),
         host_small_gb=device_blocks * block_bytes / 2**30,
-        max_model_len=max(work.prompt_len(c, last) for c in range(work.num_convs)) + work.answer_tokens + 1,
+        max_model_len=longest,
     )
 
 
