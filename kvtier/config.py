@@ -330,7 +330,8 @@ class EngineArgs:
         default="auto",
         metadata={
             "help": "weight precision: auto (dense as loaded; a GGUF dequantized to fp32, exact), gguf (run "
-            "the GGUF's own Q8_0/Q4_0/Q4_1 blocks), int8 (per-channel weight-only int8); docs/weight-dtype.md"
+            "the GGUF's own Q8_0/Q4_0/Q4_1 blocks; Q5_0 as Q8_0), int8 (per-channel weight-only int8); "
+            "docs/weight-dtype.md"
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})

@@ -360,9 +360,10 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGU
 
     ``make(qtype="Q8_0", ffn_down_qtype=None, tie_word_embeddings=True, num_heads=4, num_kv_heads=2,
     intermediate_size=128, rope=None | {"linear": f} | {"llama3": (factor, low, high, orig)}, arch="llama",
-    add_bos=False, chat_template=CHATML_TEMPLATE, pre="default", tokenizer="gpt2"|"llama", seed=0)``.
-    Norms are stored F32 (as llama.cpp does). ``ffn_down_qtype`` (e.g. "Q4_K", random blocks) needs
-    intermediate_size % 256 == 0.
+    add_bos=False, chat_template=CHATML_TEMPLATE, pre="default", tokenizer="gpt2"|"llama", seed=0,
+    qtype_of={})``. Norms are stored F32 (as llama.cpp does). ``ffn_down_qtype`` (e.g. "Q4_K", random
+    blocks) needs intermediate_size % 256 == 0. ``qtype_of`` maps a weight name fragment (``".v_proj."``)
+    to its own block type, as mixed files (Q4_K_M) store some tensors.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize
@@ -384,9 +385,10 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGU
         pre: str = "default",
         tokenizer: str = "gpt2",
         seed: int = 0,
+        qtype_of: dict[str, str] | None = None,
     ) -> TinyGGUF:
         key = repr((qtype, ffn_down_qtype, tie_word_embeddings, num_heads, num_kv_heads, intermediate_size))
-        key += repr((rope, arch, add_bos, chat_template, pre, tokenizer, seed))
+        key += repr((rope, arch, add_bos, chat_template, pre, tokenizer, seed, qtype_of))
         if key in made:
             return made[key]
         path = tmp_path_factory.mktemp("tiny_gguf") / f"tiny-{qtype}.gguf"
@@ -423,6 +425,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., TinyGGU
             kind = qtype if w.ndim == 2 else "F32"
             if ffn_down_qtype and ".down_proj." in name:
                 kind = ffn_down_qtype
+            kind = next((t for part, t in (qtype_of or {}).items() if part in name), kind)
             gtype = GGMLQuantizationType[kind]
             stored, raw_dtype = _encode_tensor(data, gtype)
             writer.add_tensor(gguf_name(name), stored, raw_dtype=raw_dtype)

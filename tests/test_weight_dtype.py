@@ -102,6 +102,44 @@ def test_gguf_logits_equal_the_dequantized_fp32_model(tiny_gguf: Any, tmp_path: 
         assert rel_err(logits_of(quant, ids, chunk), ref) < 1e-4
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_q4_0_and_q5_0_blocks_are_the_same_weights_as_q8_0(qtype: str) -> None:
+    """Random blocks (any scale, any code): Q8_0 with the same d and code q - offset dequantizes to the
+    same fp32 bits as gguf's own dequantization of the original blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from kvtier.models.qconvert import BLOCK_BYTES, to_q8_0
+
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (6, 5, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    blocks[..., :2] = rng.standard_normal((6, 5)).astype(np.float16).view(np.uint8).reshape(6, 5, 2)
+    rows = blocks.reshape(6, -1)
+    want = dequantize(rows, GGMLQuantizationType[qtype])
+    got = dequantize(to_q8_0(qtype, rows), GGMLQuantizationType.Q8_0)
+    assert got.shape == want.shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="Q4_1"):
+        to_q8_0("Q4_1", rows)
+
+
+@needs_kernels
+def test_q5_0_and_mixed_groups_run_on_the_q8_0_kernel_exactly(tiny_gguf: Any, tmp_path: Path) -> None:
+    """Q5_0 has no kernel of its own and Gemma 3's Q4_K_M file mixes Q5_0 q/k with a Q8_0 v: both run as
+    Q8_0 blocks (the same weights), and a group mixing a type Q8_0 cannot hold (Q4_1) stays dense."""
+    gguf = tiny_gguf(qtype="Q5_0", qtype_of={".v_proj.": "Q8_0", ".up_proj.": "Q4_1"})
+    loaded = load_model(gguf.path, cache_dir=tmp_path)
+    quant = model_for(loaded, "gguf")
+    layer = quant.layers[0]
+    assert isinstance(layer.qkv, QuantLinear) and layer.qkv.qtype == "Q8_0"  # Q5_0 | Q5_0 | Q8_0
+    assert isinstance(layer.down, QuantLinear) and layer.down.qtype == "Q8_0"  # Q5_0 alone
+    assert not isinstance(layer.gate_up, QuantLinear)  # Q5_0 | Q4_1: dense fp32
+    ids = list(range(5, 40))
+    ref = logits_of(LlamaModel(loaded.config, loaded.weights, torch.float32, 512), ids, 64)
+    for chunk in (1, 4, 64):
+        assert rel_err(logits_of(quant, ids, chunk), ref) < 1e-4
+
+
 @needs_kernels
 def test_a_tensor_type_without_kernel_runs_dense_and_stays_exact(tiny_gguf: Any, tmp_path: Path) -> None:
     gguf = tiny_gguf(qtype="Q4_1", ffn_down_qtype="Q4_K", intermediate_size=256)

@@ -39,7 +39,7 @@ import torch
 from kvtier.config import ConfigError, ModelConfig
 from kvtier.models.loader import LoadedModel, _conversion_lock, _gguf_in, default_cache_dir
 
-PACK_VERSION = 2  # bump when the packed layout changes (2: each row's block fields regrouped)
+PACK_VERSION = 3  # bump when the packed layout changes (2: block fields regrouped; 3: Q5_0 as Q8_0)
 DENSE_VERSION = 1  # bump when LlamaModel's dense layout changes (row order, RoPE interleave, transpose)
 Rows = tuple[str, torch.Tensor, torch.Tensor | None]  # (block type, uint8 [N, bytes], fp32 scale [N] | None)
 
@@ -81,8 +81,8 @@ def pack_groups(
     """Every group whose parts all have kernel rows of one block type, fused in row order."""
     packed: dict[str, Rows] = {}
     for group, names in [*group_parts(config).items(), ("lm_head", [head_name])]:
-        parts = [rows_of(name) for name in names]
-        if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
+        parts = _one_type([rows_of(name) for name in names])
+        if parts is None:
             continue
         data = torch.cat([interleave(p[1], n, config) for p, n in zip(parts, names, strict=True)])
         scales = [p[2] for p in parts]
@@ -91,6 +91,21 @@ def pack_groups(
             scale = torch.cat([interleave(s, n, config) for s, n in zip(scales, names, strict=True)])
         packed[group] = (parts[0][0], by_field(parts[0][0], data), scale)
     return packed
+
+
+def _one_type(parts: list[Rows | None]) -> list[Rows] | None:
+    """``parts`` in one block type: as they are, or all as Q8_0 where they mix types Q8_0 holds exactly
+    (Q4_0, Q5_0, Q8_0: ``qconvert.py``); None where a part has no kernel rows or the types cannot meet."""
+    from kvtier.models.qconvert import TO_Q8_0, to_q8_0
+
+    if any(p is None for p in parts):
+        return None
+    types = {p[0] for p in parts}  # type: ignore[index]
+    if len(types) == 1:
+        return parts  # type: ignore[return-value]
+    if not types <= TO_Q8_0 | {"Q8_0"}:
+        return None
+    return [("Q8_0", torch.from_numpy(to_q8_0(t, d.numpy())), s) for t, d, s in parts]  # type: ignore[misc]
 
 
 def by_field(qtype: str, data: torch.Tensor) -> torch.Tensor:
@@ -126,6 +141,7 @@ def gguf_rows(path: Path, config: ModelConfig) -> Callable[[str], Rows | None]:
     import numpy as np
 
     from kvtier.models.gguf_loader import hf_tensor_name, open_reader, unpermute_rows
+    from kvtier.models.qconvert import TO_Q8_0, to_q8_0
     from kvtier.models.qkernels import QTYPES
 
     reader = open_reader(path)
@@ -134,14 +150,17 @@ def gguf_rows(path: Path, config: ModelConfig) -> Callable[[str], Rows | None]:
 
     def rows_of(name: str) -> Rows | None:
         tensor = by_name.get(name)
-        if tensor is None or tensor.tensor_type.name not in QTYPES or tensor.tensor_type.name == "INT8":
+        qtype = None if tensor is None else tensor.tensor_type.name
+        if qtype is None or qtype == "INT8" or (qtype not in QTYPES and qtype not in TO_Q8_0):
             return None
         data = np.asarray(tensor.data)  # [N, K/32 * block bytes] uint8
+        if qtype not in QTYPES:  # Q5_0: no kernel of its own, the same weights as Q8_0 blocks
+            qtype, data = "Q8_0", to_q8_0(qtype, data)
         if arch == "llama" and ".self_attn.q_proj." in name:
             data = unpermute_rows(data, config.num_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             data = unpermute_rows(data, config.num_kv_heads)
-        return tensor.tensor_type.name, torch.from_numpy(np.array(data, dtype=np.uint8)), None
+        return qtype, torch.from_numpy(np.array(data, dtype=np.uint8)), None
 
     return rows_of
 
@@ -215,7 +234,7 @@ def packed_weights(loaded: LoadedModel, mode: str) -> dict[str, Rows]:
     rows_of = gguf_rows(source, loaded.config) if source is not None else int8_rows(loaded.weights)
     packed = pack_groups(loaded.config, rows_of, _head_name(loaded))
     if not packed:
-        raise ConfigError(f"weight_dtype={mode}: no weight of this model has a Q8_0/Q4_0/Q4_1 kernel")
+        raise ConfigError(f"weight_dtype={mode}: no weight of this model has a Q8_0/Q4_0/Q4_1/Q5_0 kernel")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _conversion_lock(root, loaded.fingerprint):
