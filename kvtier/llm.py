@@ -5,6 +5,8 @@ llm = LLM()                                     # embedded SmolLM2-135M-Instruct
 outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 outs[0].outputs[0].text, outs[0].outputs[0].token_ids, outs[0].num_cached_tokens
 llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+out = llm.chat(messages, tools=[{"type": "function", "function": {...}}], tool_choice="required")[0]
+out.outputs[0].tool_calls, out.outputs[0].content
 """
 
 from __future__ import annotations
@@ -16,9 +18,19 @@ from typing import Any
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
-from kvtier.sampling_params import SamplingParams
+from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.tools import (
+    CLOSE,
+    Tool,
+    ToolChoice,
+    call_grammar,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+)
+from kvtier.worker.structured import check_tool_schemas
 
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 def _engine_args(model: str | None, kwargs: dict[str, Any]) -> EngineArgs:
@@ -77,18 +89,41 @@ class LLM:
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template and generate; one output per conversation."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        """Apply the model's chat template and generate; one output per conversation.
 
-    def render_chat(self, conversation: Conversation, add_generation_prompt: bool = True) -> dict[str, Any]:
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {"name", "description", "parameters"}}]``),
+        ``tool_choice`` (``"auto"``, the default with tools; ``"none"``; ``"required"``; or ``{"type":
+        "function", "function": {"name": ...}}``) and ``parallel_tool_calls`` work as the server's: the tools
+        are rendered (:mod:`kvtier.tools`), a forced call is held to the tools' schemas, and each completion's
+        ``tool_calls`` and ``content`` hold the parsed calls and the text outside them. Messages may carry
+        assistant ``tool_calls`` and ``tool`` results. ConfigError (``ToolError``) for bad tools."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        given = parse_tools(tools)
+        choice = parse_tool_choice(tool_choice, given, parallel_tool_calls)
+        check_tool_schemas(given)
+        prompts = [self.render_chat(c, add_generation_prompt, tools=given) for c in conversations]
+        params = self._as_params_list(sampling_params, len(prompts))
+        if given:
+            params = [_with_tools(p, given, choice) for p in params]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        if choice.mode != "none":
+            names = {t.name for t in given}
+            for completion in (c for out in outputs for c in out.outputs):
+                completion.content, completion.tool_calls = parse_tool_calls(completion.text, names)
+        return outputs
+
+    def render_chat(
+        self, conversation: Conversation, add_generation_prompt: bool = True, tools: list[Tool] | None = None
+    ) -> dict[str, Any]:
         if not conversation:
             raise ConfigError("messages must not be empty")
         # Contents are tokenized as text (a user's "<|im_end|>" is not a control token); no BOS is
         # added (the template writes the special tokens it wants). The server does the same.
-        text, token_ids = self.tokenizer.encode_chat(list(conversation), add_generation_prompt)
+        text, token_ids = self.tokenizer.encode_chat(list(conversation), add_generation_prompt, tools=tools)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def stream(
@@ -151,3 +186,19 @@ class LLM:
         if len(plist) != n:
             raise ConfigError(f"got {len(plist)} SamplingParams for {n} prompts")
         return plist
+
+
+def _with_tools(params: SamplingParams, tools: list[Tool], choice: ToolChoice) -> SamplingParams:
+    """``params`` for a chat with tools: a forced call's grammar, or (auto, one call at most) a stop at the
+    end of the first call. A copy: the caller's params may serve other prompts."""
+    if choice.constrained:
+        if params.structured_outputs is not None:
+            raise ConfigError(
+                "structured_outputs cannot be combined with tool_choice 'required' or a named function"
+            )
+        return dataclasses.replace(
+            params, structured_outputs=StructuredOutputs(grammar=call_grammar(tools, choice))
+        )
+    if choice.mode == "auto" and not choice.parallel:
+        return dataclasses.replace(params, stop=[*params.stop, CLOSE])
+    return params

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvtier.sequence import TokenLogprobs
 from kvtier.stats import Medium
+from kvtier.tools import ToolCall
 
 
 @dataclass
@@ -18,6 +19,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     text_delta: str = ""  # text added by the latest step (for streaming)
     num_new_tokens: int = 0  # tokens added by the latest step
+    # LLM.chat with tools (tool_choice other than "none"): the calls parsed out of ``text`` (which stays the
+    # whole output) and the text outside them (None when there were calls and no text); kvtier.tools.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,11 @@ Chat messages are data, not markup: ``encode_chat`` tokenizes what the template 
 special tokens parsed, and each message's content as plain text, so ``<|im_end|>`` written by a user stays
 the characters ``<``, ``|``, ``im``... (as llama.cpp treats user text); a role must be one the template
 knows (``chat_roles``: system, user, assistant, and tool when the template mentions it).
+
+Tools (``encode_chat(..., tools=)``, :mod:`kvtier.tools`): a template that renders tools itself gets them as
+``tools=`` and the messages' ``tool_calls`` and ``tool`` turns as transformers passes them (``tool_support``
+says which parts it renders, found by probe renderings); every other part is written in the generic
+format. A tool's or a call's field that spells a special token is refused when the template renders it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import re
 import secrets
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,6 +34,15 @@ from tokenizers import Tokenizer as _Backend
 
 from kvtier.config import ConfigError
 from kvtier.hf_config import read_json
+from kvtier.tools import (
+    Tool,
+    ToolError,
+    ToolSupport,
+    normalize_messages,
+    prepare_chat,
+    probe_tool_support,
+    uses_tools,
+)
 
 _REPLACEMENT_CHAR = "\ufffd"
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -271,11 +286,50 @@ class Tokenizer:
             roles.add("tool")
         return frozenset(roles)
 
+    @cached_property
+    def tool_support(self) -> ToolSupport:
+        """Which tool parts the chat template renders itself (the rest take the generic format)."""
+        if self.chat_template is None:
+            return ToolSupport()
+        template = _compile_template(self.chat_template)
+
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            return template.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=False,
+                **self.special_tokens,
+            )
+
+        support = probe_tool_support(render)
+        return replace(support, results=support.results and "tool" in self.chat_roles)
+
+    def _tool_chat(
+        self, messages: list[dict[str, Any]], tools: list[Tool] | None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and template tools of a conversation with tools (:func:`kvtier.tools.prepare_chat`);
+        ConfigError when a part the template renders itself spells a special token."""
+        if not isinstance(messages, list | tuple) or not uses_tools(list(messages), tools):
+            return messages, None
+        chat, template_tools = prepare_chat(normalize_messages(list(messages)), tools, self.tool_support)
+        extras = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in chat]
+        for param, parts in (("tools", template_tools), ("messages", extras)):
+            if self.has_special_text(json.dumps(parts, ensure_ascii=False, default=str)):
+                raise ToolError(
+                    f"{param}: a tool or a tool call spells a special token, and this model's chat template "
+                    "writes it as markup: remove the special token",
+                    param,
+                )
+        return chat, template_tools
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         encode: Callable[[str], list[int]] | None = None,
+        *,
+        tools: list[Tool] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered conversation and its token ids, message contents tokenized as plain text.
 
@@ -283,12 +337,16 @@ class Tokenizer:
         ``encode(text, add_special_tokens=False)`` (the router's cached pieces). When a content spells a
         special token, the contents' exact places in the text are found by rendering the conversation
         again with a marker for each content; a template that changes contents (so they cannot be found)
-        is refused then (``ConfigError``) rather than let the text through as markup."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        is refused then (``ConfigError``) rather than let the text through as markup. ``tools`` and the
+        messages' tool parts are rendered as the module's docstring says."""
+        messages, template_tools = self._tool_chat(messages, tools)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tools=template_tools
+        )
         contents = [m.get("content") for m in messages if isinstance(m, dict)]
         if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
             return text, encode(text) if encode is not None else self.encode(text, add_special_tokens=False)
-        spans = self._content_spans(messages, add_generation_prompt, text)
+        spans = self._content_spans(messages, add_generation_prompt, text, template_tools)
         if spans is None:
             raise ConfigError(
                 "a message content spells a special token, and this model's chat template rewrites "
@@ -304,7 +362,11 @@ class Tokenizer:
         return text, ids
 
     def _content_spans(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, text: str
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        text: str,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[tuple[int, int]] | None:
         """``(start, end)`` of every content's text in ``text``, or None if the template changed one."""
         tag = secrets.token_hex(8)
@@ -312,7 +374,7 @@ class Tokenizer:
             {**m, "content": f"\x00{tag}:{i}\x00"} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)
         ]
-        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt)
+        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools)
         pieces = re.split(f"\x00{tag}:(\\d+)\x00", rendered)  # template text, index, template text, ...
         spans, out, pos = [], [], 0
         for k, piece in enumerate(pieces):

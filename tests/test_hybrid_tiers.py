@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier import LLM, SamplingParams
+from kvtier import LLM
 from kvtier.stats import Medium
 from tests.test_hybrid_engine import BLOCK, SLIDING_GEMMA, WINDOW, hf_continuation, prompts_of
 from tests.test_qwen3 import GREEDY, tiny_checkpoint, token_ids

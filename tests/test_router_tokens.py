@@ -62,3 +62,22 @@ def test_a_tokenizer_whose_pieces_are_not_independent_is_encoded_whole(tiny_toke
         assert not encoder.enabled
         text = "<|im_start|>user\n  hi there<|im_end|>\n"
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_chat_with_tools_is_tokenized_as_the_replica_renders_it(converted_default_model) -> None:  # noqa: ANN001
+    """The router hashes what the replica computes: the tools block and the calls included."""
+    from kvtier.tools import parse_tools
+
+    tokenizer, _ = load_tokenizer(None)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    routed = parse_prompt(tokenizer, CHAT, {"messages": messages, "tools": tools})
+    plain = parse_prompt(tokenizer, CHAT, {"messages": messages})
+    _, replica = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=parse_tools(tools))
+    assert routed is not None and plain is not None
+    assert routed.token_ids == replica and len(plain.token_ids) < len(replica)

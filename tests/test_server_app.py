@@ -172,7 +172,7 @@ def test_serve_command_line() -> None:
 
 # ----------------------------------------------------------------------------- hostile input, no model
 UNSUPPORTED = [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format"),

@@ -17,6 +17,8 @@
     POST /admin/replicas {"url": ...}              admin (404 without         admit a replica (checked:
     DELETE /admin/replicas {"url": ...}              --admin-key)             same model) or remove one
     GET  /dashboard, /dashboard/static/{name}      none (no data in them)     the cluster page
+    *    /v1/responses[/...]                       client                     501 not_supported (OpenAI's
+                                                                               Responses API), answered here
 
 Only these routes reach a replica, each to a fixed path: ``/v1/models/{id}`` takes a model id that
 :func:`model_path` accepts (letters, digits, ``._:+@-``; no ``..``, no ``/``, no ``\\``, whatever the
@@ -60,7 +62,7 @@ from kvtier.router.proxy import forward
 from kvtier.router.replicas import AdmissionRefused
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
-from kvtier.server.protocol import APIError, http_error, not_found
+from kvtier.server.protocol import APIError, http_error, not_found, responses_api_unsupported
 
 logger = logging.getLogger("kvtier.router")
 
@@ -235,6 +237,11 @@ async def admin_replicas(request: Request) -> Response:
     return JSONResponse({"object": "router.replica", "url": replica.url, "healthy": replica.healthy})
 
 
+async def responses_api(request: Request) -> Response:
+    """OpenAI's Responses API: the replicas do not implement it, so the router answers their 501 itself."""
+    raise responses_api_unsupported()
+
+
 async def no_admin_route(request: Request) -> Response:
     """Any other ``/admin/...`` path or method: 404 (after the admin check: 404 too while it is off)."""
     raise not_found()
@@ -247,6 +254,8 @@ ROUTES = [
     Endpoint("/v1/models/{model:path}", guarded(check_client, model), methods=["GET"]),
     Endpoint("/tokenize", guarded(check_client, tokenize), methods=["POST"]),
     Endpoint("/detokenize", guarded(check_client, detokenize), methods=["POST"]),
+    Endpoint("/v1/responses", guarded(check_client, responses_api), methods=ALL_METHODS),
+    Endpoint("/v1/responses/{rest:path}", guarded(check_client, responses_api), methods=ALL_METHODS),
     Endpoint("/health", health, methods=["GET"]),
     Endpoint("/metrics", guarded(check_metrics, prometheus_metrics), methods=["GET"]),
     Endpoint("/router/state", guarded(check_reader, state), methods=["GET"]),

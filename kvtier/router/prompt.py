@@ -96,7 +96,7 @@ def parse_prompt(
             chat = ChatCompletionRequest.model_validate(body)
             encode = encoder.encode if encoder is not None else None
             _, token_ids = tokenizer.encode_chat(
-                chat.conversation(), add_generation_prompt=True, encode=encode
+                chat.conversation(), add_generation_prompt=True, encode=encode, tools=chat.tool_request()[0]
             )
             request: Any = chat
         elif path == COMPLETIONS_PATH:

@@ -5,6 +5,11 @@
     POST /v1/chat/completions   POST /v1/completions     (Bearer key when --api-key is set)
     GET  /v1/models             GET  /health (503 while loading)     GET /metrics (Prometheus)
     GET  /openapi.json          (the client key, as /v1)
+    *    /v1/responses[/...]    501 not_supported: OpenAI's Responses API is not implemented
+
+Chat takes tools (``tools``, ``tool_choice``, ``parallel_tool_calls``: :mod:`.tools`, :mod:`kvtier.tools`):
+their schemas are checked on the tokenizer pool before the model is needed, the prompt renders them, and
+the answer's text is parsed into ``tool_calls``.
 
 Which key each route takes (client, KV reader, metrics, admin) is :mod:`.auth`'s table.
 
@@ -57,7 +62,7 @@ from kvtier.engine import LLMEngine, PromptType
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import KVCapacityExceeded, QueueWaitExceeded
-from kvtier.server import bodies, prompts
+from kvtier.server import bodies, prompts, tools
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_distinct, check_key, check_kv_reader, check_metrics
 from kvtier.server.dashboard import dashboard_router
@@ -73,6 +78,7 @@ from kvtier.server.protocol import (
     check_model,
     clip,
     http_error,
+    responses_api_unsupported,
     tenant_of,
     tenant_salt,
     validation_error,
@@ -270,10 +276,12 @@ async def admit(
     param: str,
     priority: int = 0,
     tenant: str | None = None,
+    grammar_param: str = "response_format",
 ) -> list[RequestStream]:
     """One stream per prompt, or none: 503 while loading or when the queue is full, 400 when the request
     could never fit the queue or the engine rejects a prompt (naming ``param`` unless the message names
-    a parameter; the streams already added are aborted). A prompt weighs ``n`` sequences."""
+    a parameter, or ``grammar_param`` for a constraint that does not compile; the streams already added
+    are aborted). A prompt weighs ``n`` sequences."""
     if not engine.ready:
         raise EngineNotReady(engine.not_ready_reason())
     check_fits(engine, len(prompts), params.n, param)
@@ -300,14 +308,14 @@ async def admit(
             streams.append(stream)
     except (QueueWaitExceeded, KVCapacityExceeded, ConfigError) as exc:
         _abort_all(streams)
-        raise _refusal(exc, metrics, param) from None
+        raise _refusal(exc, metrics, param, grammar_param) from None
     except BaseException:
         _abort_all(streams)
         raise
     return streams
 
 
-def _refusal(exc: Exception, metrics: ServerMetrics, param: str) -> APIError:
+def _refusal(exc: Exception, metrics: ServerMetrics, param: str, grammar_param: str) -> APIError:
     """The answer to a request the engine refused: 503 past capacity, 400 for bad input."""
     if isinstance(exc, QueueWaitExceeded | KVCapacityExceeded):
         code = "queue_wait" if isinstance(exc, QueueWaitExceeded) else "kv_capacity"
@@ -318,7 +326,7 @@ def _refusal(exc: Exception, metrics: ServerMetrics, param: str) -> APIError:
     assert isinstance(exc, ConfigError)
     err = bad_request(exc)
     structured = str(exc).startswith("structured output")  # a schema or grammar that does not compile
-    err.param = err.param or ("response_format" if structured else param)
+    err.param = err.param or (grammar_param if structured else param)
     if "max_model_len" in str(exc):
         err.code = "context_length_exceeded"
     return err
@@ -410,8 +418,10 @@ class _Opened:
         logprobs: bool,
         echo: bool = False,
         prompt_only: bool = False,
+        tool_names: frozenset[str] | None = None,
     ) -> Response:
-        """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond."""
+        """Admit the prompts (``param`` names the body field a rejected prompt came from) and respond;
+        ``tool_names``: the answer's calls are parsed (chat with tools)."""
         body, state = self.body, self.request.app.state
         check_open(self.request)
         authorization = self.request.headers.get("authorization", "")
@@ -427,6 +437,7 @@ class _Opened:
             param=param,
             priority=body.priority,
             tenant=tenant_of(authorization, body.user),
+            grammar_param="tools" if tool_names is not None else "response_format",
         )
         tokenizer = state.engine.tokenizer
         assert tokenizer is not None  # admitted: the model has loaded
@@ -442,6 +453,7 @@ class _Opened:
             include_usage=body.include_usage,
             echo=echo,
             prompt_only=prompt_only,
+            tool_names=tool_names,
         )
         return await respond(self.request, fmt, streams, body.stream)
 
@@ -463,15 +475,19 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 @v1.post("/chat/completions")
 async def chat_completions(request: Request) -> Response:
     body = await bodies.parse(request, ChatCompletionRequest)  # the body's lists counted, then validated
-    opened = _open(request, body)
-    conversation = body.conversation()
+    opened = _open(request, body)  # tools and tool_choice checked (400), a forced call's grammar built
+    conversation = body.conversation()  # tool calls and results checked (400)
+    given_tools, choice = body.tool_request()
+    if given_tools:
+        await opened.off_loop(tools.check_schemas, given_tools)  # 400 naming the tool
     tokenizer, max_model_len = opened.tokenizer()
     num_chars = sum(len(m["content"]) for m in conversation)
     prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
     prompt = await opened.off_loop(
-        prompts.render_chat, tokenizer, conversation, opened.params.max_tokens, max_model_len
+        prompts.render_chat, tokenizer, conversation, opened.params.max_tokens, max_model_len, given_tools
     )
-    return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs)
+    names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
+    return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs, tool_names=names)
 
 
 @v1.post("/completions")
@@ -493,6 +509,13 @@ async def completions(request: Request) -> Response:
     return await opened.complete(
         "text", encoded, "prompt", logprobs=logprobs, echo=body.echo, prompt_only=body.prompt_only
     )
+
+
+@v1.api_route("/responses", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+@v1.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+async def responses_api(request: Request) -> Response:
+    """OpenAI's Responses API: not implemented (501, saying to use chat completions), not a bare 404."""
+    raise responses_api_unsupported()
 
 
 # ---------------------------------------------------------------------------------- other routes

@@ -5,8 +5,9 @@
     the route (after the key)          on the loop (body <= INLINE_BYTES) or the tokenizer pool
     ─────────────────────────          ───────────────────────────────────────────────────────
     raw = await request.body()   ──►   parse_json(raw)     JSON, nested at most MAX_DEPTH deep   400
-      (<= --max-request-bytes)         check_counts(data)  messages, content parts, prompts, stop,
-                                                           stop_token_ids, logit_bias: counted    400
+      (<= --max-request-bytes)         check_counts(data)  messages, content parts, tool calls,
+                                                           prompts, stop, stop_token_ids,
+                                                           logit_bias, tools: counted             400
                                        model.model_validate(data)   the pydantic request model   400
 
 FastAPI would parse and validate a body parameter on the event loop, before the key check, and the
@@ -19,8 +20,9 @@ other reason than its depth (a lone surrogate such as ``"\\ud800"``, which it do
 again by ``json`` for OpenAI-compatible errors. Errors take the shape FastAPI's would (so the app's
 ``RequestValidationError`` handler answers them: a JSON error, a wrong ``Content-Type``).
 
-The bounds (``MAX_COUNTS``): 2048 messages (OpenAI's limit) and 2048 content parts in all; 2048 prompts;
-16 stop strings; 256 stop token ids; 300 logit_bias entries (OpenAI's); JSON nested at most 200 deep.
+The bounds (``MAX_COUNTS``): 2048 messages (OpenAI's limit), 2048 content parts and 2048 tool calls in all;
+2048 prompts; 16 stop strings; 256 stop token ids; 300 logit_bias entries and 128 tools (OpenAI's); JSON
+nested at most 200 deep.
 """
 
 from __future__ import annotations
@@ -44,20 +46,25 @@ from kvtier.server.protocol import (
     bad_request,
     clip,
 )
+from kvtier.tools import MAX_TOOLS
 
 M = TypeVar("M", bound=BaseModel)
 INLINE_BYTES = 64 * 1024  # a body up to this is parsed on the event loop (well under a millisecond)
 MAX_DEPTH = 200  # JSON nesting (pydantic_core's parser stops there)
 MAX_MESSAGES = 2048  # chat messages in one request (OpenAI's limit)
 MAX_CONTENT_PARTS = 2048  # content parts over all of a request's messages
+MAX_TOOL_CALLS = 2048  # tool calls over all of a request's assistant messages
 MAX_COUNTS = {
     "messages": MAX_MESSAGES,
     "prompt": MAX_PROMPTS,
     "stop": MAX_STOP,
     "stop_token_ids": MAX_STOP_TOKEN_IDS,
     "logit_bias": MAX_LOGIT_BIAS,
+    "tools": MAX_TOOLS,
 }
 _COUNTED = {"messages": "messages", "prompt": "prompts", "stop": "entries", "stop_token_ids": "entries"}
+_COUNTED |= {"tools": "tools"}
+_PER_MESSAGE = (("content", MAX_CONTENT_PARTS, "content parts"), ("tool_calls", MAX_TOOL_CALLS, "tool calls"))
 
 
 def parse_json(raw: bytes) -> Any:
@@ -91,12 +98,11 @@ def check_counts(data: Any) -> None:
             raise bad_request(f"{name} holds at most {limit} {what}, got {len(value)}", name)
     messages = data.get("messages")
     if isinstance(messages, list):
-        lists = (m.get("content") for m in messages if isinstance(m, dict))
-        num_parts = sum(len(c) for c in lists if isinstance(c, list))
-        if num_parts > MAX_CONTENT_PARTS:
-            raise bad_request(
-                f"messages hold at most {MAX_CONTENT_PARTS} content parts in all, got {num_parts}", "messages"
-            )
+        for key, limit, what in _PER_MESSAGE:
+            lists = (m.get(key) for m in messages if isinstance(m, dict))
+            num = sum(len(c) for c in lists if isinstance(c, list))
+            if num > limit:
+                raise bad_request(f"messages hold at most {limit} {what} in all, got {num}", "messages")
 
 
 def validate(model: type[M], raw: bytes) -> M:

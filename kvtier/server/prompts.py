@@ -32,6 +32,7 @@ from kvtier.engine import PromptType
 from kvtier.server.async_engine import AsyncEngine, EngineNotReady
 from kvtier.server.protocol import APIError, bad_request
 from kvtier.tokenizer import Tokenizer
+from kvtier.tools import Tool, ToolError
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 2
@@ -100,11 +101,18 @@ def check_chat_length(tokenizer: Tokenizer, num_messages: int, num_chars: int, m
 
 
 def render_chat(
-    tokenizer: Tokenizer, conversation: list[dict[str, str]], max_tokens: int | None, max_model_len: int
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    max_tokens: int | None,
+    max_model_len: int,
+    tools: list[Tool] | None = None,
 ) -> dict[str, Any]:
-    """The conversation as a prompt (on the pool): the template rendered, contents tokenized as text."""
+    """The conversation as a prompt (on the pool): the template rendered (with ``tools``: their format,
+    :mod:`kvtier.tools`), contents tokenized as text."""
     try:
-        text, token_ids = tokenizer.encode_chat(conversation, add_generation_prompt=True)
+        text, token_ids = tokenizer.encode_chat(conversation, add_generation_prompt=True, tools=tools)
+    except ToolError as exc:
+        raise bad_request(exc, exc.param) from None
     except ConfigError as exc:
         raise bad_request(exc, "messages") from None
     check_context(len(token_ids), max_tokens, max_model_len, "messages")

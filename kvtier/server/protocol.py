@@ -8,11 +8,14 @@ It imports pydantic and Starlette, never FastAPI or torch (the router starts on 
 
 Request models are strict (a string is not a number, ``true`` is not an integer) and accept unknown
 fields (clients send fields kvtier has no use for, such as ``metadata``), except the parameters that
-would change the answer and that kvtier does not implement (``tools``, ``functions``, ...): those are
-a 400 naming the parameter, never silently ignored. Every string must be valid Unicode (a lone surrogate
-such as ``"\\ud800"`` is a 400). Ranges are checked by :meth:`SamplingParams.validate`, so the server and the
-Python API reject the same values; the API's own bounds come first, here, in one table (a 400 naming the
-field, before anything is queued), so every value that reaches the float32 sampler stays finite there::
+would change the answer and that kvtier does not implement (``functions``, ``audio``, ...): those are
+a 400 naming the parameter, never silently ignored. Chat takes ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` and messages with ``tool_calls`` and ``tool_call_id`` (:mod:`kvtier.tools` checks
+them; a 400 names the field, e.g. ``tools[0].function.parameters``); ``/v1/completions`` refuses them.
+Every string must be valid Unicode (a lone surrogate such as ``"\\ud800"`` is a 400). Ranges are checked by
+:meth:`SamplingParams.validate`, so the server and the Python API reject the same values; the API's own
+bounds come first, here, in one table (a 400 naming the field, before anything is queued), so every value
+that reaches the float32 sampler stays finite there::
 
     field                          range                      why
     ─────────────────────────────  ─────────────────────────  ────────────────────────────────────────────
@@ -60,6 +63,16 @@ from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps t
 
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.tools import (
+    CLOSE,
+    Tool,
+    ToolChoice,
+    ToolError,
+    call_grammar,
+    normalize_messages,
+    parse_tool_choice,
+    parse_tools,
+)
 
 MAX_STOP = 16  # stop strings are checked against every new token: a bounded list
 MAX_STOP_TOKEN_IDS = 256
@@ -125,6 +138,16 @@ def http_error(exc: HTTPException) -> APIError:
     return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
+def responses_api_unsupported() -> APIError:
+    """The answer to OpenAI's Responses API (``/v1/responses``), which kvtier does not implement."""
+    return APIError(
+        501,
+        "the Responses API (/v1/responses) is not supported by this server: send the conversation to "
+        "/v1/chat/completions (tools included)",
+        code="not_supported",
+    )
+
+
 def not_found() -> APIError:
     """The 404 of a route that does not exist (an ``/admin`` route while the admin role is off)."""
     return APIError(404, "Not Found", code="not_found")
@@ -156,7 +179,8 @@ def check_model(served: str, model: str | None) -> None:
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
 _PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
 _PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority"}
-# Parameters that change the answer and are not implemented: a 400 naming them, unless at their default.
+# Parameters that change the answer and are not implemented: a 400 naming them, unless at their default
+# (tools and tool_choice are chat's own fields: refused here on /v1/completions only).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -251,6 +275,20 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+def _unicode_json(value: Any) -> Any:
+    """Every string inside ``value`` (tools, tool calls) valid Unicode."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode (a lone surrogate)") from None
+    except (TypeError, ValueError, RecursionError):
+        pass  # not JSON: the tools' own checks say what is wrong
+    return value
+
+
+JSONValue = Annotated[Any, AfterValidator(_unicode_json)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
@@ -268,6 +306,8 @@ class ChatMessage(_Request):
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[JSONValue] | None = None  # an assistant's calls (checked by kvtier.tools)
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -420,6 +460,9 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+    tools: JSONValue = None  # OpenAI's function tools (kvtier.tools.parse_tools checks them)
+    tool_choice: JSONValue = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
+    parallel_tool_calls: bool = True
 
     def sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -433,17 +476,56 @@ class ChatCompletionRequest(GenerationRequest):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise bad_request(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
         top_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._params(
+        params = self._params(
             max_tokens, top_logprobs, api_names={"logprobs": "top_logprobs", "max_tokens": param}
         )
+        _, choice = self.tool_request()
+        if choice.mode == "auto" and not choice.parallel:  # one call at most: the output ends with it
+            params.stop = [*params.stop, CLOSE]
+        return params
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return conversation_of(self.messages)
 
+    def tool_request(self) -> tuple[list[Tool], ToolChoice]:
+        """The request's tools and tool_choice, checked (400 naming the field)."""
+        try:
+            tools = parse_tools(self.tools)
+            return tools, parse_tool_choice(self.tool_choice, tools, self.parallel_tool_calls)
+        except ToolError as exc:
+            raise bad_request(exc, exc.param) from None
 
-def conversation_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (OpenAI's ``developer`` role is ``system``)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    def _structured(self) -> StructuredOutputs | None:
+        """``tool_choice`` required or a named function: the calls' grammar (no other constraint then)."""
+        given = super()._structured()
+        tools, choice = self.tool_request()
+        if not choice.constrained:
+            return given
+        if given is not None:
+            raise bad_request(
+                "response_format and guided_* cannot be combined with tool_choice 'required' or a named "
+                "function: the answer is the tool calls",
+                "tool_choice",
+            )
+        return StructuredOutputs(grammar=call_grammar(tools, choice))
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them (OpenAI's ``developer`` role is ``system``), their tool
+    parts checked (:func:`kvtier.tools.normalize_messages`: a 400 naming ``messages``, as every message
+    error does, its text the field, e.g. ``messages[2].tool_call_id``)."""
+    chat: list[dict[str, Any]] = []
+    for m in messages:
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls is not None:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        chat.append(message)
+    try:
+        return normalize_messages(chat)
+    except ToolError as exc:
+        raise bad_request(exc, "messages") from None
 
 
 PromptInput = Text | list[Text] | list[int] | list[list[int]]
@@ -499,6 +581,14 @@ class TokenizeRequest(_Request):
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: JSONValue = None  # rendered with ``messages`` as the chat route renders them
+
+    def tool_list(self) -> list[Tool]:
+        """The request's tools, checked (400 naming the field)."""
+        try:
+            return parse_tools(self.tools)
+        except ToolError as exc:
+            raise bad_request(exc, exc.param) from None
 
 
 class DetokenizeRequest(_Request):

@@ -5,6 +5,10 @@ logprobs, content chunks as text arrives, a chunk
 with the ``finish_reason`` and an empty delta; then, with ``stream_options.include_usage``, one chunk
 with ``choices: []`` and the ``usage``; then ``data: [DONE]``. ``usage`` carries OpenAI's
 ``prompt_tokens_details.cached_tokens`` and kvtier's ``kvtier.cached_tokens_by_tier``.
+
+A chat with tools (``tool_names``: tool_choice other than none) has each choice's text parsed for calls
+(:class:`kvtier.tools.ToolCallParser`, one per choice): content chunks carry the text outside the calls,
+``tool_calls`` chunks the calls (:mod:`.tools`), and the finish reason is ``tool_calls`` after calls.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from typing import Any, Literal
 
 from kvtier.outputs import CompletionOutput, RequestOutput
 from kvtier.sequence import TokenLogprobs
+from kvtier.server import tools
 from kvtier.server.metrics import TIERS
 from kvtier.tokenizer import Tokenizer
+from kvtier.tools import ToolCallParser
 
 Kind = Literal["chat", "text"]
 DONE = "data: [DONE]\n\n"
@@ -67,6 +73,7 @@ class Formatter:
         include_usage: bool = False,
         echo: bool = False,
         prompt_only: bool = False,
+        tool_names: frozenset[str] | None = None,
     ):
         self.kind = kind
         self.tokenizer = tokenizer
@@ -82,6 +89,8 @@ class Formatter:
         self._sent_logprobs: dict[int, int] = {}  # choice -> logprob entries already sent
         self._text_offset: dict[int, int] = {}  # choice -> characters already sent (text logprobs)
         self._token_text: dict[int, str] = {}
+        self.tool_names = tool_names  # chat with tools: calls are parsed out of the text
+        self._parsers: dict[int, ToolCallParser] = {}  # choice -> its streaming parser
 
     # ------------------------------------------------------------------------------ logprobs
     def _text(self, token_id: int) -> str:
@@ -169,6 +178,44 @@ class Formatter:
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self.tool_names is None:
+            return None
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = ToolCallParser(self.tool_names)
+        return parser
+
+    def _content_chunks(self, index: int, text: str, lp: Any) -> list[str]:
+        """A choice's new text (and its tokens' logprobs ``lp``) as chunks: one, or with tools one per
+        parser event (the logprobs on the first; an empty delta carries them when the text is held)."""
+        parser = self._parser(index)
+        if parser is None:
+            return [self._chunk([self._delta_choice(index, text, lp, None)])]
+        found = tools.deltas(parser.feed(text))
+        if not found and lp is not None:
+            found = [{}]
+        chunks = []
+        for delta in found:
+            chunks.append(
+                self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": None}])
+            )
+            lp = None
+        return chunks
+
+    def _finish_chunks(self, index: int, reason: str) -> list[str]:
+        """A choice's last chunks: what its parser held back (with tools), then the finish reason."""
+        parser = self._parser(index)
+        chunks = []
+        if parser is not None:
+            for delta in tools.deltas(parser.finish()):
+                chunks.append(
+                    self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                )
+            reason = tools.finish_reason(parser.calls, reason) or reason
+        chunks.append(self._chunk([self._delta_choice(index, None, None, reason)]))
+        return chunks
+
     async def stream(
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
     ) -> AsyncIterator[str]:
@@ -190,12 +237,14 @@ class Formatter:
                     yield self._chunk([self._delta_choice(index, text, lp, None)])
                 new = self._new_logprobs(index, c) if self.logprobs and not self.prompt_only else []
                 if (c.text_delta or new) and not self.prompt_only:
-                    lp = self._logprobs(index, new)
-                    yield self._chunk([self._delta_choice(index, c.text_delta, lp, None)])
+                    for chunk in self._content_chunks(index, c.text_delta, self._logprobs(index, new)):
+                        yield chunk
                 if c.finish_reason is not None:
                     done.add(index)
-                    finish = "length" if self.prompt_only else c.finish_reason
-                    yield self._chunk([self._delta_choice(index, None, None, finish)])
+                    for chunk in self._finish_chunks(
+                        index, "length" if self.prompt_only else c.finish_reason
+                    ):
+                        yield chunk
             if out.finished:
                 finals[prompt_index] = out
         if self.include_usage:
@@ -218,9 +267,12 @@ class Formatter:
                 index = prompt_index * self.n + c.index
                 if self.kind == "chat":
                     lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None
-                    message = {"role": "assistant", "content": c.text}
+                    message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                    if self.tool_names is not None:
+                        message, calls = tools.message(c.text, self.tool_names)
+                        finish = tools.finish_reason(calls, finish)
                     choices.append(
-                        {"index": index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason}
+                        {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
                     )
                     continue
                 prompt, prompt_lp = self._prompt_echo(index, out) if self.echo else ("", None)

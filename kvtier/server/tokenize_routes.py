@@ -3,12 +3,13 @@
 ::
 
     POST /tokenize    {"model"?, "prompt": "text"}
-                      {"model"?, "messages": [...], "add_generation_prompt": true}
+                      {"model"?, "messages": [...], "add_generation_prompt": true, "tools"?: [...]}
                       -> {"count": 5, "max_model_len": 8192, "tokens": [id, ...]}
     POST /detokenize  {"model"?, "tokens": [id, ...]} -> {"prompt": "text"}
 
-A ``prompt`` is tokenized as ``/v1/completions`` tokenizes it, ``messages`` rendered and tokenized as
-``/v1/chat/completions`` does, so ``count`` is the ``usage.prompt_tokens`` such a request reports.
+A ``prompt`` is tokenized as ``/v1/completions`` tokenizes it, ``messages`` (with their ``tools``)
+rendered and tokenized as ``/v1/chat/completions`` does, so ``count`` is the ``usage.prompt_tokens``
+such a request reports.
 Both need the API key when the server has one (like ``/v1``); their bodies are parsed and counted as the
 completion routes' are (:mod:`.bodies`: at most 2048 messages); their request models and errors are the
 wire contract's (:mod:`.protocol`: 400 for a body that has neither or both inputs, or a token id the
@@ -46,8 +47,9 @@ def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         return tokenizer.encode(body.prompt)
     assert body.messages is not None
+    chat, tools = conversation_of(body.messages), body.tool_list()
     try:
-        return tokenizer.encode_chat(conversation_of(body.messages), body.add_generation_prompt)[1]
+        return tokenizer.encode_chat(chat, body.add_generation_prompt, tools=tools)[1]
     except ConfigError as exc:
         raise bad_request(exc, "messages") from None
 

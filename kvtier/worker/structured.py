@@ -4,6 +4,8 @@
 
     StructuredOutputs (json schema | json_object | regex | choice | Lark grammar)
         └─ check_spec(spec)          size limits, before anything is parsed (ConfigError naming the limit)
+        └─ schema_error(schema)      a JSON schema checked alone, no tokenizer (check_tool_schemas: each
+                                     tool's parameters, so the 400 names the tool)
         └─ Grammars.compile(spec)    llguidance compiles it once into a template matcher (LRU by spec key)
            Grammars.submit(spec)     the same on a compile thread (the server: never on the engine thread)
     per sequence: a deep copy of the template, made at its first sample (n > 1 forks copy it too)
@@ -38,6 +40,7 @@ import torch
 
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.tools import Tool, ToolError
 
 MAX_GRAMMARS = 128  # compiled templates kept (a schema used again skips its compile)
 MAX_SPEC_BYTES = 64 * 1024  # a schema's, regex's or grammar's text; a choice list's entries together
@@ -151,6 +154,37 @@ def _grammar_text(spec: StructuredOutputs) -> str:
             "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in spec.choice)
         )
     return LLMatcher.grammar_from_lark(spec.grammar or "")
+
+
+def schema_error(schema: dict[str, Any]) -> str | None:
+    """Why ``schema`` (a JSON schema) cannot be compiled, or None: the size limits, then llguidance's own
+    check of the grammar (no tokenizer needed, so it runs before a model has loaded). A tool's parameters
+    are checked with it one by one, so the error names the tool."""
+    try:
+        check_spec(StructuredOutputs(json=schema))
+        from llguidance import LLMatcher, LLParserLimits
+
+        grammar = LLMatcher.grammar_from_json_schema(schema)
+        error = LLMatcher.validate_grammar(grammar, limits=LLParserLimits(**_LIMITS))
+    except ConfigError as exc:
+        return str(exc).removeprefix("structured output: ")
+    except ImportError as exc:
+        return f"structured output needs the llguidance package ({exc})"
+    except (ValueError, TypeError, RecursionError) as exc:
+        error = str(exc) or type(exc).__name__
+    if not error or error.startswith("WARNING"):
+        return None
+    return " ".join(error.split())[:300]
+
+
+def check_tool_schemas(tools: Sequence[Tool]) -> None:
+    """ToolError naming ``tools[i].function.parameters`` when a tool's schema cannot be compiled (a few
+    ms a tool); a forced call's grammar holds every tool's schema."""
+    for i, tool in enumerate(tools):
+        error = schema_error({"type": "object", **tool.parameters})
+        if error is not None:
+            param = f"tools[{i}].function.parameters"
+            raise ToolError(f"{param} is not a JSON schema kvtier can enforce: {error}", param)
 
 
 class Grammars:
