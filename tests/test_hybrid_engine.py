@@ -228,6 +228,29 @@ def test_preemption_by_swap_and_by_recompute(dirs: dict[str, Path], mode: str) -
     check_idle(llm)
 
 
+@pytest.mark.parametrize("policy", ["legacy", "stall_free"])
+def test_a_long_prompt_in_a_small_pool_without_prefix_caching_finishes(
+    dirs: dict[str, Path], policy: str
+) -> None:
+    """A 100-token prompt in 40 blocks: its whole prompt needs 25 blocks in each of 3 groups, so each
+    chunk is halved to fit, and the sliding groups release as it goes. (Once, the legacy policy preempted
+    the only sequence for its second chunk instead; without prefix caching it then started over, forever.)"""
+    directory = dirs["gemma"]
+    prompt = list(range(3, 103))
+    llm = make(
+        directory,
+        kv_device_blocks=40,
+        max_model_len=120,
+        enable_prefix_caching=False,
+        scheduling_policy=policy,
+    )
+    assert token_ids(llm.generate([{"prompt_token_ids": prompt}], GREEDY)) == [
+        hf_continuation(directory, prompt)
+    ]
+    assert sum(llm.engine.scheduler.preemptions_by_mode.values()) == 0
+    check_idle(llm)
+
+
 # ------------------------------------------------------------------------------------------ tiers
 
 

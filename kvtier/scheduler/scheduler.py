@@ -320,7 +320,7 @@ class Scheduler:
                 lambda n: self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n),
             )
             if not num_new:
-                raise _Stop
+                return _passed_over(must_finish)
         else:
             # prompt logprobs need every prompt token's logits: no cache hit for such a prefill
             computed = (
@@ -342,7 +342,7 @@ class Scheduler:
                 ),
             )
             if not num_new:
-                raise _Stop
+                return _passed_over(must_finish)
             seq.num_computed_tokens = computed.num_computed_tokens
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = computed.num_computed_tokens
@@ -360,7 +360,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_remaining_tokens, budget)
+            num_new = self._legacy_chunk(seq, min(seq.num_remaining_tokens, budget))
             while not self.kv.allocate_slots(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
             ):
@@ -385,6 +385,14 @@ class Scheduler:
                 scheduled.append(self._scheduled(seq, num_new))
                 budget -= num_new
         return scheduled
+
+    def _legacy_chunk(self, seq: Sequence, num_new: int) -> int:
+        """A running sequence's next chunk: with several KV groups, a prompt chunk the pool cannot take
+        is halved (down to a block) before anyone is preempted for it; without prefix caching, a
+        sequence that preempted itself for its next chunk would start over and never finish."""
+        if num_new <= 1 or self.kv.layout.is_dense:
+            return num_new
+        return self._grow(seq, num_new, must_finish=False) or min(num_new, self.kv.block_size)
 
     # ------------------------------------------------------------------------------ helpers
     def _waits_for_disk(self, seq: Sequence) -> bool:
@@ -496,6 +504,15 @@ class Scheduler:
     def waiting_weight(self) -> int:
         """Sequences waiting to start, a prompt that will fork into ``n`` counting ``n``."""
         return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in self.waiting)
+
+
+def _passed_over(must_finish: bool) -> None:
+    """A waiting sequence whose chunk the pool cannot take: with ``must_finish`` (its whole rest, now)
+    it is passed over, so the step's later pass may still admit a smaller chunk (a hybrid model's
+    prompt that fits only chunk by chunk); otherwise the pool is full and admissions stop (``_Stop``)."""
+    if must_finish:
+        return None
+    raise _Stop
 
 
 class _PrefillPlan:
