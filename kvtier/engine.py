@@ -478,7 +478,7 @@ class LLMEngine:
         if self.tiers is None or not self.tiers.persists:
             return  # nothing outlives the process without a disk tier
         for block_id, block_hash in self.kv.cached_blocks():
-            self.tiers.store(block_id, block_hash)
+            self.tiers.store(block_id, block_hash, self.kv.pool.group_of(block_hash))  # its KV group's block
         self._move_blocks(self.tiers.take_plan())
         self.tiers.flush()
 

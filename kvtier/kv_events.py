@@ -21,6 +21,20 @@ Its fields (all strings; the wire format is documented in ``docs/kv-events.md``)
     ts        "1732312345.123456"       Unix time the batch was closed (seconds)
     events    '[{"type": "stored", "medium": "device", "hashes": ["<64 hex>", ...]}, ...]'
 
+KV groups (a hybrid model, ``kvtier/kv/groups.py``; Gemma 3: full-attention and sliding-window layers):
+an event names the blocks of one group, ``"group": g``, and its hashes are that group's keys,
+``group_key(h_i, g)`` (``docs/block-hashes.md``): the names the tiers store them under, the ones
+``GET /v1/kv/blocks`` lists. Group 0 keeps the chain's own hashes and is the only group of a dense model;
+its events leave ``group`` out (absent means 0), so a dense model's events are what they were before
+the groups and a consumer that knows nothing of them reads them unchanged::
+
+    {"type": "stored", "medium": "host", "hashes": ["<key(h_7, 2)>", ...], "group": 2}
+
+A router scores a hybrid prefix from the chain it computes: ``group_key(h_i, g)`` of each group in the
+replica's layout (``GET /v1/kv/info``: ``kv_groups``) looked up among the announced hashes, the full
+groups' for every block of the prefix, each sliding group's for the blocks of its window before the
+prefix's end (``kvtier/router/groups.py``).
+
 Event types: ``stored`` (the blocks became visible to lookups on that medium), ``removed`` (they
 stopped being: evicted, invalidated, dropped, the tier disabled) and ``cleared`` (no medium: forget
 everything this replica announced before; the first event of every instance, followed by what its
@@ -82,10 +96,14 @@ class KVEvent:
     type: EventType
     medium: Medium | None  # None for "cleared"
     hashes: tuple[BlockHash, ...] = ()
+    group: int = 0  # the KV group whose keys ``hashes`` are (0 for "cleared": it clears every group)
 
     def to_json(self) -> dict[str, Any]:
         medium = None if self.medium is None else str(self.medium)
-        return {"type": self.type, "medium": medium, "hashes": [h.hex() for h in self.hashes]}
+        obj: dict[str, Any] = {"type": self.type, "medium": medium, "hashes": [h.hex() for h in self.hashes]}
+        if self.group:
+            obj["group"] = self.group  # absent: 0 (a dense model's events are unchanged)
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> KVEvent:
@@ -95,7 +113,11 @@ class KVEvent:
         medium = None if obj.get("medium") is None else Medium(obj["medium"])
         if kind != "cleared" and medium is None:
             raise ValueError(f"a {kind!r} event needs a medium")
-        return cls(kind, medium, tuple(BlockHash(bytes.fromhex(h)) for h in obj.get("hashes", ())))
+        group = obj.get("group") or 0
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise ValueError(f"a KV group is a non-negative integer, got {group!r}")
+        hashes = tuple(BlockHash(bytes.fromhex(h)) for h in obj.get("hashes", ()))
+        return cls(kind, medium, hashes, group)
 
 
 @dataclass(frozen=True)
@@ -134,13 +156,17 @@ def _text(value: str | bytes) -> str:
 
 
 # ---------------------------------------------------------------------------------------- producer
+_Pending = tuple[EventType, Medium | None, int, list[BlockHash]]  # type, medium, KV group, keys
+
+
 class KVEventRecorder:
     """The engine's :class:`~kvtier.kv.lower.BlockListener`: records events during a step (on the
     engine thread, appends only) and closes them into one numbered batch per ``end_step``.
 
-    Consecutive events of the same type and medium are merged, so a step that stores 40 blocks on the
-    device makes one event; order across types is kept (a block stored then evicted in one step ends
-    removed). A new recorder starts with a ``cleared`` event: the previous instance's blocks are gone."""
+    Consecutive events of the same type and medium are merged (one per KV group of a hybrid model), so a
+    step that stores 40 blocks on the device makes one event; order across types and media is kept (a
+    block stored then evicted in one step ends removed). A new recorder starts with a ``cleared`` event: the
+    previous instance's blocks are gone."""
 
     def __init__(self, replica_id: str, publisher: RedisStreamPublisher | None = None) -> None:
         check_replica_id(replica_id)
@@ -148,28 +174,35 @@ class KVEventRecorder:
         self.instance = secrets.token_hex(8)
         self.publisher = publisher
         self.last_seq = 0  # the seq of the last closed batch (0: none yet)
-        self._pending: list[tuple[EventType, Medium | None, list[BlockHash]]] = [("cleared", None, [])]
+        # (type, medium, KV group, keys) of the events recorded since the last batch
+        self._pending: list[_Pending] = [("cleared", None, 0, [])]
 
-    def blocks_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
-        self._record("stored", medium, keys)
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockHash], group: int = 0) -> None:
+        self._record("stored", medium, group, keys)
 
-    def blocks_removed(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
-        self._record("removed", medium, keys)
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockHash], group: int = 0) -> None:
+        self._record("removed", medium, group, keys)
 
-    def _record(self, kind: EventType, medium: Medium, keys: Sequence[BlockHash]) -> None:
+    def _record(self, kind: EventType, medium: Medium, group: int, keys: Sequence[BlockHash]) -> None:
+        """Extend the event of (kind, medium, group) in the trailing run of (kind, medium) events, else
+        start one. Within such a run the groups' events commute (no key is in two groups), so a step
+        that caches position by position over the groups makes one event per group, not per block."""
         if not keys:
             return
-        if self._pending and self._pending[-1][:2] == (kind, medium):
-            self._pending[-1][2].extend(keys)
-        else:
-            self._pending.append((kind, medium, list(keys)))
+        for pending in reversed(self._pending):
+            if pending[:2] != (kind, medium):
+                break
+            if pending[2] == group:
+                pending[3].extend(keys)
+                return
+        self._pending.append((kind, medium, group, list(keys)))
 
     def end_step(self) -> EventBatch | None:
         """Close the events recorded since the last call into a batch and hand it to the publisher."""
         if not self._pending:
             return None
         self.last_seq += 1
-        events = tuple(KVEvent(kind, medium, tuple(keys)) for kind, medium, keys in self._pending)
+        events = tuple(KVEvent(k, m, tuple(keys), g) for k, m, g, keys in self._pending)
         self._pending = []
         batch = EventBatch(self.replica_id, self.instance, self.last_seq, time.time(), events)
         if self.publisher is not None:
@@ -310,7 +343,8 @@ class RedisStreamPublisher:
 # ---------------------------------------------------------------------------------------- consumer
 @dataclass
 class BlockIndex:
-    """What one replica holds, rebuilt from its event stream: ``blocks[medium]`` is a set of hashes.
+    """What one replica holds, rebuilt from its event stream: ``blocks[medium]`` is a set of hashes (a
+    hybrid model's: every group's keys, which never collide; ``GET /v1/kv/blocks`` lists them alike).
 
     ``apply`` batches in stream order. ``gaps`` counts batches that were missed (a ``seq`` jump within
     one instance: trimmed by MAXLEN or dropped during an outage): after one the index is incomplete,

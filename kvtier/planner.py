@@ -529,7 +529,7 @@ class PoolCapacity:
     num_blocks: int
     context: int
     # blocks one ``context``-token sequence keeps over the model's KV groups (``KVLayout.num_blocks_held``);
-    # None: one full-attention group, ceil(context / block_size) (a server's pool: /v1/kv/info has no groups)
+    # None: one full-attention group, ceil(context / block_size) (a server whose /v1/kv/info lists no groups)
     blocks_per_seq: int | None = None
 
     @property
@@ -564,8 +564,11 @@ def pool_of_flags(
 
 
 def pool_of_server(url: str, context: int) -> PoolCapacity:
-    """The pool of a running server, from its ``GET /v1/kv/info``."""
+    """The pool of a running server, from its ``GET /v1/kv/info`` (its KV groups too: a hybrid model's
+    sequence keeps every full-attention block but only its windows' sliding ones)."""
     import httpx
+
+    from kvtier.router.groups import layout_of
 
     info_url = url.rstrip("/").removesuffix("/v1") + "/v1/kv/info"
     try:
@@ -576,9 +579,11 @@ def pool_of_server(url: str, context: int) -> PoolCapacity:
             int(info["kv_block_bytes"]),
             int(info["num_device_blocks"]),
         )
+        layout = layout_of(info)
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         raise ConfigError(f"--server {url}: cannot read the pool from {info_url} ({exc})") from None
-    return PoolCapacity(url, *fields, context)
+    held = None if layout is None else layout.num_blocks_held(context, fields[1])
+    return PoolCapacity(url, *fields, context, held)
 
 
 def render_pool(pool: PoolCapacity) -> str:

@@ -36,17 +36,22 @@ SLIDING_GEMMA = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 PREEMPTING = {"gemma": 34, "qwen3": 31}
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    # untied heads: a tied tiny model mostly repeats its input token, a weak greedy check
-    gemma = tiny_checkpoint(
-        tmp_path_factory.mktemp("gemma"),
+def tiny_gemma(directory: Path) -> Path:
+    """The tiny hybrid Gemma 3 of the hybrid tests: 6 layers ``s s F s s F``, window 6; its head untied
+    (a tied tiny model mostly repeats its input token, a weak greedy check)."""
+    return tiny_checkpoint(
+        directory,
         "gemma3",
         num_hidden_layers=6,
         sliding_window=WINDOW,
         layer_types=SLIDING_GEMMA,
         tie_word_embeddings=False,
     )
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    gemma = tiny_gemma(tmp_path_factory.mktemp("gemma"))
     qwen3 = tiny_checkpoint(
         tmp_path_factory.mktemp("qwen3"),
         "qwen3",

@@ -152,6 +152,7 @@ class World:
         self.kv.check_integrity()
         if not self.deep:
             return
+        self.check_groups()
         for seq_id, seq in self.seqs.items():
             if seq_id not in self.kv._seqs:
                 continue
@@ -164,6 +165,21 @@ class World:
                     block = table[p // self.bs]
                     assert block != NULL_BLOCK_ID, (seq_id, g, p)
                     assert self.device.get((block, p % self.bs)) == (g, seq.prefix_id(p)), (seq_id, g, p)
+
+    def check_groups(self) -> None:
+        """Every cached device block, and every host block, is of the KV group whose KV it holds (what
+        events announce and what a disk or remote header records)."""
+        for block in self.kv.pool.blocks:
+            if block.block_hash is not None:
+                held = {self.device[(block.block_id, o)][0] for o in self.offsets(block.block_id)}
+                assert held <= {block.group}, (block.block_id, block.group, held)
+        if self.tiers is not None:
+            host = self.tiers.host
+            for key in self.tiers.held_keys()[
+                Medium.HOST
+            ]:  # a swapped-out partial block may hold stale slots
+                held = {content[0] for content in self.host.get(host.host_block_of(key), {}).values()}
+                assert held <= {host.group_of(key)}, (key.hex()[:12], host.group_of(key), held)
 
     def held_by_group(self, seq_id: str) -> list[int]:
         return [sum(b != NULL_BLOCK_ID for b in table) for table in self.kv.block_tables(seq_id)]

@@ -17,20 +17,13 @@ import torch
 
 from kvtier import LLM
 from kvtier.stats import Medium
-from tests.test_hybrid_engine import BLOCK, SLIDING_GEMMA, WINDOW, hf_continuation, prompts_of
-from tests.test_qwen3 import GREEDY, tiny_checkpoint, token_ids
+from tests.test_hybrid_engine import BLOCK, hf_continuation, prompts_of, tiny_gemma
+from tests.test_qwen3 import GREEDY, token_ids
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_checkpoint(
-        tmp_path_factory.mktemp("gemma"),
-        "gemma3",
-        num_hidden_layers=6,
-        sliding_window=WINDOW,
-        layer_types=SLIDING_GEMMA,
-        tie_word_embeddings=False,
-    )
+    return tiny_gemma(tmp_path_factory.mktemp("gemma"))
 
 
 def make(directory: Path, **kwargs: Any) -> LLM:

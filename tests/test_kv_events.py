@@ -99,6 +99,39 @@ def test_wire_format_round_trips_and_is_plain_json() -> None:
         EventBatch.from_fields({**fields, "v": "2"})
 
 
+def test_events_name_the_kv_group_and_a_dense_models_wire_is_unchanged() -> None:
+    """A hybrid model caches position by position over its groups: one event per group within a run of
+    one type and medium; a removal in between keeps its place. Group 0 leaves ``group`` out."""
+    rec = KVEventRecorder("r1")
+    for name in ("a", "b"):
+        rec.blocks_stored(Medium.DEVICE, [k(name + "0")], 0)
+        rec.blocks_stored(Medium.DEVICE, [k(name + "1")], 1)
+    rec.blocks_removed(Medium.DEVICE, [k("a1")], 1)
+    rec.blocks_stored(Medium.DEVICE, [k("c1")], 1)
+    batch = rec.end_step()
+    assert batch is not None and batch.events == (
+        KVEvent("cleared", None),
+        KVEvent("stored", Medium.DEVICE, (k("a0"), k("b0"))),
+        KVEvent("stored", Medium.DEVICE, (k("a1"), k("b1")), 1),
+        KVEvent("removed", Medium.DEVICE, (k("a1"),), 1),
+        KVEvent("stored", Medium.DEVICE, (k("c1"),), 1),
+    )
+    fields = batch.to_fields()
+    wire = json.loads(fields["events"])
+    assert wire[1] == {"type": "stored", "medium": "device", "hashes": [k("a0").hex(), k("b0").hex()]}
+    assert wire[2] == {
+        "type": "stored",
+        "medium": "device",
+        "hashes": [k("a1").hex(), k("b1").hex()],
+        "group": 1,
+    }
+    assert EventBatch.from_fields(fields).events == batch.events
+    for bad in (-1, "1", True, 1.5):
+        event = {"type": "stored", "medium": "host", "hashes": [], "group": bad}
+        with pytest.raises(ValueError, match="KV group"):
+            KVEvent.from_json(event)
+
+
 def test_index_applies_in_order_detects_gaps_and_seeds_from_a_snapshot() -> None:
     rec, index = KVEventRecorder("r1"), BlockIndex()
     rec.blocks_stored(Medium.DEVICE, [k("a"), k("b")])

@@ -345,7 +345,7 @@ class HungIO(DiskBlockIO):
         super().__init__(identity)
         self.release = release
 
-    def read(self, key: BlockKey, address: object, out: memoryview) -> None:  # type: ignore[override]
+    def read(self, key: BlockKey, address: object, out: memoryview, group: int = 0) -> None:  # type: ignore[override]
         self.release.wait()
         raise OSError("released")
 

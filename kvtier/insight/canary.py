@@ -11,10 +11,19 @@ the canary checks a few of the cached blocks it served::
     mismatch            log the block keys and the tier the bytes came from, count   on_mismatch(tier, keys)
                         it, and the engine quarantines that tier (no more loads)
 
-With several KV groups (a hybrid model, ``kvtier/kv/groups.py``) the hits it samples are group 0's
-(``AdoptedPrefix``: the first full-attention group, which covers every hit token): each picked block's
-slots are compared with the recomputed layers they hold (``group.layers``); the sliding groups' blocks
-are not sampled. A dense model is one group whose slots are its layers: the whole block, as before.
+With several KV groups (a hybrid model, ``kvtier/kv/groups.py``) it samples the hit blocks of every
+group (``AdoptedPrefix.groups``): up to ``BLOCKS_PER_CHECK`` per group, lower tiers first. A group's
+block holds only that group's layers (a sliding group's: its window's blocks, at the end of the hit),
+so each picked block's slots are compared with the recomputed rows of the layers in them
+(``group.layers``, padded slots left out)::
+
+    hit of n = 8 blocks, W = 3 blocks' worth      picked (per group)     compared with
+    group 0 (full)     b0 .. b7                   e.g. b1 b4 b6 b7       layers 5, 11, 17 of the recomputation
+    group 1 (sliding)  b5 b6 b7                   b5 b6 b7               layers 0, 6, 12
+    ...
+
+A dense model is one group whose slots are its layers: the whole block, as before. Counts and the last
+mismatch say which group each block belongs to (``by_group``, ``last_mismatch.groups``).
 
 Checks wait in a queue of at most ``MAX_PENDING`` (more are skipped and counted) and run only when the
 engine has no request to step (``LLMEngine.run_idle_work``): they never share a step with user work.
@@ -71,6 +80,7 @@ class _Candidate:
     keys: list[BlockHash]
     tiers: list[Medium]
     block_ids: list[int]  # device blocks holding the served bytes this step
+    groups: list[int]  # the KV group of each picked block (its slots hold that group's layers)
 
 
 @dataclass
@@ -85,6 +95,7 @@ class Mismatch:
     block_keys: list[str]  # hex
     max_abs_diff: float
     time: float
+    groups: list[int] = field(default_factory=list)  # the KV group of each of block_keys
 
 
 @dataclass
@@ -96,6 +107,7 @@ class CanaryStats:
     recomputed_tokens: int = 0  # tokens the checks ran through the model (the canary's work)
     seconds: float = 0.0  # spent capturing served bytes and running checks
     by_tier: dict[Medium, dict[str, int]] = field(default_factory=dict)
+    by_group: dict[int, dict[str, int]] = field(default_factory=dict)  # blocks compared, by KV group
     last_mismatch: Mismatch | None = None
 
 
@@ -140,6 +152,29 @@ def block_diff(served: torch.Tensor, recomputed: torch.Tensor, tol: float) -> tu
     return diff <= tol + tol * float(b.abs().max()), diff
 
 
+def _group_hits(adopted: AdoptedPrefix, limit: int) -> dict[int, list[tuple[int, BlockHash, Medium, int]]]:
+    """Each KV group's hit blocks before position ``limit``: ``(position, key, tier, device block)``. A
+    one-group hit (a dense model) is the flat fields: group 0's."""
+    if not adopted.groups:
+        n = min(len(adopted.served_by), limit)
+        return {0: [(i, adopted.keys[i], adopted.served_by[i], adopted.block_ids[i]) for i in range(n)]}
+    hits: dict[int, list[tuple[int, BlockHash, Medium, int]]] = {}
+    for hit in adopted.groups:
+        hits[hit.group] = [
+            (hit.first + j, key, tier, block_id)
+            for j, (key, tier, block_id) in enumerate(
+                zip(hit.keys, hit.served_by, hit.block_ids, strict=True)
+            )
+            if hit.first + j < limit and block_id is not None
+        ]
+    return hits
+
+
+def _layer_rows(layers: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """The rows of a one-slot-per-layer recomputation holding ``layers`` (None: the first rows, as is)."""
+    return None if layers == tuple(range(len(layers))) else torch.tensor(layers, device=device)
+
+
 class Canary:
     """Samples requests served from cache, captures the served bytes, checks them when idle."""
 
@@ -162,26 +197,22 @@ class Canary:
 
     # ------------------------------------------------------------------------------ sampling
     def on_adopt(self, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None:
-        """A request adopted a cached prefix: sample it, and pick the blocks to check."""
+        """A request adopted a cached prefix: sample it, and pick the blocks to check in every group."""
         limit = MAX_RECOMPUTE_TOKENS // self.block_size
-        hits = [i for i in range(min(len(adopted.served_by), limit))]
-        if self.rate <= 0 or not hits or self._rng.random() >= self.rate:
+        hits = _group_hits(adopted, limit)
+        if self.rate <= 0 or not any(hits.values()) or self._rng.random() >= self.rate:
             return
-        lower = [i for i in hits if adopted.served_by[i] != Medium.DEVICE]
-        device = [i for i in hits if adopted.served_by[i] == Medium.DEVICE]
-        picked = self._rng.sample(lower, min(len(lower), self.blocks_per_check))
-        picked += self._rng.sample(device, min(len(device), self.blocks_per_check - len(picked)))
-        picked.sort()
-        end = (picked[-1] + 1) * self.block_size
-        self._capturing.append(
-            _Candidate(
-                list(token_ids[:end]),
-                picked,
-                [adopted.keys[i] for i in picked],
-                [adopted.served_by[i] for i in picked],
-                [adopted.block_ids[i] for i in picked],
-            )
-        )
+        picked: list[tuple[int, int, BlockHash, Medium, int]] = []  # (position, group, key, tier, block)
+        for g, blocks in hits.items():
+            lower = [b for b in blocks if b[2] != Medium.DEVICE]
+            device = [b for b in blocks if b[2] == Medium.DEVICE]
+            mine = self._rng.sample(lower, min(len(lower), self.blocks_per_check))
+            mine += self._rng.sample(device, min(len(device), self.blocks_per_check - len(mine)))
+            picked += [(i, g, key, tier, block_id) for i, key, tier, block_id in mine]
+        picked.sort(key=lambda p: (p[0], p[1]))
+        end = (max(p[0] for p in picked) + 1) * self.block_size
+        positions, groups, keys, tiers, block_ids = (list(column) for column in zip(*picked, strict=True))
+        self._capturing.append(_Candidate(list(token_ids[:end]), positions, keys, tiers, block_ids, groups))
 
     def take_picked(self) -> list[_Candidate]:
         """Sampled requests' picks not captured yet, removed (a replay without a model has no bytes)."""
@@ -214,42 +245,47 @@ class Canary:
         scratch = recompute_kv(model, cand.token_ids, self.block_size, self._cache.fmt)
         self.stats.checks_run += 1
         self.stats.recomputed_tokens += len(cand.token_ids)
-        layers = model.kv_layout.groups[0].layers  # the layers in group 0's slots 0, 1, ...
-        rows = (
-            None if layers == tuple(range(len(layers))) else torch.tensor(layers, device=scratch.raw.device)
-        )
-        bad: dict[Medium, list[tuple[BlockHash, float]]] = {}
-        for j, (index, tier) in enumerate(zip(cand.indices, cand.tiers, strict=True)):
+        bad: dict[Medium, list[tuple[BlockHash, float, int]]] = {}
+        rows: dict[int, torch.Tensor | None] = {}
+        for j, (index, tier, g) in enumerate(zip(cand.indices, cand.tiers, cand.groups, strict=True)):
+            layers = model.kv_layout.groups[g].layers  # the layers in group g's slots 0, 1, ...
+            if g not in rows:
+                rows[g] = _layer_rows(layers, scratch.raw.device)
             served = block_values(self._cache, check.served[j][: len(layers)])  # padded slots left out
             block = scratch.raw[index]  # [L, ...] one row per layer
-            recomputed = block_values(scratch, block if rows is None else block.index_select(0, rows))
+            picked = rows[g]
+            recomputed = block_values(scratch, block if picked is None else block.index_select(0, picked))
             ok, diff = block_diff(served, recomputed, self.tolerance)
-            self._count(tier, ok)
+            self._count(tier, ok, g)
             if not ok:
-                bad.setdefault(tier, []).append((cand.keys[j], diff))
+                bad.setdefault(tier, []).append((cand.keys[j], diff, g))
         for tier, blocks in bad.items():
             self._mismatch(tier, blocks)
         self.stats.seconds += time.perf_counter() - t0
         return True
 
-    def _count(self, tier: Medium, ok: bool) -> None:
+    def _count(self, tier: Medium, ok: bool, group: int) -> None:
         result = "match" if ok else "mismatch"
         setattr(self.stats, result, getattr(self.stats, result) + 1)
-        counts = self.stats.by_tier.setdefault(tier, {"match": 0, "mismatch": 0})
-        counts[result] += 1
+        for counts in (
+            self.stats.by_tier.setdefault(tier, {"match": 0, "mismatch": 0}),
+            self.stats.by_group.setdefault(group, {"match": 0, "mismatch": 0}),
+        ):
+            counts[result] += 1
 
-    def _mismatch(self, tier: Medium, blocks: list[tuple[BlockHash, float]]) -> None:
-        keys = [key for key, _ in blocks]
-        worst = max(diff for _, diff in blocks)
+    def _mismatch(self, tier: Medium, blocks: list[tuple[BlockHash, float, int]]) -> None:
+        keys = [key for key, _, _ in blocks]
+        worst = max(diff for _, diff, _ in blocks)
         shown = min(worst, 1e30)  # finite, for JSON (a non-finite served value reads as 1e30)
-        self.stats.last_mismatch = Mismatch(tier, [k.hex() for k in keys], shown, time.time())
+        groups = [g for _, _, g in blocks]
+        self.stats.last_mismatch = Mismatch(tier, [k.hex() for k in keys], shown, time.time(), groups)
         logger.error(
             "canary: %d cached block(s) served from the %s tier differ from a recomputation "
             "(max |diff| %.3g): %s; quarantining the %s tier",
             len(keys),
             tier,
             worst,
-            ", ".join(k.hex() for k in keys),
+            ", ".join(f"{k.hex()} (KV group {g})" for k, g in zip(keys, groups, strict=True)),
             tier,
         )
         if self.on_mismatch is not None:
@@ -270,12 +306,14 @@ class Canary:
             "pending": len(self._pending),
             "tolerance": self.tolerance,
             "by_tier": {str(t): dict(c) for t, c in s.by_tier.items()},
+            "by_group": {str(g): dict(c) for g, c in sorted(s.by_group.items())},
             "quarantined": [str(m) for m in quarantined],
             "last_mismatch": None
             if last is None
             else {
                 "tier": str(last.tier),
                 "block_keys": last.block_keys,
+                "groups": last.groups,
                 "max_abs_diff": last.max_abs_diff,
                 "time": last.time,
             },

@@ -44,8 +44,8 @@ from kvtier.kv.hashing import BlockHash
 class KVBlock:
     """One block of the pool. Compared by identity (``eq=False``): two blocks are never "equal".
 
-    ``ref_cnt``, ``block_hash`` and ``token_ids`` are owned by :class:`BlockPool`; the links are
-    owned by :class:`FreeBlockQueue`. Other code reads them and never writes them.
+    ``ref_cnt``, ``block_hash``, ``token_ids`` and ``group`` are owned by :class:`BlockPool`; the links
+    are owned by :class:`FreeBlockQueue`. Other code reads them and never writes them.
     """
 
     block_id: int
@@ -54,6 +54,8 @@ class KVBlock:
     block_hash: BlockHash | None = None
     # The tokens the block holds, kept next to the hash: a hash match with other tokens is a miss.
     token_ids: tuple[int, ...] | None = None
+    # The KV group whose key ``block_hash`` is (kvtier/kv/groups.py); 0 while uncached.
+    group: int = 0
     _prev: KVBlock | None = field(default=None, init=False, repr=False)
     _next: KVBlock | None = field(default=None, init=False, repr=False)
 
@@ -204,6 +206,7 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 block.block_hash = None
                 block.token_ids = None
+                block.group = 0
             block.ref_cnt = 1
         return blocks
 
@@ -251,8 +254,11 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
-        """Register a full, computed block under ``block_hash``. Returns whether it was registered.
+    def cache_block(
+        self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int], group: int = 0
+    ) -> bool:
+        """Register a full, computed block under ``block_hash`` (a key of KV group ``group``). Returns
+        whether it was registered.
 
         If another block already holds that hash (two sequences computed the same prefix at the
         same time), the map is left as is: this block stays uncached and is simply freed later.
@@ -269,6 +275,7 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.group = group
         self._cached[block_hash] = block
         return True
 
@@ -280,10 +287,16 @@ class BlockPool:
             return False
         block.block_hash = None
         block.token_ids = None
+        block.group = 0
         if block.ref_cnt == 0:
             self._free_queue.remove(block)
             self._free_queue.appendleft(block)
         return True
+
+    def group_of(self, block_hash: BlockHash) -> int:
+        """The KV group of the cached block under ``block_hash`` (0 when none is cached)."""
+        block = self._cached.get(block_hash)
+        return 0 if block is None else block.group
 
     # ---------------------------------------------------------------- checks
 

@@ -71,15 +71,25 @@ class ComputedBlocks:
     groups: tuple[GroupHit, ...] = ()  # per KV group, for a layout of more than one group
 
     def adopted(
-        self, token_ids: Sequence[int], block_size: int, root: BlockHash, table: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        root: BlockHash,
+        tables: Sequence[Sequence[int | None]],
     ) -> AdoptedPrefix:
-        """What the observers are told when this hit is adopted into ``table`` (group 0's block ids):
-        every full prompt block looked up (hits first), where the hits came from, where they are now."""
+        """What the observers are told when this hit is adopted into ``tables`` (each group's block ids,
+        None for a null entry): every full prompt block looked up (hits first), where the hits came
+        from, where they are now; with several groups, each group's hit blocks too."""
         keys = list(self.block_hashes)
         extend_block_hashes(keys, token_ids, block_size, root, self.num_lookup_blocks * block_size)
         served = [Medium.DEVICE] * len(self.block_ids)
         served += [self.lower.source_of(i) for i in range(len(self.lower.host_keys))]
-        return AdoptedPrefix(tuple(keys), tuple(served), tuple(table[: len(served)]))
+        table = [i for i in tables[0] if i is not None]
+        groups = tuple(
+            AdoptedGroup(g, hit.first, hit.keys, hit.sources, tuple(tables[g][hit.first : hit.num_blocks]))
+            for g, hit in enumerate(self.groups)
+        )
+        return AdoptedPrefix(tuple(keys), tuple(served), tuple(table[: len(served)]), groups)
 
     def tokens_by_tier(self, block_size: int) -> dict[Medium, int]:
         """Prompt tokens this hit serves, by the tier they come from (every medium, zeros included)."""
@@ -109,13 +119,26 @@ def group_hits(computed: ComputedBlocks, layout: KVLayout) -> tuple[GroupHit, ..
 
 
 @dataclass(frozen=True)
+class AdoptedGroup:
+    """One KV group's hit blocks in an adopted lookup: positions ``[first, first + len(keys))``."""
+
+    group: int
+    first: int  # the group's first hit position (a sliding group's window start; 0 for a full group)
+    keys: tuple[BlockHash, ...]  # the group's keys of those positions
+    served_by: tuple[Medium, ...]  # the tier each came from
+    block_ids: tuple[int | None, ...]  # the device blocks holding them now (loads land this step)
+
+
+@dataclass(frozen=True)
 class AdoptedPrefix:
     """What one adopted lookup touched, for an :class:`AccessObserver` (``kvtier/insight``). With
-    several KV groups it describes group 0 (the first full-attention group)."""
+    several KV groups the flat fields describe group 0 (the first full-attention group) and ``groups``
+    every group's hit blocks (the canary samples them all); a one-group lookup leaves it empty."""
 
     keys: tuple[BlockHash, ...]  # every full prompt block looked up, in order; the hits lead
     served_by: tuple[Medium, ...]  # the tier of each hit block (device, host, disk, ...)
     block_ids: tuple[int, ...]  # the device blocks holding the hits now (loads land this step)
+    groups: tuple[AdoptedGroup, ...] = ()
 
 
 class AccessObserver(Protocol):

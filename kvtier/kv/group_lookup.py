@@ -92,10 +92,10 @@ class _GroupSearch:
         """The first block position group ``g`` needs for a hit of ``n`` blocks."""
         return self.layout.groups[g].first_reachable_block(n * self.bs, self.bs)
 
-    def _lookup_below(self, keys: list[BlockHash]) -> LowerHit:
+    def _lookup_below(self, keys: list[BlockHash], g: int) -> LowerHit:
         if self.tiers is None or not keys:
             return NO_LOWER_HIT
-        hit = self.tiers.lookup(keys)
+        hit = self.tiers.lookup(keys, g)  # reads below check each block's group
         self.num_pending += hit.num_pending_blocks
         return hit
 
@@ -107,7 +107,7 @@ class _GroupSearch:
             device: list[KVBlock] = []
             while len(device) < n and (block := self.device(g, len(device))) is not None:
                 device.append(block)
-            lower = self._lookup_below([self.key(g, i) for i in range(len(device), n)])
+            lower = self._lookup_below([self.key(g, i) for i in range(len(device), n)], g)
             self.runs[g] = run = _FullRun(device, lower)
             n = min(n, run.num_blocks)
         return n
@@ -119,7 +119,7 @@ class _GroupSearch:
             if spec.window is None:
                 continue
             missing = [i for i in range(self.first(g, n), n) if self.device(g, i) is None]
-            hit = self._lookup_below([self.key(g, i) for i in missing])
+            hit = self._lookup_below([self.key(g, i) for i in missing], g)
             for j, i in enumerate(missing[: len(hit.host_keys)]):
                 self.below[(g, i)] = (hit.host_keys[j], hit.source_of(j))
 

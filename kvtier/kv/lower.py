@@ -12,12 +12,16 @@ The manager drives the lower tiers at four moments::
     swap_out / swap_in / release      preemption by swap
     take_plan() ─► SwapPlan           the step's device↔host copies, once per scheduler step
 
+KV groups (a hybrid model, ``groups.py``): every call that names a block names its group too (default
+0, a dense model's only group): the tiers write it into the headers of the blocks they persist, check
+it when they read one back, and tell it to the KV events' listener.
+
 Torch-free bookkeeping; the bytes move in ``kvtier/transfer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +55,25 @@ class LowerHit:
 
 NO_LOWER_HIT = LowerHit()
 
+KeyGroups = Sequence[int]
+"""The KV groups of a run of keys, parallel to it; ``()``: every key is group 0 (a dense model)."""
+
+
+def runs_by_group(
+    keys: Sequence[BlockHash], groups: Mapping[BlockHash, int]
+) -> list[tuple[int, Sequence[BlockHash]]]:
+    """``keys`` split into runs of one KV group, in order (``groups``: a key's group, absent = 0)."""
+    if not groups:
+        return [(0, keys)]
+    runs: list[tuple[int, list[BlockHash]]] = []
+    for key in keys:
+        group = groups.get(key, 0)
+        if runs and runs[-1][0] == group:
+            runs[-1][1].append(key)
+        else:
+            runs.append((group, [key]))
+    return [(group, run) for group, run in runs]
+
 
 @dataclass
 class SwappedOut:
@@ -62,16 +85,18 @@ class SwappedOut:
 
 class BlockListener(Protocol):
     """Told which blocks a medium now holds or no longer holds (KV events for a cache-aware router,
-    ``kvtier/kv_events.py``). The device pool (through ``KVCacheManager.listener``) and every tier
-    below it (``KVTier.listener``) call it on the scheduler's thread; it must not block."""
+    ``kvtier/kv_events.py``), all of KV group ``group`` (their keys are that group's). The device pool
+    (through ``KVCacheManager.listener``) and every tier below it (``KVTier.listener``) call it on the
+    scheduler's thread; it must not block."""
 
-    def blocks_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None: ...
-    def blocks_removed(self, medium: Medium, keys: Sequence[BlockHash]) -> None: ...
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockHash], group: int = 0) -> None: ...
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockHash], group: int = 0) -> None: ...
 
 
 class LowerTiers(Protocol):
-    def lookup(self, keys: Sequence[BlockHash]) -> LowerHit:
-        """Leading ``keys`` held below the device (may start reads from slower tiers)."""
+    def lookup(self, keys: Sequence[BlockHash], group: int = 0) -> LowerHit:
+        """Leading ``keys`` (all of KV group ``group``) held below the device (may start reads from
+        slower tiers, which check each block's group)."""
 
     def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
         """Count an adopted lookup of ``num_keys`` blocks below the device."""
@@ -85,15 +110,17 @@ class LowerTiers(Protocol):
     def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
         """Plan host → device loads of held ``keys``."""
 
-    def on_device_evict(self, block_id: int, key: BlockHash) -> None:
-        """A cached device block is about to be reused for other KV."""
+    def on_device_evict(self, block_id: int, key: BlockHash, group: int = 0) -> None:
+        """A cached device block (of KV group ``group``) is about to be reused for other KV."""
 
-    def on_block_full(self, block_id: int, key: BlockHash) -> None:
-        """A device block became full and computed (and entered the hash map)."""
+    def on_block_full(self, block_id: int, key: BlockHash, group: int = 0) -> None:
+        """A device block of KV group ``group`` became full and computed (and entered the hash map)."""
 
-    def swap_out(self, blocks: Sequence[tuple[int, BlockHash | None]]) -> SwappedOut | None:
-        """Plan stores that keep ``(device_block_id, hash or None)`` blocks pinned in the host tier;
-        None (nothing planned) when the host tier has no room."""
+    def swap_out(
+        self, blocks: Sequence[tuple[int, BlockHash | None]], groups: KeyGroups = ()
+    ) -> SwappedOut | None:
+        """Plan stores that keep ``(device_block_id, hash or None)`` blocks (of KV ``groups``, parallel;
+        () = all group 0) pinned in the host tier; None (nothing planned) when the host tier has no room."""
 
     def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> None:
         """Plan the loads that bring a swapped-out sequence back."""

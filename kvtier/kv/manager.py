@@ -45,12 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
-from kvtier.kv.computed import (
-    NO_COMPUTED_BLOCKS,
-    AccessObserver,
-    ComputedBlocks,
-    group_hits,
-)
+from kvtier.kv.computed import NO_COMPUTED_BLOCKS, AccessObserver, ComputedBlocks, group_hits
 from kvtier.kv.group_lookup import find_group_hit
 from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
@@ -110,15 +105,15 @@ class KVCacheManager:
         if self._on_evict is not None:
             self._on_evict(block)
         if self.tiers is not None and block.block_hash is not None:
-            self.tiers.on_device_evict(block.block_id, block.block_hash)
+            self.tiers.on_device_evict(block.block_id, block.block_hash, block.group)
         self.device_counters.blocks_evicted += 1
         if self.listener is not None and block.block_hash is not None:
-            self.listener.blocks_removed(Medium.DEVICE, [block.block_hash])
+            self.listener.blocks_removed(Medium.DEVICE, [block.block_hash], block.group)
 
-    def _cache_block(self, block: KVBlock, key: BlockHash, token_ids: Sequence[int]) -> None:
-        """Enter ``block`` into the device prefix cache under ``key`` (announced when it is new)."""
-        if self.pool.cache_block(block, key, token_ids) and self.listener is not None:
-            self.listener.blocks_stored(Medium.DEVICE, [key])
+    def _cache_block(self, block: KVBlock, key: BlockHash, token_ids: Sequence[int], group: int) -> None:
+        """Enter ``block`` into the device prefix cache under ``key`` of ``group`` (announced when new)."""
+        if self.pool.cache_block(block, key, token_ids, group) and self.listener is not None:
+            self.listener.blocks_stored(Medium.DEVICE, [key], group)
 
     # ---------------------------------------------------------------- lookup
 
@@ -277,8 +272,8 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             table.extend(rest[g * num_fresh : (g + 1) * num_fresh])
         if self.observer is not None and self.layout.groups[0].window is None:  # group 0's view
-            table = [block.block_id for block in tables[0] if block is not None]
-            adopted = computed.adopted(token_ids, self.block_size, seq.root, table)
+            ids = [[None if b is None else b.block_id for b in table] for table in tables]
+            adopted = computed.adopted(token_ids, self.block_size, seq.root, ids)
             self.observer.on_adopt(seq_id, token_ids, adopted)
         return True
 
@@ -297,7 +292,7 @@ class KVCacheManager:
         self.tiers.load([key for _, _, key, _ in loads], [block.block_id for block in blocks])
         for (g, i, key, source), block in zip(loads, blocks, strict=True):
             seq.tables[g][i] = block
-            self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+            self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
             self._origins[block.block_id] = (key, source)
 
     def _grow(self, seq: SeqBlocks, num_computed_tokens: int, num_new_tokens: int) -> bool:
@@ -390,9 +385,9 @@ class KVCacheManager:
                 if block is None:
                     continue  # released before it was offered (caching skipped a step)
                 key = group_key(seq.block_hashes[i], g)
-                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
                 if self.tiers is not None:
-                    self.tiers.on_block_full(block.block_id, key)
+                    self.tiers.on_block_full(block.block_id, key, g)
                 keys.append(key)
         return keys
 
@@ -448,11 +443,11 @@ class KVCacheManager:
             min(g.first_reachable_block(num_computed_tokens, bs), num_blocks) for g in self.layout.groups
         )
         num_cached = min(seq.num_cached_blocks, num_blocks) if self.enable_caching else 0
+        entries = seq.window_entries(firsts, num_blocks)
         blocks = [
-            (block.block_id, group_key(seq.block_hashes[i], g) if i < num_cached else None)
-            for g, i, block in seq.window_entries(firsts, num_blocks)
+            (b.block_id, group_key(seq.block_hashes[i], g) if i < num_cached else None) for g, i, b in entries
         ]
-        out = self.tiers.swap_out(blocks)
+        out = self.tiers.swap_out(blocks, [g for g, _, _ in entries])
         if out is None:
             return False
         self.free(seq_id)
@@ -488,17 +483,18 @@ class KVCacheManager:
         for g, i, block in seq.live():
             if i < seq.num_cached_blocks:
                 key = group_key(seq.block_hashes[i], g)
-                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs])
+                self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
                 self._origins[block.block_id] = (key, Medium.HOST)
         self._seqs[seq_id] = seq
         return True
 
     def forget_block(self, key: BlockHash) -> bool:
         """Drop ``key`` from the device prefix cache (its bytes were found wrong); True if it was there."""
+        group = self.pool.group_of(key)
         if not self.pool.uncache(key):
             return False
         if self.listener is not None:
-            self.listener.blocks_removed(Medium.DEVICE, [key])
+            self.listener.blocks_removed(Medium.DEVICE, [key], group)
         return True
 
     def end_schedule_step(self) -> SwapPlan:

@@ -6,7 +6,8 @@
       healthy replicas ──► none: NoReplica (503)
       policy cache_aware and the tokenizer loaded:
         prompt token ids (kvtier.router.prompt) ──► per (cache identity, block size): block hashes
-        per replica: cached tokens (its own tiers, from its index), remote tokens (the shared tier)
+        per replica: cached tokens (its own tiers, from its index), remote tokens (the shared tier);
+        a hybrid replica's over every KV group of its layout (kvtier.router.groups)
       kvtier.router.policy.decide(...) ──► Route(replicas best first, decision)
 
 Tokenizing runs on a small thread pool, never on the event loop. ``RouterSettings`` holds the flags.
@@ -28,7 +29,8 @@ import httpx
 from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
 from kvtier.router.auth import Keys
-from kvtier.router.index import DEFAULT_MAX_BLOCKS, prompt_blocks
+from kvtier.router.groups import request_blocks
+from kvtier.router.index import DEFAULT_MAX_BLOCKS, ReplicaIndex, prompt_blocks
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
@@ -207,7 +209,7 @@ class Router:
             key = (r.info["cache_identity"], int(r.info["block_size"]))
             if key not in chains:
                 chains[key] = prompt.all_block_hashes(*key)
-            local, remote = (0, 0) if prompt.uncached else prompt_blocks(r.index, indexes, chains[key])
+            local, remote = (0, 0) if prompt.uncached else _blocks(r, indexes, chains[key], prompt)
             out.append(policies.Candidate(r.url, r.load, local * key[1], remote * key[1], r.pending_prefill))
         return out, bool(scorable)
 
@@ -237,6 +239,19 @@ class Router:
                 _replica_state(r) for r in sorted(self.replicas.replicas.values(), key=lambda r: r.url)
             ],
         }
+
+
+def _blocks(
+    r: Replica, indexes: list[ReplicaIndex], chains: list[list[BlockHash]], prompt: Prompt
+) -> tuple[int, int]:
+    """``(local, remote)`` blocks of the request's prompts on ``r``: by the leading hashes on a dense
+    replica, over every KV group on a hybrid one (``kvtier/router/groups.py``)."""
+    layout = r.layout
+    if layout is None or layout.is_dense:
+        return prompt_blocks(r.index, indexes, chains)
+    assert r.info is not None
+    lengths = [len(ids) for ids in (prompt.token_ids, *prompt.more)]
+    return request_blocks(layout, r.index, indexes, chains, lengths, int(r.info["block_size"]))
 
 
 def _replica_state(r: Replica) -> dict[str, Any]:

@@ -8,9 +8,9 @@ checks in a row, so that one slow answer on a loaded machine does not empty the 
 stops receiving requests within ``HEALTH_INTERVAL_S`` (0.5 s) of dying; a hung one within ~3 s.
 
 When it answers 200 again the router reads its ``GET /v1/kv/info`` (block size, cache identity, hash
-spec version, model fingerprint, event stream). Its load comes with every health check:
-``kvtier serve`` puts ``num_requests_running``/``waiting`` in its ``/health`` answer (an older replica's
-are read from its ``GET /metrics``).
+spec version, model fingerprint, event stream, KV layout: ``kv_groups``, see ``groups.py``). Its load
+comes with every health check: ``kvtier serve`` puts ``num_requests_running``/``waiting`` in its
+``/health`` answer (an older replica's are read from its ``GET /metrics``).
 
 A replica's *load* is what is queued on it: ``max(in_flight, running + waiting)``, where ``in_flight``
 counts the requests this router has open on it (exact and immediate) and ``running + waiting`` comes
@@ -30,7 +30,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvtier.kv.groups import KVLayout
 from kvtier.kv.hashing import HASH_SPEC_VERSION
+from kvtier.router.groups import layout_of
 from kvtier.router.index import DEFAULT_MAX_BLOCKS, ReplicaIndex
 
 logger = logging.getLogger("kvtier.router")
@@ -81,6 +83,15 @@ class Replica:
         """Its KV event stream, when it publishes one."""
         events = (self.info or {}).get("events") or {}
         return events.get("stream") if events.get("enabled") else None
+
+    @property
+    def layout(self) -> KVLayout | None:
+        """Its KV groups (``/v1/kv/info``'s ``kv_groups``); None: dense, or not known yet. An unreadable
+        one is the replica's ``problem``, so a scorable replica's always reads."""
+        try:
+            return layout_of(self.info)
+        except ValueError:
+            return None
 
     @property
     def scorable(self) -> bool:
@@ -273,6 +284,10 @@ class ReplicaSet:
             return f"block hash spec version {version}, the router implements {HASH_SPEC_VERSION}"
         if not info.get("enable_prefix_caching", True):
             return "prefix caching is off"
+        try:
+            layout_of(info)
+        except ValueError as exc:
+            return str(exc)
         mine = self.fingerprint() if self.fingerprint is not None else None
         if mine is not None and info.get("model_fingerprint") != mine:
             return (

@@ -7,7 +7,9 @@
                           "cache_identity": "<fingerprint>:<dtype>", "enable_prefix_caching": true,
                           "media": ["device", "host", ...],
                           "events": {"enabled": ..., "stream": "kvtier:v1:events:<replica_id>",
-                                     "wire_version": 1, "instance": ...}}
+                                     "wire_version": 1, "instance": ...},
+                          "kv_groups": [{"group": 0, "kind": "full", "window": null, "layers": [...]},
+                                        {"group": 1, "kind": "sliding", "window": 512, ...}, ...]}
     GET /v1/kv/blocks    {"object": "kv.blocks", "replica_id": ..., "instance": ..., "seq": 42,
                           "block_size": 16, "blocks": {"device": ["<64 hex>", ...], "host": [...], ...}}
     GET /v1/kv/blocks?medium=host&medium=disk     only those media (also ?medium=host,disk)
@@ -21,10 +23,17 @@
                           "advice": ["a host tier of 6.00 GiB (2× today's) would have served 31% more ..."]}
     GET /v1/kv/canary    {"rate": 0.01, "checks": {"match": n, "mismatch": n, "skipped": n}, "pending": n,
                           "tolerance": 1e-4, "by_tier": {"host": {"match": n, "mismatch": n}, ...},
+                          "by_group": {"0": {"match": n, "mismatch": n}, ...},
                           "quarantined": ["host"], "last_mismatch": null | {"tier": "host",
-                          "block_keys": ["<64 hex>"], "max_abs_diff": 3.2, "time": <unix seconds>}}
+                          "block_keys": ["<64 hex>"], "groups": [0], "max_abs_diff": 3.2,
+                          "time": <unix seconds>}}
     POST /admin/kv/quarantine  {"release": ["host"]}  lift quarantines (canary mismatches) ->
                           {"released": ["host"], "quarantined": []}; 400 for an unknown medium
+
+``kv_groups`` is the KV layout (``kvtier/kv/groups.py``): one full group for a dense model; a hybrid
+model's groups, full-attention first. Group ``g``'s blocks are announced and listed under
+``group_key(h, g)`` (``docs/block-hashes.md``): a router scores a prefix over every group with it
+(``kvtier/router/groups.py``).
 
 ``blocks`` is taken on the engine thread between two steps, so it is exactly the state after event batch
 ``seq`` of ``instance`` (``null`` without events): a router seeds its index from it and applies the
@@ -46,6 +55,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from kvtier.engine import LLMEngine
+from kvtier.kv.groups import KVLayout
 from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.auth import check_admin, check_kv_info, check_kv_reader
 from kvtier.server.bodies import parse_json
@@ -65,6 +75,15 @@ def _media(requested: list[str] | None) -> set[Medium] | None:
         raise APIError(400, f"unknown medium in {names!r}; valid: {valid}", param="medium") from None
 
 
+def kv_groups_json(layout: KVLayout) -> list[dict[str, Any]]:
+    """``/v1/kv/info``'s ``kv_groups``: each KV group's index, kind, window (null: full attention) and
+    the model layers in its slots (what ``kvtier.router.groups.RouterLayout.from_info`` reads)."""
+    return [
+        {"group": g, "kind": spec.kind, "window": spec.window, "layers": list(spec.layers)}
+        for g, spec in enumerate(layout.groups)
+    ]
+
+
 def kv_router() -> APIRouter:
     """The ``/v1/kv`` routes (each behind its role's key) and ``/admin/kv``; they read the engine and the
     settings from ``request.app.state``."""
@@ -74,8 +93,11 @@ def kv_router() -> APIRouter:
 
     @info_router.get("/info")
     async def info(request: Request) -> dict[str, Any]:
+        def info_of(e: LLMEngine) -> dict[str, Any]:
+            return {**e.kv_info(), "kv_groups": kv_groups_json(e.config.model.kv_layout())}
+
         engine: AsyncEngine = request.app.state.engine
-        answer = await engine.call(LLMEngine.kv_info)
+        answer = await engine.call(info_of)
         return {"object": "kv.info", "model": request.app.state.settings.model_name, **answer}
 
     @router.get("/blocks")

@@ -24,6 +24,15 @@ scheduler's thread) is separate from the bytes moving (``kvtier/transfer``, mayb
 Addresses are tier-specific (host: block ids in one pinned buffer; disk: file paths; remote: object
 names); only the transfer layer, routed by (source medium, destination medium), reads them.
 
+**KV groups** (a hybrid model, ``kvtier/kv/groups.py``): group ``g``'s block ``i`` is keyed
+``group_key(h_i, g)``, so every tier sees one flat key space. A tier still knows each key's group: the
+caller names it when it reserves room (``prepare_store(keys, groups)``) and when it asks for a key the
+tier may adopt from outside (``lookup(keys, group)``: a file another engine wrote, an entry found in a
+shared store). The tier tells its listener the group with every announcement and writes it into the
+block header of a persistent tier, whose reader refuses a block of another group than the one it loads
+for (``kvtier/tiers/block_format.py``). Group 0, the only group of a dense model, is the default
+everywhere; only keys of the other groups are remembered (``_key_groups``, dropped with the key).
+
 Each tier owns one :class:`~kvtier.stats.TierCounters` record (``tier.counters``) and updates it when
 its own loads and stores complete; ``snapshot`` hands a copy to ``LLMEngine.stats()``.
 Nothing here imports torch: the scheduler side tests on CPU without it.
@@ -38,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.hashing import BlockHash
-from kvtier.kv.lower import BlockListener  # declared in kv/ (the device pool tells it too)
+from kvtier.kv.lower import BlockListener, KeyGroups, runs_by_group  # declared in kv/ (the pool uses them)
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
 BlockKey = BlockHash
@@ -80,19 +89,53 @@ class KVTier(ABC):
     """One lower tier. All methods are called from one thread (the scheduler's).
 
     A tier tells its ``listener`` (if any) when blocks become visible to lookups (``_announce_stored``)
-    and when they stop being (``_announce_removed``): stored, evicted, invalidated, dropped."""
+    and when they stop being (``_announce_removed``): stored, evicted, invalidated, dropped; each
+    announcement names the keys' KV group (one call per run of one group)."""
 
     medium: Medium
     counters: TierCounters
     listener: BlockListener | None = None
+    # The KV group of each held or reserved key of a group other than 0 (the default). Written only by
+    # the methods below: noted when a key is reserved or adopted, dropped when it is removed or released.
+    _key_groups: dict[BlockKey, int]
+
+    def group_of(self, key: BlockKey) -> int:
+        """The KV group of a key the tier holds or reserves (0 for any other key)."""
+        return self._key_groups.get(key, 0)
+
+    def runs_by_group(self, keys: Sequence[BlockKey]) -> list[tuple[int, Sequence[BlockKey]]]:
+        """``keys`` (held by this tier) in runs of one KV group, in order: what an announcement names."""
+        return runs_by_group(keys, self._key_groups)
+
+    def _note_groups(
+        self, keys: Sequence[BlockKey], groups: KeyGroups, accepted: Sequence[BlockKey] | None = None
+    ) -> None:
+        """Remember the groups (parallel to ``keys``; () = all group 0) of the keys just reserved or
+        adopted: ``accepted`` (default: all of ``keys``)."""
+        if not any(groups):
+            return  # all group 0: nothing to remember (a dense model's every store)
+        wanted = None if accepted is None else set(accepted)
+        for key, group in zip(keys, groups, strict=True):
+            if group and (wanted is None or key in wanted):
+                self._key_groups[key] = group
+
+    def _forget_groups(self, keys: Sequence[BlockKey]) -> None:
+        """The tier no longer holds or reserves ``keys`` (removed, or a reservation released)."""
+        if self._key_groups:
+            for key in keys:
+                self._key_groups.pop(key, None)
 
     def _announce_stored(self, keys: Sequence[BlockKey]) -> None:
         if self.listener is not None and keys:
-            self.listener.blocks_stored(self.medium, keys)
+            for group, run in self.runs_by_group(keys):
+                self.listener.blocks_stored(self.medium, run, group)
 
     def _announce_removed(self, keys: Sequence[BlockKey]) -> None:
+        """Announce ``keys`` removed and forget their groups (every removal is announced)."""
         if self.listener is not None and keys:
-            self.listener.blocks_removed(self.medium, keys)
+            for group, run in self.runs_by_group(keys):
+                self.listener.blocks_removed(self.medium, run, group)
+        self._forget_groups(keys)
 
     def held_keys(self) -> list[BlockKey] | None:
         """The keys visible to lookup (what ``_announce_stored`` announced and ``_announce_removed`` did
@@ -114,15 +157,18 @@ class KVTier(ABC):
         return self.num_used_blocks / self.capacity_blocks if self.capacity_blocks else 0.0
 
     @abstractmethod
-    def contains(self, key: BlockKey) -> bool:
-        """Held and complete (a store in flight is not yet contained). Does not count as a lookup."""
+    def contains(self, key: BlockKey, group: int = 0) -> bool:
+        """Held and complete (a store in flight is not yet contained). Does not count as a lookup.
+        ``group``: the key's KV group, for a tier that may adopt the key from outside."""
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many leading ``keys`` are held. Counts nothing: the coordinator counts the lookups
-        of the hits the scheduler adopts (a held-back request is looked up again every step)."""
+    def lookup(self, keys: Sequence[BlockKey], group: int = 0) -> int:
+        """How many leading ``keys`` (of KV group ``group``) are held. Counts nothing: the coordinator
+        counts the lookups of the hits the scheduler adopts (a held-back request is looked up again
+        every step). A tier that adopts blocks from outside (the disk: another engine's files) takes
+        ``group`` as theirs; its reader checks it against the block's header."""
         n = 0
         for key in keys:
-            if not self.contains(key):
+            if not self.contains(key, group):
                 break
             n += 1
         return n
@@ -142,9 +188,10 @@ class KVTier(ABC):
         """Unpin; each key becomes the most recently used."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
-        """Reserve room for the keys not held yet, evicting unpinned LRU blocks. Keys that do not
-        fit (everything pinned) are left out of the spec."""
+    def prepare_store(self, keys: Sequence[BlockKey], groups: KeyGroups = ()) -> StoreSpec:
+        """Reserve room for the keys not held yet, evicting unpinned LRU blocks; ``groups`` (parallel
+        to ``keys``; () = all group 0) are their KV groups. Keys that do not fit (everything pinned)
+        are left out of the spec."""
 
     @abstractmethod
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None:

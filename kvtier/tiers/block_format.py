@@ -21,14 +21,28 @@ Block file layout (little endian; the header is one 4 KiB page, so the payload i
         64    64  block shape         8 x u64, unused dims zero
        128    16  dtype               ascii ("float32", "bfloat16", "float16"), zero padded
        144   360  model fingerprint   utf-8, zero padded (a longer one is stored as "sha256:<hex>")
-       504    32  MAC                 HMAC-SHA256(secret, bytes [0, 504) + payload), or zero
-       536  3556  zero padding
+       504    32  MAC                 HMAC-SHA256(secret, bytes [0, 504) + bytes [536, 540) + payload),
+                                      or zero
+       536     4  KV group            u32 (version 2): the group whose block this is (kvtier/kv/groups.py)
+       540  3552  zero padding
       4092     4  header crc32        u32, zlib.crc32 of bytes [0, 4092)
       4096     -  payload             the block's raw bytes, C order, shape and dtype of the identity
 
 A block is valid only if every field matches what the reader expects (magic, version, the key it was
-asked for, the tier's identity, the payload size, the stored size, both checksums). Anything else is a
-miss: the block is removed and never loaded.
+asked for, the KV group it is loaded for, the tier's identity, the payload size, the stored size, both
+checksums). Anything else is a miss: the block is removed and never loaded.
+
+**The KV group** (version 2). A hybrid model keeps several groups of layers, each with blocks of its own
+keyed ``group_key(h, g)`` (``kvtier/kv/hashing.py``): group ``g``'s block holds only that group's layers.
+The writer records ``g``; a reader loading the key for group ``h != g`` gets a ``CorruptBlock`` (a miss,
+removed and counted like any damaged block), so a block is never loaded into another group's layers
+even if a key were ever reused. A dense model's blocks are group 0.
+
+Versions: 2 (written now) adds the group; a version-1 header (written before the groups existed, its
+bytes [536, 540) zero padding) is still read, as group 0, with its MAC over bytes [0, 504) + payload.
+Group 0 is what a dense model's version-1 blocks are, so a disk or remote store of such blocks stays
+warm across the upgrade; a version-1 block of a sliding group (an earlier hybrid run) reads as group 0
+and is a miss when loaded for its own group. Any other version is a miss.
 
 Checksums catch damage, not forgery: anyone who can write the directory (or the store) can write a
 consistent header. With a secret (``kv_remote_secret``), writers add a MAC over the header fields and
@@ -61,16 +75,19 @@ from kvtier.tiers.base import BlockKey, TierIdentity
 ByteBuffer = bytes | bytearray | memoryview
 
 MAGIC = b"KVTBLK\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no KV group field (read as group 0)
 HEADER_NBYTES = 4096
 FILE_SUFFIX = ".kvb"
 TEMP_MARKER = ".kvb.tmp."
 MAX_NDIM = 8
 DTYPE_FIELD_NBYTES = 16
 FINGERPRINT_FIELD_NBYTES = 360
-_FIXED = struct.Struct("<8sHHIQ32sBBHI8Q16s360s")  # bytes [0, 504): what a MAC signs
+_FIXED = struct.Struct("<8sHHIQ32sBBHI8Q16s360s")  # bytes [0, 504): what a MAC signs (+ the group)
 MAC_NBYTES = 32
 FLAG_MAC = 1
+_GROUP = struct.Struct("<I")  # the KV group, right after the MAC (version 2)
+_GROUP_OFFSET = _FIXED.size + MAC_NBYTES
 _CRC_OFFSET = HEADER_NBYTES - 4
 FILE_NAME = re.compile(r"^[0-9a-f]{64}\.kvb$")
 
@@ -91,6 +108,7 @@ class BlockFileHeader:
     payload_crc32: int
     mac: bytes | None = None  # the stored MAC, if the writer had a secret
     signed: bytes = b""  # the header bytes the MAC covers (with the payload)
+    group: int = 0  # the KV group of the block (a version-1 header: 0)
 
 
 def _fingerprint_field(fingerprint: str) -> bytes:
@@ -101,13 +119,19 @@ def _fingerprint_field(fingerprint: str) -> bytes:
 
 
 def encode_header(
-    key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int, mac: bytes | None = None
+    key: BlockKey,
+    identity: TierIdentity,
+    payload_nbytes: int,
+    checksum: int,
+    mac: bytes | None = None,
+    group: int = 0,
 ) -> bytes:
-    """The ``HEADER_NBYTES`` header of a block (layout in the module docstring)."""
-    fields = _signed_fields(key, identity, payload_nbytes, checksum, FLAG_MAC if mac is not None else 0)
+    """The ``HEADER_NBYTES`` header of KV group ``group``'s block (layout in the module docstring)."""
+    flags = FLAG_MAC if mac is not None else 0
+    signed = _signed_fields(key, identity, payload_nbytes, checksum, flags, group)
     if mac is not None and len(mac) != MAC_NBYTES:
         raise ValueError(f"a MAC is {MAC_NBYTES} bytes, got {len(mac)}")
-    header = fields + (mac or bytes(MAC_NBYTES))
+    header = signed[: _FIXED.size] + (mac or bytes(MAC_NBYTES)) + signed[_FIXED.size :]
     header += bytes(_CRC_OFFSET - len(header))
     return header + struct.pack("<I", zlib.crc32(header))
 
@@ -118,20 +142,26 @@ def _mac(secret: bytes, signed: bytes | memoryview, payload: memoryview) -> byte
     return digest.digest()
 
 
-def block_header(key: BlockKey, identity: TierIdentity, payload: memoryview, secret: bytes | None) -> bytes:
-    """The header for ``payload``: its checksum, and a MAC when there is a secret."""
+def block_header(
+    key: BlockKey, identity: TierIdentity, payload: memoryview, secret: bytes | None, group: int = 0
+) -> bytes:
+    """The header for ``payload`` (KV group ``group``'s block): its checksum, and a MAC when there is a
+    secret."""
     checksum = zlib.crc32(payload)
     if secret is None:
-        return encode_header(key, identity, payload.nbytes, checksum)
-    signed = _signed_fields(key, identity, payload.nbytes, checksum, FLAG_MAC)
-    return encode_header(key, identity, payload.nbytes, checksum, _mac(secret, signed, payload))
+        return encode_header(key, identity, payload.nbytes, checksum, group=group)
+    signed = _signed_fields(key, identity, payload.nbytes, checksum, FLAG_MAC, group)
+    return encode_header(key, identity, payload.nbytes, checksum, _mac(secret, signed, payload), group)
 
 
 def _signed_fields(
-    key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int, flags: int
+    key: BlockKey, identity: TierIdentity, payload_nbytes: int, checksum: int, flags: int, group: int
 ) -> bytes:
+    """The header bytes a MAC covers: bytes [0, 504), then the KV group field."""
     if len(key) != 32:
         raise ValueError(f"a block key is 32 bytes, got {len(key)}")
+    if not 0 <= group < 2**32:
+        raise ValueError(f"a KV group is a u32, got {group}")
     shape = tuple(identity.block_shape)
     dtype = identity.dtype.encode("ascii")
     if len(shape) > MAX_NDIM or len(dtype) > DTYPE_FIELD_NBYTES:
@@ -151,7 +181,7 @@ def _signed_fields(
         *dims,
         dtype,
         fingerprint,
-    )
+    ) + _GROUP.pack(group)
 
 
 def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
@@ -166,14 +196,14 @@ def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
         raise CorruptBlock("header checksum mismatch")
     fields = _FIXED.unpack_from(header)
     _, version, header_nbytes, payload_crc, payload_nbytes, key, ndim, dtype_len, fp_len = fields[:9]
-    if version != FORMAT_VERSION or header_nbytes != HEADER_NBYTES:
+    if version not in READABLE_VERSIONS or header_nbytes != HEADER_NBYTES:
         raise CorruptBlock(f"format version {version} (header {header_nbytes} B), expected {FORMAT_VERSION}")
     flags, dims, dtype, fingerprint = fields[9], fields[10:18], fields[18], fields[19]
     if ndim > MAX_NDIM or dtype_len > DTYPE_FIELD_NBYTES or fp_len > FINGERPRINT_FIELD_NBYTES:
         raise CorruptBlock("header field lengths out of range")
     if flags & ~FLAG_MAC:
         raise CorruptBlock(f"unknown header flags {flags:#x}")
-    mac_end = _FIXED.size + MAC_NBYTES
+    group_field = b"" if version == 1 else bytes(header[_GROUP_OFFSET : _GROUP_OFFSET + _GROUP.size])
     try:
         return BlockFileHeader(
             key=BlockKey(key),
@@ -182,8 +212,9 @@ def decode_header(header: bytes | bytearray | memoryview) -> BlockFileHeader:
             block_shape=tuple(dims[:ndim]),
             payload_nbytes=payload_nbytes,
             payload_crc32=payload_crc,
-            mac=bytes(header[_FIXED.size : mac_end]) if flags & FLAG_MAC else None,
-            signed=bytes(header[: _FIXED.size]),
+            mac=bytes(header[_FIXED.size : _GROUP_OFFSET]) if flags & FLAG_MAC else None,
+            signed=bytes(header[: _FIXED.size]) + group_field,
+            group=_GROUP.unpack(group_field)[0] if group_field else 0,
         )
     except UnicodeDecodeError as exc:
         raise CorruptBlock(f"undecodable header text: {exc}") from exc
@@ -202,13 +233,20 @@ def check_payload(header: BlockFileHeader, payload: memoryview, secret: bytes | 
 
 
 def validate_header(
-    raw: bytes | bytearray | memoryview, file_nbytes: int, key: BlockKey, identity: TierIdentity
+    raw: bytes | bytearray | memoryview,
+    file_nbytes: int,
+    key: BlockKey,
+    identity: TierIdentity,
+    group: int | None = 0,
 ) -> BlockFileHeader:
-    """The header of a ``file_nbytes`` file that must hold block ``key`` of ``identity``; raises
-    CorruptBlock on any mismatch (the payload checksum is left to the reader)."""
+    """The header of a ``file_nbytes`` file that must hold block ``key`` of ``identity``, of KV group
+    ``group`` (None: any group, the caller reads ``header.group``); raises CorruptBlock on any mismatch
+    (the payload checksum is left to the reader)."""
     header = decode_header(raw)
     if header.key != key:
         raise CorruptBlock("the header names another block")
+    if group is not None and header.group != group:
+        raise CorruptBlock(f"a block of KV group {header.group}, loaded for group {group}")
     expected_fp = _fingerprint_field(identity.model_fingerprint).decode("utf-8")
     if header.model_fingerprint != expected_fp:
         raise CorruptBlock(f"written for another model ({header.model_fingerprint[:16]}...)")
@@ -239,9 +277,10 @@ def open_regular(path: str, flags: int, mode: int = 0o600, *, dir_fd: int | None
     return fd
 
 
-def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> os.stat_result:
-    """Check a block file's header and size without reading the payload; raises CorruptBlock (also
-    for anything but a regular file). A symlink is refused (OSError ELOOP), not followed."""
+def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> tuple[os.stat_result, int]:
+    """Check a block file's header and size without reading the payload; its stat and the KV group its
+    header names. Raises CorruptBlock (also for anything but a regular file). A symlink is refused
+    (OSError ELOOP), not followed."""
     fd = open_regular(path, os.O_RDONLY)
     try:
         raw = bytearray(HEADER_NBYTES)
@@ -249,8 +288,7 @@ def check_block_file(path: str, key: BlockKey, identity: TierIdentity) -> os.sta
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    validate_header(memoryview(raw)[:got], st.st_size, key, identity)
-    return st
+    return st, validate_header(memoryview(raw)[:got], st.st_size, key, identity, None).group
 
 
 _temp_ids = itertools.count()
@@ -312,8 +350,10 @@ def write_block_file(
     secret: bytes | None = None,
     *,
     exclusive: bool = False,
+    group: int = 0,
 ) -> int:
-    """Write ``data`` (the block's raw bytes) as block ``key`` of ``identity``; returns the file size.
+    """Write ``data`` (the block's raw bytes) as KV group ``group``'s block ``key`` of ``identity``;
+    returns the file size.
 
     Atomic: the bytes go to ``<path>.tmp.<pid>.<token>.<n>`` in the same directory (created ``DIR_MODE``
     if missing), mode ``FILE_MODE`` whatever the umask, which is renamed over ``path`` once complete
@@ -324,7 +364,7 @@ def write_block_file(
     """
     payload = memoryview(data).cast("B")
     _check_size(payload, identity, "data")
-    header = block_header(key, identity, payload, secret)
+    header = block_header(key, identity, payload, secret, group)
     path = os.fspath(path)
     name = os.path.basename(path)
     temp = f"{name}.tmp.{os.getpid()}.{_TEMP_TOKEN}.{next(_temp_ids)}"
@@ -373,10 +413,14 @@ def read_block_file(
     identity: TierIdentity,
     out: ByteBuffer,
     secret: bytes | None = None,
+    *,
+    group: int = 0,
 ) -> None:
-    """Read and fully validate block ``key`` into ``out`` (a writable buffer of the block's size).
+    """Read and fully validate KV group ``group``'s block ``key`` into ``out`` (a writable buffer of the
+    block's size).
 
-    Raises CorruptBlock if anything does not match or the path is not a regular file (then ``out``
+    Raises CorruptBlock if anything does not match (another group's block included) or the path is not
+    a regular file (then ``out``
     holds garbage and must not be used), OSError (e.g. FileNotFoundError; ELOOP for a symlinked file
     or directory, never followed) if the file cannot be read, ValueError if ``out`` is unsuitable.
     """
@@ -386,7 +430,7 @@ def read_block_file(
     try:
         raw = bytearray(HEADER_NBYTES)
         got = _read_exactly(fd, memoryview(raw))
-        header = validate_header(memoryview(raw)[:got], os.fstat(fd).st_size, key, identity)
+        header = validate_header(memoryview(raw)[:got], os.fstat(fd).st_size, key, identity, group)
         if _read_exactly(fd, payload) != payload.nbytes:
             raise CorruptBlock("truncated payload")
     finally:
@@ -395,22 +439,29 @@ def read_block_file(
 
 
 def encode_block_value(
-    key: BlockKey, identity: TierIdentity, data: ByteBuffer, secret: bytes | None
+    key: BlockKey, identity: TierIdentity, data: ByteBuffer, secret: bytes | None, group: int = 0
 ) -> bytes:
-    """One stored value holding block ``key``: header then payload (for stores keyed by name)."""
+    """One stored value holding KV group ``group``'s block ``key``: header then payload (for stores
+    keyed by name)."""
     payload = memoryview(data).cast("B")
     _check_size(payload, identity, "data")
-    return block_header(key, identity, payload, secret) + payload
+    return block_header(key, identity, payload, secret, group) + payload
 
 
 def decode_block_value(
-    value: ByteBuffer, key: BlockKey, identity: TierIdentity, out: ByteBuffer, secret: bytes | None
+    value: ByteBuffer,
+    key: BlockKey,
+    identity: TierIdentity,
+    out: ByteBuffer,
+    secret: bytes | None,
+    group: int = 0,
 ) -> None:
-    """Check a stored value of block ``key`` and copy its payload into ``out``; raises CorruptBlock."""
+    """Check a stored value of KV group ``group``'s block ``key`` and copy its payload into ``out``;
+    raises CorruptBlock."""
     raw = memoryview(value).cast("B")
     dst = memoryview(out).cast("B")
     _check_size(dst, identity, "out")
-    header = validate_header(raw[:HEADER_NBYTES], raw.nbytes, key, identity)
+    header = validate_header(raw[:HEADER_NBYTES], raw.nbytes, key, identity, group)
     payload = raw[HEADER_NBYTES:]
     check_payload(header, payload, secret)
     dst[:] = payload

@@ -18,8 +18,14 @@ work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of 
 
 External tiers (``ExternalTier`` + a ``BlockIOWorker``) are tried in the order given, fastest first; each
 has a write policy: ``write_through`` writes a block down as soon as it reaches the host tier,
-``write_back`` only when the host tier evicts it. Bookkeeping only (torch-free): host bytes are reached
-through a :class:`HostBytes` (``kvtier.transfer.mover.TierMover``), external bytes through the workers.
+``write_back`` only when the host tier evicts it.
+
+KV groups (a hybrid model): the manager names each block's group (``store``, ``lookup``, ``swap_out``);
+the host tier keeps it with the key, a demotion writes it into the block's header, and a promotion reads
+the block for the group its lookup asked for (the reader refuses another group's block: a miss).
+
+Bookkeeping only (torch-free): host bytes are reached through a :class:`HostBytes`
+(``kvtier.transfer.mover.TierMover``), external bytes through the workers.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtier.config import StorePolicy, check_choice
-from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerHit, SwappedOut
+from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, KeyGroups, LowerHit, SwappedOut
 from kvtier.kv.plan import SwapPlan
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
@@ -58,8 +64,8 @@ class IOResultLike(Protocol):
 class IOWorker(Protocol):
     """The background worker of an external tier (``kvtier.transfer.io_worker.BlockIOWorker``)."""
 
-    def submit_load(self, key: BlockKey, address: object, out: memoryview) -> None: ...
-    def submit_store(self, key: BlockKey, address: object, data: memoryview) -> None: ...
+    def submit_load(self, key: BlockKey, address: object, out: memoryview, group: int = 0) -> None: ...
+    def submit_store(self, key: BlockKey, address: object, data: memoryview, group: int = 0) -> None: ...
     def poll(self) -> Sequence[IOResultLike]: ...
     def wait(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
     def drain(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
@@ -176,18 +182,20 @@ class TierCoordinator:
         self.host.listener = self
         for level in self.external:
             level.tier.listener = listener
-        for medium, keys in self.held_keys().items():
-            listener.blocks_stored(medium, keys)
+        held = self.held_keys()
+        for tier in self.tiers:
+            for group, keys in tier.runs_by_group(held.get(tier.medium, [])):
+                listener.blocks_stored(tier.medium, keys, group)
 
-    def blocks_stored(self, medium: Medium, keys: Sequence[BlockKey]) -> None:
+    def blocks_stored(self, medium: Medium, keys: Sequence[BlockKey], group: int = 0) -> None:
         shared = [k for k in keys if k not in self._private]
         if self._listener is not None and shared:
-            self._listener.blocks_stored(medium, shared)
+            self._listener.blocks_stored(medium, shared, group)
 
-    def blocks_removed(self, medium: Medium, keys: Sequence[BlockKey]) -> None:
+    def blocks_removed(self, medium: Medium, keys: Sequence[BlockKey], group: int = 0) -> None:
         shared = [k for k in keys if k not in self._private]
         if self._listener is not None and shared:
-            self._listener.blocks_removed(medium, shared)
+            self._listener.blocks_removed(medium, shared, group)
 
     def held_keys(self) -> dict[Medium, list[BlockKey]]:
         """What each tier that can list its blocks holds, as announced to the listener."""
@@ -199,8 +207,9 @@ class TierCoordinator:
         return held
 
     # ------------------------------------------------------------------------------ lookup
-    def lookup(self, keys: Sequence[BlockKey]) -> LowerHit:
-        """Leading ``keys`` held by the host tier, then by the external tiers (starting their reads)."""
+    def lookup(self, keys: Sequence[BlockKey], group: int = 0) -> LowerHit:
+        """Leading ``keys`` (of KV group ``group``) held by the host tier, then by the external tiers
+        (starting their reads, each for ``group``)."""
         if not keys or Medium.HOST in self.quarantined:
             return NO_LOWER_HIT
         n_host = self._num_trusted(keys[: self.host.lookup(keys)])
@@ -212,7 +221,7 @@ class TierCoordinator:
         if rest and self.persists:
             self.host.pin(host_keys)  # reserving host blocks below must not evict this prefix's hits
             try:
-                self._start_reads(rest)
+                self._start_reads(rest, group)
             finally:
                 self.host.unpin(host_keys)
             num_pending = self._num_leading_in_flight(rest)
@@ -236,10 +245,10 @@ class TierCoordinator:
             n += 1
         return n
 
-    def _start_reads(self, keys: Sequence[BlockKey]) -> None:
-        """Start reading the leading ``keys`` the external tiers hold into the host tier, each from the
-        fastest tier holding it. Keys already in flight are skipped; the walk stops at the first key no
-        tier holds (a later block is useless without it)."""
+    def _start_reads(self, keys: Sequence[BlockKey], group: int) -> None:
+        """Start reading the leading ``keys`` (KV group ``group``'s) the external tiers hold into the host
+        tier, each from the fastest tier holding it. Keys already in flight are skipped; the walk stops
+        at the first key no tier holds (a later block is useless without it)."""
         i = 0
         while i < len(keys):
             if any(level.in_flight(keys[i]) for level in self.external):
@@ -247,24 +256,25 @@ class TierCoordinator:
                 continue
             for level in self.external:
                 usable = level.active and level.tier.medium not in self.quarantined
-                n = level.tier.lookup(keys[i:]) if usable else 0
+                n = level.tier.lookup(keys[i:], group) if usable else 0
                 if n:
                     run = [k for k in keys[i : i + n] if not any(lv.in_flight(k) for lv in self.external)]
-                    self._promote(level, run)
+                    self._promote(level, run, group)
                     i += n
                     break
             else:
                 return
 
-    def _promote(self, level: ExternalLevel, keys: list[BlockKey]) -> None:
+    def _promote(self, level: ExternalLevel, keys: list[BlockKey], group: int) -> None:
         assert self.host_bytes is not None
-        spec = self.host.prepare_store(keys)  # the host tier may not have room for all
+        spec = self.host.prepare_store(keys, [group] * len(keys))  # the host tier may not have room for all
         if not spec.keys:
             return
         load = level.tier.prepare_load(spec.keys)
         for key, host_block_id, address in zip(spec.keys, spec.addresses, load.addresses, strict=True):
             level.promoting.add(key)
-            level.worker.submit_load(key, address, self.host_bytes.host_view(int(host_block_id)))  # type: ignore[call-overload]
+            view = self.host_bytes.host_view(int(host_block_id))  # type: ignore[call-overload]
+            level.worker.submit_load(key, address, view, group)
 
     def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
         """Count an adopted lookup of ``num_keys`` blocks below the device: each block is counted by
@@ -295,31 +305,32 @@ class TierCoordinator:
             self._plan.load_keys.append(key)
             self._promoted.pop(key, None)
 
-    def store(self, block_id: int, key: BlockKey) -> bool:
-        """Plan a device → host store of one block unless the host tier has (or is getting) it."""
+    def store(self, block_id: int, key: BlockKey, group: int = 0) -> bool:
+        """Plan a device → host store of one block (of KV group ``group``) unless the host tier has (or
+        is getting) it."""
         if self.on_offered is not None:
             self.on_offered(Medium.HOST, [key])
         if self.host.host_block_of(key) is not None:
             return False
-        spec = self.host.prepare_store([key])
+        spec = self.host.prepare_store([key], [group])
         if not spec.keys:
             return False  # the host tier is full of pinned blocks: the block is dropped
         self._plan.stores.append((block_id, int(spec.addresses[0])))  # type: ignore[call-overload]
         self._plan.store_keys.append(key)
         return True
 
-    def on_device_evict(self, block_id: int, key: BlockKey) -> None:
+    def on_device_evict(self, block_id: int, key: BlockKey, group: int = 0) -> None:
         """Write-back: a cached device block is about to be reused; keep its KV in the host tier."""
-        self.store(block_id, key)
+        self.store(block_id, key, group)
 
-    def on_block_full(self, block_id: int, key: BlockKey) -> None:
+    def on_block_full(self, block_id: int, key: BlockKey, group: int = 0) -> None:
         """Write-through: store a block as soon as it is full, if the host tier's policy or an active
         external tier's asks for it (an external tier is written from the host tier, so a write-through
         remote tier needs the block in host memory now, not when the device evicts it)."""
         if self.policy == "write_through" or any(
             level.policy == "write_through" and level.tier.accepting for level in self.external
         ):
-            self.store(block_id, key)
+            self.store(block_id, key, group)
 
     def take_plan(self) -> SwapPlan:
         plan, self._plan = self._plan, SwapPlan()
@@ -340,17 +351,21 @@ class TierCoordinator:
                 self._store_down(level, shared)
 
     # ------------------------------------------------------------------------------ swap
-    def swap_out(self, blocks: Sequence[tuple[int, BlockKey | None]]) -> SwappedOut | None:
+    def swap_out(
+        self, blocks: Sequence[tuple[int, BlockKey | None]], groups: KeyGroups = ()
+    ) -> SwappedOut | None:
         """Plan the stores that keep a preempted sequence's blocks ``(device_block_id, hash or None)``
-        in the host tier, pinned. None (and nothing planned) if the host tier has no room."""
+        (of KV ``groups``, parallel; () = all group 0) in the host tier, pinned. None (and nothing
+        planned) if the host tier has no room."""
         keys = [key if key is not None else self._private_key() for _, key in blocks]
         private = {k for (_, h), k in zip(blocks, keys, strict=True) if h is None}
+        group_of = dict(zip(keys, groups, strict=True)) if groups else {}
         needed = [
             (b, k) for (b, _), k in zip(blocks, keys, strict=True) if self.host.host_block_of(k) is None
         ]
         present = [k for k in keys if self.host.host_block_of(k) is not None]
         self.host.pin(present)  # making room for the others must not evict these
-        spec = self.host.prepare_store([k for _, k in needed])
+        spec = self.host.prepare_store([k for _, k in needed], [group_of.get(k, 0) for _, k in needed])
         if len(spec.keys) != len(needed):
             self.host.complete_store(spec.keys, ok=False)
             self.host.unpin(present)
@@ -393,19 +408,22 @@ class TierCoordinator:
     def _store_down(
         self, level: ExternalLevel, keys: Sequence[BlockKey], host_blocks: dict[BlockKey, int] | None = None
     ) -> None:
-        """Write host blocks ``keys`` to an external tier unless it holds (or is getting) them."""
+        """Write host blocks ``keys`` to an external tier unless it holds (or is getting) them, each
+        under the KV group the host tier keeps with it."""
         assert self.host_bytes is not None
         if self.on_offered is not None and keys:
             self.on_offered(level.tier.medium, keys)
-        keys = [k for k in keys if k not in level.storing and not level.tier.contains(k)]
+        group_of = self.host.group_of
+        keys = [k for k in keys if k not in level.storing and not level.tier.contains(k, group_of(k))]
         if not keys:
             return
-        spec = level.tier.prepare_store(keys)
+        spec = level.tier.prepare_store(keys, [group_of(k) for k in keys])
         for key, address in zip(spec.keys, spec.addresses, strict=True):
             host_block_id = host_blocks[key] if host_blocks else self.host.host_block_of(key)
             assert host_block_id is not None
             level.storing.add(key)
-            level.worker.submit_store(key, address, self.host_bytes.host_snapshot(host_block_id))
+            snapshot = self.host_bytes.host_snapshot(host_block_id)
+            level.worker.submit_store(key, address, snapshot, group_of(key))
 
     def poll(self) -> None:
         """Apply the external tiers' finished reads and writes (and write the host blocks again to a

@@ -50,6 +50,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.kv.lower import KeyGroups
 from kvtier.stats import Medium, TierCounters
 from kvtier.tiers.base import BlockKey, ExternalTier, LoadSpec, StoreSpec, TierIdentity
 from kvtier.tiers.block_format import (
@@ -109,16 +110,16 @@ class DiskBlockIO:
         self.secret = secret  # with a secret, blocks are signed on write and verified on read
         self.ledger = ledger
 
-    def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
-        read_block_file(str(address), key, self.identity, out, self.secret)
+    def read(self, key: BlockKey, address: object, out: ByteBuffer, group: int = 0) -> None:
+        read_block_file(str(address), key, self.identity, out, self.secret, group=group)
         _touch(str(address))
 
-    def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
+    def write(self, key: BlockKey, address: object, data: ByteBuffer, group: int = 0) -> None:
         if self.ledger is None:
-            write_block_file(str(address), key, self.identity, data, self.secret)
+            write_block_file(str(address), key, self.identity, data, self.secret, group=group)
             return
         try:
-            write_block_file(str(address), key, self.identity, data, self.secret, exclusive=True)
+            write_block_file(str(address), key, self.identity, data, self.secret, exclusive=True, group=group)
         except BlockExists:
             with contextlib.suppress(OSError):  # no new file: the same block is there already
                 self.ledger.add(-1)
@@ -139,13 +140,16 @@ class DiskTier(ExternalTier):
 
     How the coordinator drives it with a ``BlockIOWorker`` over ``DiskBlockIO`` (addresses are paths)::
 
-        spec = tier.prepare_store(keys)   -> worker.submit_store(key, path, snapshot) for each accepted key
+        spec = tier.prepare_store(keys, groups) -> worker.submit_store(key, path, snapshot, group) each
         result ok                          -> tier.complete_store([key], True, seconds)
         result not ok                      -> tier.complete_store([key], False); if fatal: tier.disable(error)
-        spec = tier.prepare_load(keys)    -> worker.submit_load(key, path, out) for each key
+        spec = tier.prepare_load(keys)    -> worker.submit_load(key, path, out, group) for each key
         result ok                          -> tier.complete_load([key], seconds)
         result not ok, not fatal           -> tier.invalidate(key, error), *then* tier.complete_load([key])
         result fatal                       -> tier.disable(error), then tier.complete_load([key]) (a no-op)
+
+    A load names the KV group it reads the block for; a file whose header names another group is a
+    miss like a damaged one (invalidated: removed, counted in ``counters.load_failures``).
 
     The tier counts its own loads, stores, evictions and load failures as they complete.
 
@@ -170,6 +174,7 @@ class DiskTier(ExternalTier):
         self._held: OrderedDict[BlockKey, None] = OrderedDict()
         self._reserved: set[BlockKey] = set()
         self._pins: Counter[BlockKey] = Counter()
+        self._key_groups: dict[BlockKey, int] = {}
         self.disabled = False
         self.disabled_reason: str | None = None
         self.ledger: DirectoryLedger | None = None
@@ -194,8 +199,9 @@ class DiskTier(ExternalTier):
     def num_used_blocks(self) -> int:
         return len(self._held) + len(self._reserved)
 
-    def contains(self, key: BlockKey) -> bool:
-        """Held; or not reserved and its file is there (another engine wrote it): adopted, held now."""
+    def contains(self, key: BlockKey, group: int = 0) -> bool:
+        """Held; or not reserved and its file is there (another engine wrote it): adopted, held now, as
+        a block of KV group ``group`` (the read checks its header)."""
         if key in self._held:
             return True
         if self.disabled or key in self._reserved:
@@ -210,6 +216,7 @@ class DiskTier(ExternalTier):
         if os.path.islink(os.path.dirname(path)):
             return False  # never adopt a file behind a symlinked shard
         self._held[key] = None  # checked in full when read; a bad one is invalidated then
+        self._note_groups([key], [group])
         self._announce_stored([key])
         return True
 
@@ -238,7 +245,7 @@ class DiskTier(ExternalTier):
         self._finish_loads(keys, self._held, self._pins, seconds)
 
     # ------------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
+    def prepare_store(self, keys: Sequence[BlockKey], groups: KeyGroups = ()) -> StoreSpec:
         """Reserve the keys not held yet in the shared ledger, evicting to stay under the cap."""
         new = [k for k in dict.fromkeys(keys) if k not in self._held and k not in self._reserved]
         if self.disabled or not new or self.ledger is None:
@@ -257,6 +264,7 @@ class DiskTier(ExternalTier):
             self._reserved.difference_update(accepted)
             self.disable(f"cannot use the usage ledger {self.ledger.path}: {exc}")
             return StoreSpec((), (), tuple(evicted))
+        self._note_groups(keys, groups, accepted)
         return StoreSpec(tuple(accepted), tuple(self.path_of(key) for key in accepted), tuple(evicted))
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, seconds: float = 0.0) -> None:
@@ -274,6 +282,7 @@ class DiskTier(ExternalTier):
                 self._announce_stored([key])
             else:
                 num_released += 1
+                self._forget_groups([key])
         if num_released and self.ledger is not None:
             self._ledger_add(-num_released)
         if num_stored:
@@ -329,6 +338,7 @@ class DiskTier(ExternalTier):
         if key in self._held:
             del self._held[key]
             self._announce_removed([key])
+        self._forget_groups([key])
         self._pins.pop(key, None)
         if not self.disabled and remove_inside(self.directory, self.path_of(key)):
             self._ledger_add(-1)
@@ -345,6 +355,7 @@ class DiskTier(ExternalTier):
             with contextlib.suppress(OSError):
                 self.ledger.add(-len(self._reserved))
         self._reserved.clear()
+        self._key_groups.clear()
         self._pins.clear()
         logger.warning("disk tier disabled, running without it: %s (%s)", reason, self.directory)
 
@@ -397,7 +408,8 @@ class DiskTier(ExternalTier):
                 tighten_mode(shard.path, DIR_MODE, directory=True)
                 self._scan_shard(shard.path, tally)
         tally.found.sort()
-        self._held.update((key, None) for _, key in tally.found)
+        self._held.update((key, None) for _, key, _ in tally.found)
+        self._note_groups([key for _, key, _ in tally.found], [group for _, _, group in tally.found])
         num_over = self._count_and_trim()
         self.counters.blocks_evicted = 0  # startup trimming is not eviction under load
         self._log_scan(tally, num_over)
@@ -424,14 +436,14 @@ class DiskTier(ExternalTier):
                 continue
             key = BlockKey(bytes.fromhex(entry.name[:64]))
             try:
-                st = check_block_file(entry.path, key, self.identity)
+                st, group = check_block_file(entry.path, key, self.identity)
             except (CorruptBlock, OSError) as exc:
                 tally.reasons[str(exc).split(" (")[0]] += 1
                 tally.num_invalid += remove_inside(self.directory, entry.path)
                 continue
             if st.st_mode & 0o077:
                 tighten_mode(entry.path, FILE_MODE)  # written by an older version, 0644
-            tally.found.append((st.st_mtime_ns, key))
+            tally.found.append((st.st_mtime_ns, key, group))
 
     def _count_and_trim(self) -> int:
         """Set the ledger from the directory and evict down to the cap; the number of files evicted."""
@@ -487,7 +499,8 @@ class DiskTier(ExternalTier):
 
 @dataclass
 class _ScanTally:
-    found: list[tuple[int, BlockKey]] = field(default_factory=list)  # (mtime ns, key) of valid files
+    # (mtime ns, key, KV group) of the valid files
+    found: list[tuple[int, BlockKey, int]] = field(default_factory=list)
     num_invalid: int = 0
     num_temp: int = 0
     num_links: int = 0

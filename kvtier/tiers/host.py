@@ -15,7 +15,9 @@ Eviction pops the oldest unpinned held key. ``on_evict(key, host_block_id)`` see
 bytes are still intact, so the coordinator can demote the block to disk instead of dropping it.
 
 KV events: ``listener`` hears of a key when it becomes held (``complete_store`` ok) and when it stops
-being held (eviction, ``discard``); reserved keys are not announced.
+being held (eviction, ``discard``); reserved keys are not announced. Each key's KV group comes with its
+reservation (``prepare_store(keys, groups)``) and is what the coordinator writes into its header when
+it demotes the block to disk or a remote store.
 
 Counters: the tier counts its own evictions; the mover records the device↔host copies it runs into
 ``counters`` (it did the work); lookups and hits are counted by the coordinator.
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from kvtier.kv.lower import KeyGroups
 from kvtier.stats import Medium, TierCounters
 from kvtier.tiers.base import BlockKey, KVTier, LoadSpec, StoreSpec
 
@@ -43,6 +46,7 @@ class HostTier(KVTier):
         self._held: OrderedDict[BlockKey, int] = OrderedDict()
         self._reserved: dict[BlockKey, int] = {}
         self._pins: Counter[BlockKey] = Counter()
+        self._key_groups: dict[BlockKey, int] = {}
 
     # ------------------------------------------------------------------------ occupancy
     @property
@@ -53,7 +57,7 @@ class HostTier(KVTier):
     def num_used_blocks(self) -> int:
         return self._num_blocks - len(self._free)
 
-    def contains(self, key: BlockKey) -> bool:
+    def contains(self, key: BlockKey, group: int = 0) -> bool:
         return key in self._held
 
     def host_block_of(self, key: BlockKey) -> int | None:
@@ -82,7 +86,7 @@ class HostTier(KVTier):
                 self._held.move_to_end(key)
 
     # ------------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
+    def prepare_store(self, keys: Sequence[BlockKey], groups: KeyGroups = ()) -> StoreSpec:
         accepted: list[BlockKey] = []
         host_block_ids: list[int] = []
         evicted: list[BlockKey] = []
@@ -95,6 +99,7 @@ class HostTier(KVTier):
             self._reserved[key] = host_block_id
             accepted.append(key)
             host_block_ids.append(host_block_id)
+        self._note_groups(keys, groups, accepted)
         return StoreSpec(tuple(accepted), tuple(host_block_ids), tuple(evicted))
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
@@ -107,6 +112,8 @@ class HostTier(KVTier):
                 self._free.append(host_block_id)
         if ok:
             self._announce_stored(keys)
+        else:
+            self._forget_groups(keys)
 
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
         for key in self._held:
@@ -155,3 +162,5 @@ class HostTier(KVTier):
         assert len(used) + len(self._free) == self._num_blocks, "host tier: blocks do not add up"
         for key in self._pins:
             assert key in self._held or key in self._reserved, "host tier: a pin on a key it does not hold"
+        for key in self._key_groups:
+            assert key in self._held or key in self._reserved, "host tier: a group of a key it does not hold"

@@ -17,8 +17,9 @@ Keys and values::
     kvtier:v1:<64 hex digits>     the block's chained sha256 hash (kv/hashing.py), which is rooted in
                                   the model fingerprint, the KV dtype and the request's cache salt
     value                         one block in the format of tiers/block_format.py: a 4 KiB header
-                                  (version, model fingerprint, dtype, shape, key, crc32s, optional
-                                  HMAC-SHA256) then the payload, written with one SET: never half a value
+                                  (version, model fingerprint, dtype, shape, key, KV group, crc32s,
+                                  optional HMAC-SHA256) then the payload, written with one SET: never
+                                  half a value; read for another KV group than its header's, a miss
 
 Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry) and a hit refreshes it (``EXPIRE``),
 so ``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
@@ -51,6 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvtier.kv.lower import KeyGroups
 from kvtier.stats import REMOTE_ERROR_KINDS as ERROR_KINDS
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 from kvtier.tiers.base import BlockKey, ExternalTier, LoadSpec, StoreSpec, TierIdentity
@@ -123,7 +125,7 @@ def corrupt_kind(exc: CorruptBlock) -> str:
     text = str(exc)
     if "MAC" in text or "unsigned" in text:
         return "bad_mac"
-    if any(s in text for s in ("another model", "written as", "block shape", "another block")):
+    if any(s in text for s in ("another model", "written as", "block shape", "another block", "KV group")):
         return "foreign"
     return "corrupt"
 
@@ -281,13 +283,13 @@ class RedisBlockIO:
         self.secret = secret
         self._heads: list[memoryview] = []  # scratch block headers (the worker's thread only)
 
-    def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
-        (error,) = self.read_batch([(key, address, out)])
+    def read(self, key: BlockKey, address: object, out: ByteBuffer, group: int = 0) -> None:
+        (error,) = self.read_batch([(key, address, out)], [group])
         if error is not None:
             raise error
 
-    def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
-        (error,) = self.write_batch([(key, address, data)])
+    def write(self, key: BlockKey, address: object, data: ByteBuffer, group: int = 0) -> None:
+        (error,) = self.write_batch([(key, address, data)], [group])
         if error is not None:
             raise error
 
@@ -302,17 +304,23 @@ class RedisBlockIO:
             getattr(pipe, name)(*args, **kwargs)
         return pipe.execute(raise_on_error=False)
 
-    def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
-        """Read every block of ``jobs``, each payload received straight into its ``out`` and validated
-        there, in round trips of at most ``READ_BATCH_BYTES`` (``BulkReader.get_many``: bounded reads
-        that refresh the expiry)."""
+    def read_batch(
+        self, jobs: list[tuple[BlockKey, object, ByteBuffer]], groups: KeyGroups = ()
+    ) -> list[BaseException | None]:
+        """Read every block of ``jobs`` (of KV ``groups``, parallel; () = all group 0), each payload
+        received straight into its ``out`` and validated there, in round trips of at most
+        ``READ_BATCH_BYTES`` (``BulkReader.get_many``: bounded reads that refresh the expiry)."""
         per_round_trip = max(1, READ_BATCH_BYTES // (HEADER_NBYTES + self.identity.block_bytes))
+        groups = groups or [0] * len(jobs)
         errors: list[BaseException | None] = []
         for start in range(0, len(jobs), per_round_trip):
-            errors += self._read_round_trip(jobs[start : start + per_round_trip])
+            end = start + per_round_trip
+            errors += self._read_round_trip(jobs[start:end], groups[start:end])
         return errors
 
-    def _read_round_trip(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
+    def _read_round_trip(
+        self, jobs: list[tuple[BlockKey, object, ByteBuffer]], groups: KeyGroups
+    ) -> list[BaseException | None]:
         store = self.store
         if not store.breaker.allow():
             return [StoreUnavailable("the remote store is not answering")] * len(jobs)
@@ -326,13 +334,15 @@ class RedisBlockIO:
             store.failed(exc)
             return [exc] * len(jobs)
         return [
-            self._check(job, value, head) for job, value, head in zip(jobs, values, self._heads, strict=False)
+            self._check(job, value, head, group)
+            for job, value, head, group in zip(jobs, values, self._heads, groups, strict=False)
         ]
 
     def _check(
-        self, job: tuple[BlockKey, object, ByteBuffer], value: BulkResult, head: memoryview
+        self, job: tuple[BlockKey, object, ByteBuffer], value: BulkResult, head: memoryview, group: int
     ) -> BaseException | None:
-        """Validate one reply: a value of the expected size already sits in ``head`` and ``out``."""
+        """Validate one reply (of KV group ``group``'s block): a value of the expected size already sits
+        in ``head`` and ``out``."""
         key, address, out = job
         if isinstance(value, Exception):
             self.store.failed(value)
@@ -346,10 +356,10 @@ class RedisBlockIO:
             return RemoteMiss("foreign", f"a value over {int(value) - 1} B (header and block): not read")
         try:
             if isinstance(value, int):
-                header = validate_header(head, value, key, self.identity)
+                header = validate_header(head, value, key, self.identity, group)
                 check_payload(header, memoryview(out).cast("B"), self.secret)
             else:
-                decode_block_value(value, key, self.identity, out, self.secret)
+                decode_block_value(value, key, self.identity, out, self.secret, group)
         except CorruptBlock as exc:
             kind = corrupt_kind(exc)
             self.store.count(kind)
@@ -358,21 +368,25 @@ class RedisBlockIO:
             return RemoteMiss(kind, str(exc))
         return None
 
-    def write_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]:
-        """Send the blocks of ``jobs`` the store lacks (one ``EXISTS`` round trip first), each as one
-        ``SET name value EX ttl``; the expiry of those already there is refreshed instead."""
+    def write_batch(
+        self, jobs: list[tuple[BlockKey, object, ByteBuffer]], groups: KeyGroups = ()
+    ) -> list[BaseException | None]:
+        """Send the blocks of ``jobs`` (of KV ``groups``, parallel; () = all group 0) the store lacks (one
+        ``EXISTS`` round trip first), each as one ``SET name value EX ttl``; the expiry of those already
+        there is refreshed instead."""
         store = self.store
         if not store.breaker.allow():
             return [StoreUnavailable("the remote store is not answering: store dropped")] * len(jobs)
         try:
             present = self._execute([("exists", (address,), {}) for _, address, _ in jobs])
             commands = []
-            for (key, address, data), there in zip(jobs, present, strict=True):
+            groups = groups or [0] * len(jobs)
+            for (key, address, data), there, group in zip(jobs, present, groups, strict=True):
                 if there is True or there == 1:
                     if store.ttl_s:
                         commands.append(("expire", (address, store.ttl_s), {}))
                     continue
-                value = encode_block_value(key, self.identity, data, self.secret)
+                value = encode_block_value(key, self.identity, data, self.secret, group)
                 commands.append(("set", (address, value), {"ex": store.ttl_s or None}))
             replies = self._execute(commands) if commands else []
         except Exception as exc:  # noqa: BLE001 (the store went away: the stores are dropped)
@@ -418,6 +432,7 @@ class RemoteTier(ExternalTier):
         self._known: OrderedDict[BlockKey, None] = OrderedDict()
         self._reserved: set[BlockKey] = set()
         self._pins: Counter[BlockKey] = Counter()
+        self._key_groups: dict[BlockKey, int] = {}
         self._generation = store.generation
         self.disabled = False
         self.disabled_reason: str | None = None
@@ -433,7 +448,7 @@ class RemoteTier(ExternalTier):
     def num_used_blocks(self) -> int:
         return len(self._known) + len(self._reserved)
 
-    def contains(self, key: BlockKey) -> bool:
+    def contains(self, key: BlockKey, group: int = 0) -> bool:
         self._forget_after_outage()
         return key in self._known
 
@@ -463,7 +478,9 @@ class RemoteTier(ExternalTier):
     def accepting(self) -> bool:
         return self.available
 
-    def lookup(self, keys: Sequence[BlockKey]) -> int:
+    def lookup(self, keys: Sequence[BlockKey], group: int = 0) -> int:
+        """Leading ``keys`` known or found in the store; a key found is taken as KV group ``group``'s
+        (its reader checks the header)."""
         self.store.check_instance()
         if not self.available:
             return 0
@@ -475,7 +492,9 @@ class RemoteTier(ExternalTier):
         if self._generation != self.store.generation:
             self._forget_after_outage()  # the store failed during this lookup: the n known keys may be gone
             return 0
-        self._announce_stored([k for k in rest[:found] if k not in self._known])
+        new = [k for k in rest[:found] if k not in self._known]
+        self._note_groups(new, [group] * len(new))
+        self._announce_stored(new)
         for key in rest[:found]:
             self._remember(key)
         return n + found
@@ -508,12 +527,13 @@ class RemoteTier(ExternalTier):
         self._finish_loads(keys, self._known, self._pins, seconds)
 
     # ------------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[BlockKey]) -> StoreSpec:
+    def prepare_store(self, keys: Sequence[BlockKey], groups: KeyGroups = ()) -> StoreSpec:
         """Reserve the keys not known to be there; nothing while the store is not answering."""
         if not self.available:
             return StoreSpec((), ())
         accepted = [k for k in dict.fromkeys(keys) if k not in self._known and k not in self._reserved]
         self._reserved.update(accepted)
+        self._note_groups(keys, groups, accepted)
         return StoreSpec(tuple(accepted), tuple(redis_key(key) for key in accepted))
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True, seconds: float = 0.0) -> None:
@@ -525,6 +545,8 @@ class RemoteTier(ExternalTier):
             if ok and not self.disabled:
                 self._remember(key)
                 stored.append(key)
+            else:
+                self._forget_groups([key])
         if stored:
             self.counters.record_stores(len(stored), len(stored) * self.identity.block_bytes, seconds)
             self._announce_stored(stored)
@@ -537,6 +559,7 @@ class RemoteTier(ExternalTier):
         if key in self._known:
             del self._known[key]
             self._announce_removed([key])
+        self._forget_groups([key])
 
     def disable(self, reason: str) -> None:
         if self.disabled:
@@ -548,6 +571,7 @@ class RemoteTier(ExternalTier):
         self._reserved.clear()
         self._pins.clear()
         self._announce_removed(removed)
+        self._key_groups.clear()
         logger.warning("remote tier disabled, running without it: %s (%s)", reason, self.store.url)
 
     def close(self) -> None:

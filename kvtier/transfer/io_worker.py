@@ -7,9 +7,12 @@ store). Buffers are plain byte buffers (``memoryview``), so this module is torch
 
     scheduler thread                         worker thread (one, daemon)
     ────────────────                         ───────────────────────────
-    submit_store(key, address, data) ─jobs─► io.write(key, address, data)
-    submit_load(key, address, out)   ─FIFO─► io.read(key, address, out)    validate, fill ``out``
-    poll() / wait() / drain()        ◄─────  IOResult(kind, key, ok, error, fatal, nbytes, seconds)
+    submit_store(key, address, data, group) ─jobs─► io.write(key, address, data, group)
+    submit_load(key, address, out, group)   ─FIFO─► io.read(key, address, out, group)   validate, fill
+    poll() / wait() / drain()               ◄─────  IOResult(kind, key, ok, error, fatal, nbytes, seconds)
+
+``group`` is the block's KV group (``kvtier/kv/groups.py``; 0 for a dense model): a write records it
+in the block's header, a read refuses a block whose header names another group (a miss).
 
 Jobs run one at a time in submission order, so a load submitted after a store of the same address
 sees the stored block. The worker owns ``data`` from ``submit_store`` on (pass a snapshot) and writes
@@ -32,6 +35,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -41,18 +45,22 @@ ByteBuffer = bytes | bytearray | memoryview
 
 
 class BlockIO(Protocol):
-    """One tier's block reads and writes; each raises on failure."""
+    """One tier's block reads and writes (of KV group ``group``'s block); each raises on failure."""
 
-    def read(self, key: BlockKey, address: object, out: ByteBuffer) -> None: ...
-    def write(self, key: BlockKey, address: object, data: ByteBuffer) -> None: ...
+    def read(self, key: BlockKey, address: object, out: ByteBuffer, group: int = 0) -> None: ...
+    def write(self, key: BlockKey, address: object, data: ByteBuffer, group: int = 0) -> None: ...
     def is_fatal(self, exc: BaseException) -> bool: ...
 
 
-class BatchBlockIO(BlockIO, Protocol):
-    """A BlockIO that moves many blocks per call; each returns one exception (or None) per job."""
+Jobs = list[tuple[BlockKey, object, ByteBuffer]]
 
-    def read_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]: ...
-    def write_batch(self, jobs: list[tuple[BlockKey, object, ByteBuffer]]) -> list[BaseException | None]: ...
+
+class BatchBlockIO(BlockIO, Protocol):
+    """A BlockIO that moves many blocks per call (of KV ``groups``, parallel to the jobs; () = all
+    group 0); each returns one exception (or None) per job."""
+
+    def read_batch(self, jobs: Jobs, groups: Sequence[int] = ()) -> list[BaseException | None]: ...
+    def write_batch(self, jobs: Jobs, groups: Sequence[int] = ()) -> list[BaseException | None]: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class _Job:
     key: BlockKey
     address: object
     buffer: ByteBuffer
+    group: int = 0  # the block's KV group
 
 
 def describe(exc: BaseException) -> str:
@@ -98,13 +107,14 @@ class BlockIOWorker:
         self._thread.start()
 
     # ------------------------------------------------------------------------ submitting
-    def submit_store(self, key: BlockKey, address: object, data: ByteBuffer) -> None:
-        """Write ``data`` (bytes the worker now owns) as block ``key`` at ``address``."""
-        self._submit(_Job("store", key, address, data))
+    def submit_store(self, key: BlockKey, address: object, data: ByteBuffer, group: int = 0) -> None:
+        """Write ``data`` (bytes the worker now owns) as KV group ``group``'s block ``key`` at ``address``."""
+        self._submit(_Job("store", key, address, data, group))
 
-    def submit_load(self, key: BlockKey, address: object, out: ByteBuffer) -> None:
-        """Read block ``key`` from ``address`` into ``out``; ``out`` is valid only if the result is ok."""
-        self._submit(_Job("load", key, address, out))
+    def submit_load(self, key: BlockKey, address: object, out: ByteBuffer, group: int = 0) -> None:
+        """Read KV group ``group``'s block ``key`` from ``address`` into ``out``; ``out`` is valid only if
+        the result is ok (a block of another group is not)."""
+        self._submit(_Job("load", key, address, out, group))
 
     def _submit(self, job: _Job) -> None:
         with self._done:
@@ -188,9 +198,9 @@ class BlockIOWorker:
         start = time.perf_counter()
         try:
             if job.kind == "store":
-                self.io.write(job.key, job.address, job.buffer)
+                self.io.write(job.key, job.address, job.buffer, job.group)
             else:
-                self.io.read(job.key, job.address, job.buffer)
+                self.io.read(job.key, job.address, job.buffer, job.group)
         except BaseException as exc:  # noqa: BLE001 (nothing may escape the worker thread)
             seconds = time.perf_counter() - start
             return IOResult(job.kind, job.key, False, describe(exc), self.io.is_fatal(exc), 0, seconds)
@@ -202,8 +212,9 @@ class BlockIOWorker:
         io: BatchBlockIO = self.io  # type: ignore[assignment]
         start = time.perf_counter()
         jobs = [(job.key, job.address, job.buffer) for job in batch]
+        groups = [job.group for job in batch]
         try:
-            errors = io.write_batch(jobs) if batch[0].kind == "store" else io.read_batch(jobs)
+            errors = io.write_batch(jobs, groups) if batch[0].kind == "store" else io.read_batch(jobs, groups)
         except BaseException as exc:  # noqa: BLE001 (nothing may escape the worker thread)
             errors = [exc] * len(batch)
         seconds = (time.perf_counter() - start) / len(batch)
