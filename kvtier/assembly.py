@@ -30,7 +30,7 @@ from kvtier.kv.groups import kv_layout
 from kvtier.kv.hashing import cache_identity
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv_events import KVEventRecorder, RedisStreamPublisher, default_replica_id
-from kvtier.models import registry
+from kvtier.models import attention_backend, registry
 from kvtier.models.kv_quant import STORAGE_DTYPES
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel
@@ -76,10 +76,15 @@ class EngineParts:
 
 
 def build_model(
-    loaded: LoadedModel, config: EngineConfig, device: torch.device, weight_dtype: str
+    loaded: LoadedModel,
+    config: EngineConfig,
+    device: torch.device,
+    weight_dtype: str,
+    attention: str = attention_backend.C,
 ) -> LlamaModel:
     """The model with its weights packed (gguf / int8) or dense (auto: kept fused in the conversion
-    cache, so a later start maps them instead of transposing; kvtier/models/qpack.py)."""
+    cache, so a later start maps them instead of transposing; kvtier/models/qpack.py), its attention
+    run by the resolved backend ``attention`` (kvtier/models/attention_backend.py)."""
     dtype = STORAGE_DTYPES[config.dtype]
     packed, kernels = load_packed(loaded, weight_dtype, config.dtype, device.type)
     on_cpu = device.type == "cpu"  # elsewhere: the weights move there, no kept fused copies
@@ -88,6 +93,7 @@ def build_model(
     model = registry.build_model(config.model, weights, dtype, config.max_model_len, packed, kernels, cached)
     if weight_dtype == "auto" and on_cpu and not cached:
         keep_dense(loaded, dtype, model.dense_groups())
+    model.select_attention(attention)
     return model
 
 
@@ -131,7 +137,8 @@ def assemble(args: EngineArgs, loaded: LoadedModel) -> EngineParts:
     config = resolve_engine_config(args, loaded.config)
     cache, tokenizer = config.cache, loaded.tokenizer
     device = default_device()
-    model = build_model(loaded, config, device, args.weight_dtype)
+    attention = attention_backend.resolve(args.attention_backend, device.type)  # ConfigError: cannot run
+    model = build_model(loaded, config, device, args.weight_dtype, attention)
     runner, tiers, mover, kv = _kv_side(loaded, config, model, device)
     eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(config.model.eos_token_ids)))
     cost_model = CostModel(cache.block_bytes)

@@ -42,6 +42,8 @@ SchedulingPolicy = Literal["stall_free", "legacy"]
 # Weight precision (docs/weight-dtype.md): "auto" dense as loaded; "gguf" the GGUF's own quantized blocks;
 # "int8" per-channel weight-only int8. gguf/int8 run fp32 activations through kvtier/models/qmatmul.c.
 WeightDType = Literal["auto", "gguf", "int8"]
+# Attention kernels (kvtier/models/attention_backend.py): auto picks triton on CUDA, the C kernels on a CPU.
+AttentionBackend = Literal["auto", "torch", "c", "triton"]
 DEFAULT_KV_DEVICE_GB = 1.0
 # A layer's attention kind, as HF's ``layer_types`` names it (ModelConfig.layer_types).
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -332,6 +334,14 @@ class EngineArgs:
             "help": "weight precision: auto (dense as loaded; a GGUF dequantized to fp32, exact), gguf (run "
             "the GGUF's own Q8_0/Q4_0/Q4_1 blocks; Q5_0 as Q8_0), int8 (per-channel weight-only int8); "
             "docs/weight-dtype.md"
+        },
+    )
+    attention_backend: AttentionBackend = field(
+        default="auto",
+        metadata={
+            "help": "attention kernels: auto (triton on CUDA, the C decode kernel on a CPU), torch (the "
+            "reference path), c, or triton (on a CPU only through its interpreter, TRITON_INTERPRET=1: "
+            "slow, for tests); docs/attention-backends.md"
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})

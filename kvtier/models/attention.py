@@ -42,6 +42,11 @@ group's rows are re-cut from each sequence's own first window block (``DecodeGro
 While a group's longest context fits in the window the mask is the full one (the window cuts nothing),
 and the fused decode kernel runs as for a full layer; past it, the window's decode rows run through
 torch (the kernel walks each context from its first token).
+
+With the ``triton`` attention backend (``attention_backend.py``, ``kernel="triton"``) every row runs
+through ``triton_attention.py`` instead: decode and prefill kernels that walk the block tables over the
+pool themselves (no gather, no padded mask; a sliding layer's window is a start position), imported only
+then. This torch path stays the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.models import kvkernels
+from kvtier.models.attention_backend import TRITON, C
 from kvtier.models.kv_quant import PagedKVCache
 
 
@@ -229,18 +235,23 @@ def paged_attention(
     layer: int,  # the layer's slot in its KV group's blocks
     meta: AttentionMetadata,  # the layer's KV group's
     scale: float,
-    kernel: bool = True,
+    kernel: bool | str = True,
     window: int | None = None,
 ) -> torch.Tensor:  # [T, H * D]
     """The step's attention: decode rows first, then each prefill chunk. Compact K/V is stored rotated
     (kv_quant.py): queries are rotated into that basis and outputs back, except by the fused decode
-    kernel (kvkernels.py), which reads the pool in place and rotates inside. ``kernel`` False: the
-    torch path for every row (the model's torch ops: benchmarks compare the two). ``window``: a
-    sliding-window layer's W (None: full attention)."""
+    kernel (kvkernels.py), which reads the pool in place and rotates inside. ``kernel`` (an attention
+    backend, ``attention_backend.py``): True or "c", the C decode kernel where it covers the cache;
+    False or "torch", the torch path for every row (the model's torch ops: benchmarks compare the two);
+    "triton", the Triton kernels for every row. ``window``: a sliding-window layer's W (None: full
+    attention)."""
+    if kernel == TRITON:
+        return _triton_attention(q, kv_new, kv_cache, layer, meta, scale, window)
     head_dim = q.shape[2]
     d = meta.decode
     cut = window is not None and d is not None and d.window(window, kv_cache.block_size) is not None
-    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None and kernel and not cut else None
+    c_kernel = kernel is True or kernel == C
+    lib = _decode_kernel(kv_cache, q.shape[1]) if d is not None and c_kernel and not cut else None
     if lib is None:  # the torch path for every row
         rotated = kv_cache.rotate_queries(q)
         out = _attend(rotated, kv_new, kv_cache, layer, meta, scale, with_decode=True, window=window)
@@ -252,6 +263,39 @@ def paged_attention(
     rotated = kv_cache.rotate_queries(q)
     rest = _attend(rotated, kv_new, kv_cache, layer, meta, scale, with_decode=False, window=window)
     return torch.cat([out, kv_cache.unrotate_output(rest, head_dim)], dim=0)
+
+
+def _triton_attention(
+    q: torch.Tensor,  # [T, H, D] (RoPE applied)
+    kv_new: torch.Tensor,  # [T, 2, KVH, D] as stored
+    kv_cache: PagedKVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # [T, H * D]
+    """Every row through the Triton kernels (``triton_attention.py``, imported at the first call): the
+    decode group in one launch over its block tables, each prefill chunk in one over its own."""
+    from kvtier.models import triton_attention
+
+    rotated = kv_cache.rotate_queries(q)  # [T, H, D] in the stored K/V's basis
+    outs: list[torch.Tensor] = []
+    d = meta.decode
+    if d is not None:
+        b = d.num_seqs
+        lens = d.context_lens()  # [B] long; None: every row has max_context tokens
+        if lens is None:
+            lens = torch.full((b,), d.max_context, dtype=torch.long, device=q.device)
+        tables = d.block_tables.view(b, d.max_blocks)  # [B, max_blocks]
+        outs.append(
+            triton_attention.decode(rotated[:b], kv_cache, layer, tables, lens, d.max_context, scale, window)
+        )
+    for p in meta.prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        chunk = (kv_cache, layer, p.block_table, p.num_cached, scale, window)
+        outs.append(triton_attention.prefill(rotated[rows], kv_new[rows], *chunk))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return kv_cache.unrotate_output(out, q.shape[2])
 
 
 def _decode_kernel(kv_cache: PagedKVCache, num_heads: int) -> ctypes.CDLL | None:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.config import ModelConfig
+from kvtier.models import attention_backend
 from kvtier.models.attention import AttentionMetadata, paged_attention
 from kvtier.models.decode_program import DecodeProgram
 from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for
@@ -219,6 +220,20 @@ class LlamaModel:
         if len(meta) != self.kv_layout.num_groups:
             raise ValueError(f"{len(meta)} metadata for {self.kv_layout.num_groups} KV groups")
         return [(j, meta[g]) for g, j in self.kv_slots]
+
+    def select_attention(self, backend: str) -> None:
+        """Run attention through ``backend``, resolved for this device (``attention_backend.resolve``):
+        ``c`` keeps the model as built (kvattn.c and the C decode program where they cover a step); with
+        ``torch`` or ``triton`` every ops object of the model (a family may keep more than ``ops`` and
+        ``torch_ops``: Gemma 3's local-RoPE ones) hands that name to ``paged_attention`` (its
+        ``kernel``), and the C decode program, which runs kvattn.c itself, is off. Called once, by the
+        builder."""
+        if backend == attention_backend.C:
+            return
+        self.program = None
+        for ops in vars(self).values():
+            if isinstance(ops, TorchOps | FusedOps):
+                ops.attention_kernel = backend  # type: ignore[assignment]  # a backend name, not a bool
 
     def dense_groups(self) -> dict[str, torch.Tensor]:
         """Every dense linear's transposed matrix by group name (``layers.{i}.qkv`` ... ``lm_head``), what
