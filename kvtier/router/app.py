@@ -7,6 +7,9 @@
                                                                                (kvtier.router.core), forward
     GET  /v1/models  GET /v1/models/{id}           client                     forwarded to a healthy replica
     POST /tokenize   POST /detokenize              client                     forwarded to a healthy replica
+    POST /v1/messages                              client (also x-api-key)    Anthropic's Messages API: routed
+                                                                               as chat, errors in its shape
+    POST /v1/messages/count_tokens                 client (also x-api-key)    forwarded to a healthy replica
     GET  /health                                   none                       200 while some replica is
                                                                                healthy, else 503
     GET  /metrics                                  metrics (or admin), if set the router's own metrics
@@ -29,6 +32,11 @@ The client's ``Authorization`` header is passed on to the replica it is routed t
 included (500, never plain text): the replicas' own :class:`~kvtier.server.protocol.APIError`, the one
 wire contract of both. A replica's own errors (400 for a bad body, 404 for an unknown model...) come
 back to the client unchanged. Bodies are bounded and timed (:mod:`kvtier.router.body`).
+
+Anthropic's ``/v1/messages`` is routed as chat is (its body mapped onto the same conversation and tools:
+:mod:`kvtier.server.anthropic`, so the router hashes the prompt the replica will run). Its key may come as
+``x-api-key``: the router checks it and passes it on as ``Authorization: Bearer`` (the one key header it
+forwards; the replica's route takes both). The router's own errors on it are Anthropic's shape.
 
 Plain Starlette, not FastAPI (whose import alone costs more than half a second): the router answers
 within well under a second of starting; the wire contract (``kvtier.server.protocol``: the replica's
@@ -57,12 +65,13 @@ from kvtier.router.auth import check_admin, check_client, check_metrics, check_r
 from kvtier.router.body import parse_json, read_body, read_json
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
 from kvtier.router.policy import Decision
-from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH
+from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
 from kvtier.router.proxy import forward
 from kvtier.router.replicas import AdmissionRefused
+from kvtier.server.anthropic import anthropic_error, as_anthropic, authorization_of, presents_key
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
-from kvtier.server.protocol import APIError, http_error, not_found, responses_api_unsupported
+from kvtier.server.protocol import APIError, http_error, not_found, responses_api_unsupported, unauthorized
 
 logger = logging.getLogger("kvtier.router")
 
@@ -237,6 +246,43 @@ async def admin_replicas(request: Request) -> Response:
     return JSONResponse({"object": "router.replica", "url": replica.url, "healthy": replica.healthy})
 
 
+def _anthropic_client(request: Request) -> Request:
+    """A Messages API request past the client key (``Authorization: Bearer`` or ``x-api-key``; a 401
+    otherwise), its key as its ``Authorization`` header: what the router hashes the tenant from and
+    passes on to the replica."""
+    keys = request.app.state.router.keys
+    if keys.api is not None and not presents_key(request.headers, keys.api):
+        raise unauthorized("API key")
+    authorization = authorization_of(request.headers).encode("latin-1")
+    headers = [(k, v) for k, v in request.scope["headers"] if k != b"authorization"]
+    headers += [(b"authorization", authorization)] if authorization else []
+    return Request({**request.scope, "headers": headers}, request.receive)
+
+
+async def _anthropic(request: Request, path: str) -> Response:
+    """Anthropic's routes: ``/v1/messages`` routed as chat, ``count_tokens`` to any healthy replica; the
+    router's own errors in Anthropic's shape (a replica's come back as it wrote them)."""
+    try:
+        client = _anthropic_client(request)
+        if path == MESSAGES_PATH:
+            return await _generate(client, MESSAGES_PATH)
+        return await _pass(client, path, "POST")
+    except APIError as exc:
+        return as_anthropic(exc).response()
+    except NoReplica:
+        request.app.state.router.metrics.failures.labels("no_replica").inc()
+        message = "no healthy replica to serve the request; retry later"
+        return anthropic_error(503, message, {"Retry-After": "1"}).response()
+
+
+async def messages(request: Request) -> Response:
+    return await _anthropic(request, MESSAGES_PATH)
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    return await _anthropic(request, MESSAGES_PATH + "/count_tokens")
+
+
 async def responses_api(request: Request) -> Response:
     """OpenAI's Responses API: the replicas do not implement it, so the router answers their 501 itself."""
     raise responses_api_unsupported()
@@ -254,6 +300,8 @@ ROUTES = [
     Endpoint("/v1/models/{model:path}", guarded(check_client, model), methods=["GET"]),
     Endpoint("/tokenize", guarded(check_client, tokenize), methods=["POST"]),
     Endpoint("/detokenize", guarded(check_client, detokenize), methods=["POST"]),
+    Endpoint("/v1/messages", messages, methods=["POST"]),  # its key checked by _anthropic_client
+    Endpoint("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     Endpoint("/v1/responses", guarded(check_client, responses_api), methods=ALL_METHODS),
     Endpoint("/v1/responses/{rest:path}", guarded(check_client, responses_api), methods=ALL_METHODS),
     Endpoint("/health", health, methods=["GET"]),

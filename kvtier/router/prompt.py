@@ -2,7 +2,9 @@
 
 ::
 
-    body ──► the replica's own request models (kvtier.server.protocol): conversation / prompts, salt
+    body ──► the replica's own request models (kvtier.server.protocol; Anthropic's /v1/messages:
+             kvtier.server.anthropic, mapped onto the same conversation and tools): conversation /
+             prompts, salt
          ──► token ids: chat template + tokenizer (``Tokenizer.encode_chat``), or ``encode``, or the ids
          ──► root_hash((cache_identity, cache_salt or "")) ──► hash_full_blocks(ids, block_size)
 
@@ -31,11 +33,13 @@ from pydantic import ValidationError
 from kvtier.config import ConfigError
 from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
 from kvtier.router.tokens import PieceEncoder
+from kvtier.server.anthropic import MessagesRequest
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, tenant_salt
 from kvtier.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
 
 
 def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
@@ -91,14 +95,19 @@ def parse_prompt(
     """The request's prompts as token ids, or None when the body is not one the replica would
     run (the replica then answers its own 400; the router routes such a request by load). ``encoder``
     tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
+    encode = encoder.encode if encoder is not None else None
     try:
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(body)
-            encode = encoder.encode if encoder is not None else None
             _, token_ids = tokenizer.encode_chat(
                 chat.conversation(), add_generation_prompt=True, encode=encode, tools=chat.tool_request()[0]
             )
             request: Any = chat
+        elif path == MESSAGES_PATH:
+            message = MessagesRequest.model_validate(body)
+            mapped = message.chat()
+            _, token_ids = tokenizer.encode_chat(mapped.conversation, True, encode, tools=mapped.tools)
+            return Prompt(token_ids, tenant_salt(authorization, message.user_id, None, scope))
         elif path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)
             first, *rest = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]

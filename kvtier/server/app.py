@@ -6,6 +6,7 @@
     GET  /v1/models             GET  /health (503 while loading)     GET /metrics (Prometheus)
     GET  /openapi.json          (the client key, as /v1)
     *    /v1/responses[/...]    501 not_supported: OpenAI's Responses API is not implemented
+    POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's Messages API: :mod:`.messages`)
 
 Chat takes tools (``tools``, ``tool_choice``, ``parallel_tool_calls``: :mod:`.tools`, :mod:`kvtier.tools`):
 their schemas are checked on the tokenizer pool before the model is needed, the prompt renders them, and
@@ -68,6 +69,7 @@ from kvtier.server.auth import check_distinct, check_key, check_kv_reader, check
 from kvtier.server.dashboard import dashboard_router
 from kvtier.server.kv_routes import kv_router
 from kvtier.server.limits import RequestLimits
+from kvtier.server.messages import Serving, messages_router
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (
     APIError,
@@ -192,6 +194,7 @@ def create_app(
     app.add_exception_handler(EngineNotReady, _not_ready)
     app.add_exception_handler(Exception, _internal)
     app.include_router(v1)
+    app.include_router(messages_router(Serving(admit, check_open, respond)))  # Anthropic's /v1/messages
     app.include_router(kv_router())  # GET /v1/kv/info, /v1/kv/blocks, ...; POST /admin/kv/quarantine
     app.include_router(dashboard_router(app, check_kv_reader))  # GET /dashboard, /v1/kv/dashboard
     app.include_router(tokenize_router())  # POST /tokenize, /detokenize

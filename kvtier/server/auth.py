@@ -8,7 +8,8 @@
                                                            the page holds no data; its fetches carry a key)
     client    --api-key ($KVTIER_API_KEY)                  POST /v1/chat/completions, /v1/completions,
                                                            /tokenize, /detokenize; GET /v1/models[/...],
-                                                           GET /openapi.json
+                                                           GET /openapi.json; POST /v1/messages[/count_tokens]
+                                                           (Anthropic's: the key as x-api-key too)
     kv info   the client's, the kv reader's or the admin's GET /v1/kv/info (model identity: the router's
                                                            check of a replica)
     kv reader --kv-read-key ($KVTIER_KV_READ_KEY), or the  GET /v1/kv/blocks, /v1/kv/canary, /v1/kv/advice,
@@ -21,7 +22,8 @@ A key that is not set leaves its role open, except the admin's: **without ``--ad
 ``/admin/*`` route answers 404** (the route does not exist for anyone; ``kvtier router`` follows the same
 convention), and with it a wrong or missing key is a 401 and the client key is never accepted there.
 The admin key must differ from every other key (``check_distinct``), so holding a lower role's key
-never grants it. A key is sent as ``Authorization: Bearer <key>`` and compared in constant time; a
+never grants it. A key is sent as ``Authorization: Bearer <key>`` (on Anthropic's ``/v1/messages`` also as
+``x-api-key: <key>``) and compared in constant time; a
 wrong one is a 401 with ``WWW-Authenticate: Bearer`` and OpenAI's error body (both the wire contract's,
 :mod:`kvtier.server.protocol`, which ``kvtier router`` shares).
 
@@ -40,6 +42,7 @@ from typing import Protocol
 from fastapi import Request
 
 from kvtier.config import ConfigError
+from kvtier.server.anthropic import presents_key
 from kvtier.server.protocol import not_found, presents, unauthorized
 
 
@@ -76,6 +79,14 @@ def check_key(request: Request) -> None:
     """The client role: 401 unless the request carries the ``--api-key`` (when one is set)."""
     keys = _keys(request)
     if keys.api_key is not None and not _presents(request, keys.api_key):
+        raise unauthorized("API key")
+
+
+def check_messages_key(request: Request) -> None:
+    """The client role on Anthropic's Messages API: the ``--api-key`` as ``Authorization: Bearer`` or as
+    ``x-api-key`` (Anthropic's header)."""
+    keys = _keys(request)
+    if keys.api_key is not None and not presents_key(request.headers, keys.api_key):
         raise unauthorized("API key")
 
 

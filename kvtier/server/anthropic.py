@@ -1,0 +1,540 @@
+"""Anthropic's Messages API (``POST /v1/messages``), the wire side that ``kvtier serve`` and ``kvtier router``
+share: the request checked and mapped onto the chat route's internals, keys, errors in Anthropic's shape.
+No torch and no FastAPI (the router imports it); the route and the answer are :mod:`.messages`.
+
+::
+
+    Anthropic's request                            the chat route's internals
+    ─────────────────────────────────────────────  ───────────────────────────────────────────────────────
+    system: text, or text blocks                   a system message (the texts joined)
+    user: text blocks                              a user message (the texts joined)
+    user: tool_result {tool_use_id, content,       a tool message {tool_call_id, content}; "Error: " before
+                       is_error}                     the content when is_error
+    assistant: text and tool_use {id, name,        an assistant message with tool_calls, the arguments
+                                  input}             json.dumps(input) (a call the model wrote renders as the
+                                                     same text again: its blocks stay cached)
+    tools [{name, description, input_schema}]      kvtier.tools.Tool (parameters: input_schema)
+    tool_choice {type: auto | any | tool | none}   auto | required | the named function | none
+      disable_parallel_tool_use: true              parallel_tool_calls false
+    max_tokens, stop_sequences, temperature,       SamplingParams; a forced call's grammar
+      top_p, top_k                                   (kvtier.tools.call_grammar)
+    metadata.user_id                               the tenant's user (the OpenAI routes' ``user``)
+    cache_control (top level, system blocks,       checked ({"type": "ephemeral", "ttl"?: "5m" | "1h"});
+      tools, content blocks)                         the last one's place counts cache_creation_input_tokens
+
+Anything else is a 400 naming it, never silently ignored: other content blocks (image, document,
+thinking...), server tools, a final assistant message (prefill), ``thinking``, ``output_config`` and every
+other top-level field but ``service_tier`` (one tier here) and nulls. Strings inside the request must be
+valid Unicode, as on the OpenAI routes.
+
+Errors (:func:`as_anthropic`: the OpenAI routes' :class:`~kvtier.server.protocol.APIError` translated)::
+
+    kvtier's                                         Anthropic's
+    400 (invalid_request_error)                      400 invalid_request_error
+    401 (a missing or wrong key)                     401 authentication_error
+    404 (an unknown model or route)                  404 not_found_error
+    408, 413 (the body too slow, too big)            408 timeout_error, 413 request_too_large
+    503 queue_full, queue_wait, kv_capacity          529 overloaded_error (Retry-After kept)
+    503 loading, draining; 500                       503, 500 api_error
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from kvtier.config import ConfigError
+from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.server.protocol import (
+    MAX_STOP,
+    APIError,
+    JSONValue,
+    Temperature,
+    Text,
+    TopK,
+    TopP,
+    bearer,
+    clip,
+    presents,
+)
+from kvtier.tools import CLOSE, Tool, ToolChoice, ToolError, call_grammar, normalize_messages, parse_tools
+
+# ------------------------------------------------------------------------------------------- errors
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+OVERLOADED = 529  # Anthropic's status for overloaded_error
+OVERLOADED_CODES = frozenset({"queue_full", "queue_wait", "kv_capacity"})  # kvtier's 503s that are load
+# The OpenAI tool fields kvtier.tools names, and Anthropic's names for them.
+_RENAMES = (
+    (".function.parameters", ".input_schema"),
+    (".function.name", ".name"),
+    (".function.description", ".description"),
+    (".function", ""),
+)
+
+
+class AnthropicError(APIError):
+    """An error answered with Anthropic's body: ``{"type": "error", "error": {"type", "message"}}``
+    (``param`` and ``code`` stay on the object, for logs and tests, not on the wire)."""
+
+    def body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.type, "message": self.message}}
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+
+
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> AnthropicError:
+    return AnthropicError(status, message, type=error_type(status), headers=headers)
+
+
+def invalid(message: str, param: str | None = None) -> AnthropicError:
+    """A 400 ``invalid_request_error``; ``param`` names the field (Anthropic's path, e.g.
+    ``messages[0].content[1]``)."""
+    return AnthropicError(400, message, type="invalid_request_error", param=param, code="invalid_request")
+
+
+def _renamed(text: str) -> str:
+    for old, new in _RENAMES:
+        text = text.replace(old, new)
+    return text
+
+
+def as_anthropic(exc: APIError) -> AnthropicError:
+    """An OpenAI-shaped error of kvtier's as Anthropic's (the table above)."""
+    if isinstance(exc, AnthropicError):
+        return exc
+    status = OVERLOADED if exc.status == 503 and exc.code in OVERLOADED_CODES else exc.status
+    message = _renamed(exc.message)
+    if status == 401:
+        message = (
+            "invalid x-api-key: send the server's --api-key as 'x-api-key: <key>' or "
+            "'Authorization: Bearer <key>'"
+        )
+    param = _renamed(exc.param) if exc.param else None
+    return AnthropicError(
+        status, message, type=error_type(status), param=param, code=exc.code, headers=exc.headers
+    )
+
+
+# --------------------------------------------------------------------------------------------- keys
+def authorization_of(headers: Mapping[str, str]) -> str:
+    """The client's key as an ``Authorization`` value: ``Bearer <x-api-key>`` when Anthropic's header is
+    there, else the ``Authorization`` header (what the tenant's salt is derived from, and what the router
+    passes on to a replica)."""
+    key = headers.get("x-api-key")
+    if key:
+        return f"Bearer {key.strip()}"
+    return headers.get("authorization", "")
+
+
+def presents_key(headers: Mapping[str, str], *keys: str | None) -> bool:
+    """Whether ``Authorization: Bearer`` or ``x-api-key`` carries one of ``keys`` (constant time)."""
+    authorization = headers.get("authorization", "")
+    if bearer(authorization) is not None and presents(authorization, *keys):
+        return True
+    key = headers.get("x-api-key")
+    return bool(key) and presents(f"Bearer {key}", *keys)
+
+
+# ------------------------------------------------------------------------------------- the request
+_BLOCK_KEYS = {
+    "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+}
+_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+_TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
+_CHOICE_KEYS = frozenset({"type", "name", "disable_parallel_tool_use"})
+_IGNORED = frozenset({"service_tier"})  # accepted whatever its value: kvtier has one tier
+_WHAT = {  # what a refused top-level field is, for its message
+    "thinking": "extended thinking",
+    "output_config": "output configuration (structured outputs, effort)",
+    "output_format": "structured outputs",
+    "container": "code execution containers",
+    "mcp_servers": "MCP servers",
+    "context_management": "context management",
+}
+
+
+def check_cache_control(value: Any, at: str) -> bool:
+    """Whether ``value`` is a breakpoint (None: none); a 400 unless it is ``{"type": "ephemeral"}`` with an
+    optional ``ttl`` of ``"5m"`` or ``"1h"``."""
+    if value is None:
+        return False
+    if (
+        not isinstance(value, dict)
+        or value.get("type") != "ephemeral"
+        or not set(value) <= {"type", "ttl"}
+        or value.get("ttl") not in (None, "5m", "1h")
+    ):
+        shown = clip(json.dumps(value, ensure_ascii=False))
+        raise invalid(f'{at} must be {{"type": "ephemeral", "ttl"?: "5m" | "1h"}}, got {shown}', at)
+    return True
+
+
+def _unknown(given: dict[str, Any], known: frozenset[str] | set[str]) -> list[str]:
+    """The keys of ``given`` this server does not take (a null is as good as absent)."""
+    return sorted(k for k, v in given.items() if k not in known and v is not None)
+
+
+def _check_block(block: Any, at: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A content block of one of the ``allowed`` types, its keys and cache_control checked."""
+    if not isinstance(block, dict):
+        raise invalid(f"{at} must be a content block (an object with a type)", at)
+    kind = block.get("type")
+    if kind not in allowed:
+        listed = ", ".join(allowed)
+        raise invalid(
+            f"{at}: content blocks of type '{clip(kind)}' are not supported here (this server takes "
+            f"{listed})",
+            at,
+        )
+    unknown = _unknown(block, _BLOCK_KEYS[kind])
+    if unknown:
+        raise invalid(f"{at}.{clip(unknown[0])} is not supported by this server", f"{at}.{unknown[0]}")
+    check_cache_control(block.get("cache_control"), f"{at}.cache_control")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise invalid(f"{at}.text must be a string", f"{at}.text")
+        if block.get("citations") not in (None, []):
+            raise invalid(f"{at}.citations are not supported by this server", f"{at}.citations")
+    return block
+
+
+def _texts(blocks: list[dict[str, Any]]) -> str:
+    return "".join(b["text"] for b in blocks)
+
+
+def _system_blocks(raw: Any) -> list[dict[str, Any]]:
+    """``system`` as text blocks (a string is one)."""
+    if raw is None:
+        return []
+    if isinstance(raw, str):
+        return [{"type": "text", "text": raw}]
+    if not isinstance(raw, list):
+        raise invalid("system must be a string or a list of text blocks", "system")
+    return [_check_block(b, f"system[{j}]", ("text",)) for j, b in enumerate(raw)]
+
+
+def _content(message: Any, at: str) -> tuple[str, list[dict[str, Any]]]:
+    """A message's role and content blocks (a string is one text block), checked."""
+    if not isinstance(message, dict):
+        raise invalid(f'{at} must be {{"role": "user" | "assistant", "content": ...}}', at)
+    role = message.get("role")
+    if role not in _ROLE_BLOCKS:
+        raise invalid(f"{at}.role must be 'user' or 'assistant', got '{clip(role)}'", f"{at}.role")
+    unknown = _unknown(message, {"role", "content"})
+    if unknown:
+        raise invalid(f"{at}.{clip(unknown[0])} is not supported by this server", f"{at}.{unknown[0]}")
+    content = message.get("content")
+    if isinstance(content, str):
+        return role, [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise invalid(f"{at}.content must be a string or a list of content blocks", f"{at}.content")
+    allowed = _ROLE_BLOCKS[role]
+    return role, [_check_block(b, f"{at}.content[{j}]", allowed) for j, b in enumerate(content)]
+
+
+def _tool_use(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """A tool_use block as an OpenAI tool call (arguments: the input as JSON text)."""
+    call_id, name, given = block.get("id"), block.get("name"), block.get("input")
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{at}.id must be a non-empty string", f"{at}.id")
+    if not isinstance(name, str) or not name:
+        raise invalid(f"{at}.name must be a non-empty string", f"{at}.name")
+    if not isinstance(given, dict):
+        raise invalid(f"{at}.input must be an object", f"{at}.input")
+    arguments = json.dumps(given, ensure_ascii=False)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _tool_result(block: dict[str, Any], at: str, calls: set[str]) -> dict[str, Any]:
+    """A tool_result block as a tool message; its tool_use_id must answer an earlier tool_use."""
+    use_id = block.get("tool_use_id")
+    if not isinstance(use_id, str) or use_id not in calls:
+        raise invalid(
+            f"{at}.tool_use_id '{clip(use_id)}' matches no tool_use block of an earlier assistant message",
+            f"{at}.tool_use_id",
+        )
+    content = block.get("content")
+    if isinstance(content, list):
+        text = _texts([_check_block(b, f"{at}.content[{k}]", ("text",)) for k, b in enumerate(content)])
+    elif isinstance(content, str) or content is None:
+        text = content or ""
+    else:
+        raise invalid(f"{at}.content must be a string or a list of text blocks", f"{at}.content")
+    is_error = block.get("is_error")
+    if is_error not in (None, True, False):
+        raise invalid(f"{at}.is_error must be a boolean", f"{at}.is_error")
+    return {"role": "tool", "tool_call_id": use_id, "content": f"Error: {text}" if is_error else text}
+
+
+def _message(message: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: an assistant's one (its text, its calls), or a user's text
+    and tool results, in their order (consecutive texts joined)."""
+    role, blocks = _content(message, at)
+    if role == "assistant":
+        used = [_tool_use(b, f"{at}.content[{j}]") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
+        calls.update(c["id"] for c in used)
+        out: dict[str, Any] = {
+            "role": "assistant",
+            "content": _texts([b for b in blocks if b["type"] == "text"]),
+        }
+        return [out | {"tool_calls": used}] if used else [out]
+    chat: list[dict[str, Any]] = []
+    texts: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        if block["type"] == "text":
+            texts.append(block)
+            continue
+        if texts:
+            chat.append({"role": "user", "content": _texts(texts)})
+            texts = []
+        chat.append(_tool_result(block, f"{at}.content[{j}]", calls))
+    if texts or not chat:
+        chat.append({"role": "user", "content": _texts(texts)})
+    return chat
+
+
+def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dict[str, Any]]:
+    chat = [{"role": "system", "content": _texts(system)}] if system else []
+    calls: set[str] = set()
+    for i, message in enumerate(messages):
+        chat += _message(message, f"messages[{i}]", calls)
+    return chat
+
+
+def _tools(raw: Any) -> list[Tool]:
+    """Anthropic's custom tools as :class:`Tool` s (input_schema: the parameters)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise invalid('tools must be a list of {"name", "description", "input_schema"} objects', "tools")
+    given = []
+    for i, entry in enumerate(raw):
+        at = f"tools[{i}]"
+        if not isinstance(entry, dict):
+            raise invalid(f'{at} must be an object {{"name", "description", "input_schema"}}', at)
+        if entry.get("type") not in (None, "custom"):
+            raise invalid(
+                f"{at}: tools of type '{clip(entry.get('type'))}' (Anthropic's own tools) are not supported "
+                "by this server; give custom tools (name, description, input_schema)",
+                f"{at}.type",
+            )
+        unknown = _unknown(entry, _TOOL_KEYS)
+        if unknown:
+            raise invalid(f"{at}.{clip(unknown[0])} is not supported by this server", f"{at}.{unknown[0]}")
+        if "input_schema" not in entry:
+            raise invalid(f"{at}.input_schema is required", f"{at}.input_schema")
+        check_cache_control(entry.get("cache_control"), f"{at}.cache_control")
+        function = {"name": entry.get("name"), "parameters": entry["input_schema"]}
+        if "description" in entry:
+            function["description"] = entry["description"]
+        given.append({"type": "function", "function": function})
+    try:
+        return parse_tools(given)
+    except ToolError as exc:
+        raise invalid(_renamed(str(exc)), _renamed(exc.param)) from None
+
+
+def _tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:
+    """``{"type": "auto" | "any" | "tool" | "none", "name"?, "disable_parallel_tool_use"?}``."""
+    if raw is None:
+        return ToolChoice("auto" if tools else "none")
+    if not isinstance(raw, dict) or raw.get("type") not in ("auto", "any", "tool", "none"):
+        raise invalid(
+            'tool_choice must be {"type": "auto" | "any" | "tool" | "none"} ("tool" with a "name")',
+            "tool_choice",
+        )
+    unknown = _unknown(raw, _CHOICE_KEYS)
+    if unknown:
+        raise invalid(f"tool_choice.{clip(unknown[0])} is not supported by this server", "tool_choice")
+    single = raw.get("disable_parallel_tool_use")
+    if single not in (None, True, False):
+        raise invalid("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+    kind, parallel = raw["type"], not single
+    if kind == "none" or (kind == "auto" and not tools):
+        return ToolChoice("none", parallel=parallel)
+    if kind == "auto":
+        return ToolChoice("auto", parallel=parallel)
+    if not tools:
+        raise invalid(f"tool_choice type '{kind}' needs tools", "tool_choice")
+    if kind == "any":
+        return ToolChoice("required", parallel=parallel)
+    name = raw.get("name")
+    if not isinstance(name, str) or not any(t.name == name for t in tools):
+        raise invalid(f"tool_choice names the tool '{clip(name)}', which is not in tools", "tool_choice")
+    return ToolChoice("function", name, parallel=False)
+
+
+@dataclass(frozen=True)
+class CachePrefix:
+    """Where the request's last ``cache_control`` breakpoint sits: ``whole``, at the end of the prompt (a
+    top-level cache_control, or one on the last block); else the request cut right after its block, as a
+    ``conversation`` and ``tools`` to render without the generation prompt. The prompt's tokens it shares
+    are the breakpoint's prefix (the tools' block follows the system text, as rendered)."""
+
+    conversation: tuple[dict[str, Any], ...] = ()
+    tools: tuple[Tool, ...] = ()
+    whole: bool = False
+
+
+def _marked(block: Any) -> bool:
+    """A (checked) content block that carries a breakpoint, in itself or in a tool result's text."""
+    inner = block.get("content") if block.get("type") == "tool_result" else None
+    nested = isinstance(inner, list) and any(b.get("cache_control") is not None for b in inner)
+    return block.get("cache_control") is not None or nested
+
+
+def _last_breakpoint(
+    system: list[dict[str, Any]], raw_tools: Any, tools: list[Tool], messages: list[Any]
+) -> CachePrefix | None:
+    """The last breakpoint in Anthropic's order (tools, system, messages), as a :class:`CachePrefix`."""
+    for i in reversed(range(len(messages))):
+        content = messages[i].get("content")
+        if not isinstance(content, list):
+            continue
+        for j in reversed(range(len(content))):
+            if not _marked(content[j]):
+                continue
+            if i == len(messages) - 1 and j == len(content) - 1:
+                return CachePrefix(whole=True)
+            cut = [*messages[:i], {**messages[i], "content": content[: j + 1]}]
+            return CachePrefix(tuple(_conversation(system, cut)), tuple(tools))
+    for j in reversed(range(len(system))):
+        if system[j].get("cache_control") is not None:
+            return CachePrefix(tuple(_conversation(system[: j + 1], [])))
+    for k in reversed(range(len(tools))):
+        if raw_tools[k].get("cache_control") is not None:
+            return CachePrefix(tuple(_conversation(system, [])), tuple(tools[: k + 1]))
+    return None
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A request as the chat route runs it: the conversation (OpenAI's shape, normalized), the tools and
+    tool_choice, and where its last cache_control breakpoint sits (None: it has none)."""
+
+    conversation: list[dict[str, Any]]
+    tools: list[Tool]
+    choice: ToolChoice
+    cache_prefix: CachePrefix | None = None
+
+    @property
+    def tool_names(self) -> frozenset[str] | None:
+        """The tools whose calls are parsed out of the answer (None: tool_choice none, or no tools)."""
+        return None if self.choice.mode == "none" else frozenset(t.name for t in self.tools)
+
+    @property
+    def num_chars(self) -> int:
+        return sum(len(m.get("content") or "") for m in self.conversation)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class CountTokensRequest(_Request):
+    """``POST /v1/messages/count_tokens``: the conversation part of a Messages request."""
+
+    model: Text
+    messages: list[JSONValue]
+    system: JSONValue = None
+    tools: JSONValue = None
+    tool_choice: JSONValue = None
+    cache_control: JSONValue = None
+
+    def chat(self) -> Chat:
+        """The request mapped onto the chat route's internals (the module's table); 400 naming what is
+        wrong or not supported."""
+        for name, value in (self.model_extra or {}).items():
+            if value is not None and name not in _IGNORED:
+                what = f" ({_WHAT[name]})" if name in _WHAT else ""
+                raise invalid(f"{clip(name)}{what} is not supported by this server", name)
+        if not self.messages:
+            raise invalid("messages must not be empty", "messages")
+        system = _system_blocks(self.system)
+        tools = _tools(self.tools)
+        choice = _tool_choice(self.tool_choice, tools)
+        conversation = _conversation(system, self.messages)
+        if self.messages[-1].get("role") == "assistant":
+            raise invalid(
+                "the last message is the assistant's: continuing it (prefill) is not supported by this "
+                "server; end with a user message",
+                f"messages[{len(self.messages) - 1}]",
+            )
+        if check_cache_control(self.cache_control, "cache_control"):
+            prefix: CachePrefix | None = CachePrefix(whole=True)
+        else:
+            prefix = _last_breakpoint(system, self.tools, tools, self.messages)
+        try:
+            conversation = normalize_messages(conversation)
+        except ToolError as exc:
+            raise invalid(str(exc), "messages") from None
+        return Chat(conversation, tools, choice, prefix)
+
+
+class MessagesRequest(CountTokensRequest):
+    """``POST /v1/messages``."""
+
+    max_tokens: int
+    stop_sequences: list[Text] | None = None
+    stream: bool = False
+    metadata: JSONValue = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+
+    @property
+    def user_id(self) -> str | None:
+        """``metadata.user_id``: the tenant's user, as the OpenAI routes' ``user`` (400 when malformed)."""
+        if self.metadata is None:
+            return None
+        if not isinstance(self.metadata, dict) or not set(self.metadata) <= {"user_id"}:
+            raise invalid('metadata must be {"user_id": "..."}', "metadata")
+        user = self.metadata.get("user_id")
+        if user is not None and not isinstance(user, str):
+            raise invalid("metadata.user_id must be a string", "metadata.user_id")
+        return user
+
+    def sampling_params(self, chat: Chat) -> SamplingParams:
+        """The request's sampling parameters: a forced call (tool_choice any or tool) held to the calls'
+        grammar; ``auto`` with disable_parallel_tool_use ends after the first call."""
+        if self.max_tokens < 1:
+            raise invalid(f"max_tokens must be at least 1, got {clip(self.max_tokens)}", "max_tokens")
+        stop = list(self.stop_sequences or [])
+        if len(stop) > MAX_STOP:
+            raise invalid(
+                f"stop_sequences holds at most {MAX_STOP} entries, got {len(stop)}", "stop_sequences"
+            )
+        if not all(stop):
+            raise invalid("stop_sequences must be non-empty strings", "stop_sequences")
+        if chat.choice.mode == "auto" and not chat.choice.parallel:
+            stop.append(CLOSE)
+        grammar = call_grammar(chat.tools, chat.choice) if chat.choice.constrained else None
+        try:
+            return SamplingParams(
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                max_tokens=self.max_tokens,
+                stop=stop,
+                structured_outputs=StructuredOutputs(grammar=grammar) if grammar is not None else None,
+            )
+        except ConfigError as exc:
+            message = " ".join(str(exc).split())
+            raise invalid(message, message.split(" ", 1)[0]) from None
