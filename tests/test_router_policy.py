@@ -328,3 +328,33 @@ def test_bad_router_flags_are_one_line(flags: list[str], message: str, capsys: p
         status = exc.code
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and err.startswith("kvtier: error: ") and message in err, err
+
+
+def test_the_router_counts_a_chat_streams_first_token_after_its_role_event() -> None:
+    """The replica's role event (compact JSON, sent before its prefill ends) does not release the
+    prompt's pending prefill; the first token's event does."""
+    import asyncio
+
+    import httpx
+
+    from kvtier.router.proxy import _relay
+    from kvtier.server.responses import sse
+
+    role = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}).encode()
+    token = sse({"choices": [{"index": 0, "delta": {"content": "Hi"}}]}).encode()
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self):  # noqa: ANN204
+            for chunk in (role, token):
+                yield chunk
+
+    upstream = httpx.Response(200, stream=Chunks(), headers={"content-type": "text/event-stream"})
+    seen: list[bytes] = []
+    released_after: list[int] = []
+
+    async def relay() -> None:
+        async for chunk in _relay(upstream, lambda: released_after.append(len(seen))):
+            seen.append(chunk)
+
+    asyncio.run(relay())
+    assert seen == [role, token] and released_after == [1]  # at the token, not at the role event

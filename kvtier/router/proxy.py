@@ -63,7 +63,8 @@ class RelayResponse(StreamingResponse):
             self.release()
 
 
-_ROLE_CHUNK = b'"role": "assistant"'  # a chat stream's first event, sent before the prefill ends
+# a chat stream's first event, sent before the prefill ends (the replica writes compact JSON)
+_ROLE_CHUNKS = (b'"role":"assistant"', b'"role": "assistant"')
 
 
 async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> AsyncIterator[bytes]:
@@ -71,7 +72,7 @@ async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> A
     chat role event (the replica's prefill is then done)."""
     try:
         async for chunk in upstream.aiter_raw():
-            if _ROLE_CHUNK not in chunk:
+            if not any(role in chunk for role in _ROLE_CHUNKS):
                 first_token()
             yield chunk
     except httpx.TransportError as exc:
