@@ -291,23 +291,25 @@ def test_story_second_request_with_the_same_prompt_hits_every_group() -> None:
 
 def test_story_evicted_sliding_blocks_give_a_shorter_exact_hit() -> None:
     """A (105 tokens) releases its sliding blocks 0-7 as it computes, then is freed. B hits A's first
-    48 tokens (touching sliding blocks 1-5 and full 0-5) and is freed. Pressure then evicts the oldest
-    cached blocks: the released sliding blocks B did not touch (0, 6, 7) and A's last window (blocks
-    8-12 of every group). A's prompt again: the full group still holds blocks 0-7, but the window at
-    64 tokens needs sliding blocks 3-7; searching from the right, the longest hit whose window is
-    cached is 48 tokens (sliding blocks 1-5). The rest is recomputed, exactly."""
-    world = World(SMALL, num_blocks=123, block_size=SMALL_BS)  # 39 free blocks lead the queue below
+    48 tokens (touching sliding blocks 1-5 and full 0-5), computes one token and is freed. Pressure then
+    evicts: first the released (cold) sliding blocks B did not touch (0, 6, 7), then the oldest cached
+    ones, A's last window (blocks 8-12 of every group). A's prompt again: the full group still holds
+    blocks 0-7, but the window at 64 tokens needs sliding blocks 3-7; searching from the right, the
+    longest hit whose window is cached is 48 tokens (sliding blocks 1-5). The rest is recomputed,
+    exactly."""
+    world = World(SMALL, num_blocks=123, block_size=SMALL_BS)  # 45 free blocks lead the queue below
     a = tokens(105, 3)
     world.admit("A", a)
     world.free("A")
-    assert world.admit("B", a[:48] + tokens(9, 4)).num_computed_tokens == 48
+    assert world.admit("B", a[:48] + tokens(1, 4)).num_computed_tokens == 48
     world.free("B")
     queue = world.kv.pool.free_queue_block_ids()
     evict_until = max(queue.index(world.kv.pool._cached[key].block_id) for key in _window_keys(a, 8, 13))
-    # The queue, head first: 39 free blocks, A's released sliding 0, 6, 7 (15), A's last window 12..8
-    # (30, all groups), then A's full 7 and 6, B's blocks. X takes exactly the first 84: 14 positions.
-    assert evict_until + 1 == 84
-    world.admit("X", tokens(14 * SMALL_BS, 5))
+    # The free blocks, next to go first: 45 free blocks, A's released sliding 0, 6, 7 (15, cold), A's
+    # last window 12..8 (30, all groups), then A's full 7 and 6, B's blocks. X takes exactly the first
+    # 90: 15 positions.
+    assert evict_until + 1 == 90
+    world.admit("X", tokens(15 * SMALL_BS, 5))
     kv = world.kv
     full_cached = [
         kv.pool.get_cached_block(h, a[i * 8 : i * 8 + 8]) is not None for i, h in enumerate(_chain(a))
@@ -446,6 +448,26 @@ def test_story_a_returning_prompt_comes_back_from_the_host_tier_in_every_group()
     assert computed.tokens_by_tier(SMALL_BS)[Medium.HOST] == 64  # X and Y evicted every block of A's
     loaded = [sum(src == Medium.HOST for src in hit.sources) for hit in computed.groups]
     assert loaded == [8, 5, 5, 5, 5, 5]  # the full group's 8 blocks and each sliding window's 5
+
+
+def test_story_blocks_out_of_the_window_never_push_a_returning_prompt_out_of_the_host_tier() -> None:
+    """X, Y and Z prefill 100 tokens each in 8-token chunks: their sliding groups release ~40 blocks each
+    out of the window while they run. Those are *cold*: first in line for eviction on the device, and
+    kept by the host tier only in free room. So the 100-block host tier, which cannot hold every block
+    the device evicts (A's 53, 77 of each other's), still holds A's: A's prompt hits whole. (Without
+    the rule, the released blocks pushed every block of A's out: a hit of 0.)"""
+    world = World(SMALL, num_blocks=80, block_size=SMALL_BS, host_blocks=100)
+    a = tokens(70, 10)
+    world.admit("A", a)
+    world.free("A")
+    for name, seed in (("X", 11), ("Y", 12), ("Z", 13)):
+        world.admit(name, tokens(100, seed), chunk=SMALL_BS)
+        world.prefill(name, SMALL_BS)
+        world.free(name)
+    computed = world.admit("A2", a)
+    assert computed.num_computed_tokens == 64
+    assert computed.tokens_by_tier(SMALL_BS)[Medium.HOST] == 64
+    assert world.tiers is not None and world.tiers.host.counters.blocks_evicted > 0  # the host was full
 
 
 # ---------------------------------------------------------------- random schedules

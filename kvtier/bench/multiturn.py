@@ -125,12 +125,20 @@ def build_workload(tokenizer: Any, ns: argparse.Namespace) -> Workload:
             )
             conv_suffixes.append(tokenizer.encode(full.split(sentinel, 1)[1], add_special_tokens=False))
         suffixes.append(conv_suffixes)
-    sys_text = tokenizer.apply_chat_template(
-        [{"role": "system", "content": system}], add_generation_prompt=False
-    )
-    return Workload(
-        firsts, suffixes, ns.answer_tokens, len(tokenizer.encode(sys_text, add_special_tokens=False))
-    )
+    return Workload(firsts, suffixes, ns.answer_tokens, _shared_prefix_len(tokenizer, system, firsts))
+
+
+def _shared_prefix_len(tokenizer: Any, system: str, firsts: list[list[int]]) -> int:
+    """Tokens every conversation's first prompt shares: the rendered system prompt (a template without
+    a system role, Gemma 3's, puts it at the start of the first user turn, so with two conversations or
+    more it is their common prefix)."""
+    if len(firsts) < 2:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}], add_generation_prompt=False
+        )
+        return len(tokenizer.encode(rendered, add_special_tokens=False))
+    n = min(len(f) for f in firsts)
+    return next((i for i in range(n) if len({f[i] for f in firsts}) > 1), n)
 
 
 # ------------------------------------------------------------------------------ results

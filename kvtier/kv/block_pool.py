@@ -25,7 +25,7 @@ the middle::
      free        free       cached idle   cached idle
 
     get_new_blocks  pops at the head        (evicting a cached block it pops)
-    free_blocks     appends cached blocks at the tail, uncached ones at the head
+    free_blocks     appends cached blocks at the tail, uncached ones at the head, cold ones to the cold queue
     touch           unlinks a cached idle block from anywhere
 
 This module is pure Python: it knows block ids, never tensors.
@@ -56,6 +56,9 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None
     # The KV group whose key ``block_hash`` is (kvtier/kv/groups.py); 0 while uncached.
     group: int = 0
+    # Freed by a sliding group because its window moved past it (``free_blocks(cold=True)``): it waits
+    # at the head of the free queue and the tiers keep it only where it displaces nothing.
+    cold: bool = False
     _prev: KVBlock | None = field(default=None, init=False, repr=False)
     _next: KVBlock | None = field(default=None, init=False, repr=False)
 
@@ -155,7 +158,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.on_evict = on_evict
         self.blocks: list[KVBlock] = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self._free_queue = FreeBlockQueue(self.blocks)
+        self._free_queue = FreeBlockQueue(self.blocks)  # uncached blocks at the head, warm cached ones after
+        self._cold_queue = FreeBlockQueue()  # cold cached blocks, oldest first: taken after the uncached
         self._cached: dict[BlockHash, KVBlock] = {}
 
     # ---------------------------------------------------------------- counters
@@ -167,7 +171,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out: free ones plus cached idle ones."""
-        return len(self._free_queue)
+        return len(self._free_queue) + len(self._cold_queue)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -177,11 +181,26 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks with ``ref_cnt > 0``."""
-        return 1.0 - len(self._free_queue) / len(self.blocks)
+        return 1.0 - self.num_free_blocks / len(self.blocks)
 
     def free_queue_block_ids(self) -> list[int]:
-        """The free queue, head (next to go) first. For tests and debugging: O(num_free_blocks)."""
-        return [block.block_id for block in self._free_queue]
+        """The free blocks, next to go first. For tests and debugging: O(num_free_blocks)."""
+        return [block.block_id for block in self._free_order()]
+
+    def _free_order(self) -> Iterator[KVBlock]:
+        """Free blocks in the order ``get_new_blocks`` takes them: uncached, cold, then warm (LRU)."""
+        warm = iter(self._free_queue)
+        for block in warm:
+            if block.block_hash is not None:
+                yield from self._cold_queue
+                yield block
+                yield from warm
+                return
+            yield block
+        yield from self._cold_queue
+
+    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        return self._cold_queue if block.cold else self._free_queue
 
     # ---------------------------------------------------------------- allocation
 
@@ -192,14 +211,17 @@ class BlockPool:
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        if num_blocks > len(self._free_queue):
-            raise ValueError(f"need {num_blocks} free blocks, only {len(self._free_queue)} available")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"need {num_blocks} free blocks, only {self.num_free_blocks} available")
+        taken = list(itertools.islice(self._free_order(), num_blocks))
         # Notify first, mutate after: a hook that raises leaves the pool as it was.
         if self.on_evict is not None:
-            for block in itertools.islice(self._free_queue, num_blocks):
+            for block in taken:
                 if block.block_hash is not None:
                     self.on_evict(block)
-        blocks = [self._free_queue.popleft() for _ in range(num_blocks)]
+        for block in taken:
+            self._queue_of(block).remove(block)
+        blocks = taken
         for block in blocks:
             assert block.ref_cnt == 0, f"block {block.block_id} in the free queue has ref_cnt {block.ref_cnt}"
             if block.block_hash is not None:
@@ -207,6 +229,7 @@ class BlockPool:
                 block.block_hash = None
                 block.token_ids = None
                 block.group = 0
+            block.cold = False
             block.ref_cnt = 1
         return blocks
 
@@ -217,24 +240,31 @@ class BlockPool:
         """
         for block in blocks:
             if block.ref_cnt == 0:
-                self._free_queue.remove(block)
+                self._queue_of(block).remove(block)
+                block.cold = False
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, blocks: Iterable[KVBlock], cold: bool = False) -> None:
         """Drop one reference to each block; blocks reaching 0 go back to the free queue.
 
         Cached blocks are appended at the tail *in the order given* and stay in the hash map until
         evicted; callers pass a sequence's blocks last-first so its tail blocks are evicted first
         (its head blocks are the ones most likely shared by later requests). Uncached blocks hold
         nothing anyone can ask for again, so they go to the head and are reused before any cached
-        block is evicted.
+        block is evicted. ``cold`` blocks (a sliding group's, out of the window of the sequence that
+        freed them: a hit needs them only for a prefix ending within a window of them) wait, cached, in
+        a queue of their own that is taken after the uncached blocks and before any other cached one,
+        so the blocks a returning prompt needs outlive them.
         """
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed with ref_cnt {block.ref_cnt}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                if block.block_hash is None:
+                block.cold = cold and block.block_hash is not None
+                if block.cold:
+                    self._cold_queue.append(block)
+                elif block.block_hash is None:
                     self._free_queue.appendleft(block)
                 else:
                     self._free_queue.append(block)
@@ -289,7 +319,8 @@ class BlockPool:
         block.token_ids = None
         block.group = 0
         if block.ref_cnt == 0:
-            self._free_queue.remove(block)
+            self._queue_of(block).remove(block)
+            block.cold = False
             self._free_queue.appendleft(block)
         return True
 
@@ -300,22 +331,30 @@ class BlockPool:
 
     # ---------------------------------------------------------------- checks
 
-    def check_integrity(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant of the pool."""
-        queue = self._free_queue
-        seen: set[int] = set()
+    def _check_queue(self, queue: FreeBlockQueue, seen: set[int], cold: bool) -> None:
+        """One free queue's links, each block in it once; a cold block (cached) in the cold queue only."""
         prev: KVBlock | None = None
         block = queue._head
+        num_linked = 0
         while block is not None:
-            assert block.block_id not in seen, f"block {block.block_id} appears twice in the free queue"
-            assert len(seen) < len(self.blocks), "free queue is longer than the pool (a cycle?)"
+            assert block.block_id not in seen, f"block {block.block_id} appears twice in the free queues"
+            assert len(seen) < len(self.blocks), "free queues are longer than the pool (a cycle?)"
             assert self.blocks[block.block_id] is block, f"free queue holds foreign block {block.block_id}"
             assert block._prev is prev, f"block {block.block_id}: prev link does not match its predecessor"
+            assert block.cold == cold, f"block {block.block_id} (cold={block.cold}) in the wrong free queue"
+            assert not cold or block.block_hash is not None, f"cold block {block.block_id} is uncached"
             seen.add(block.block_id)
+            num_linked += 1
             prev = block
             block = block._next
         assert queue._tail is prev, "free queue tail is not its last block"
-        assert len(seen) == len(queue), f"free queue length {len(queue)} but {len(seen)} blocks linked"
+        assert num_linked == len(queue), f"free queue length {len(queue)} but {num_linked} blocks linked"
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant of the pool."""
+        seen: set[int] = set()
+        for queue, cold in ((self._free_queue, False), (self._cold_queue, True)):
+            self._check_queue(queue, seen, cold)
 
         num_free = num_cached_idle = num_in_use = 0
         for block in self.blocks:
@@ -343,7 +382,7 @@ class BlockPool:
             else:
                 num_cached_idle += 1
         assert num_free + num_cached_idle + num_in_use == len(self.blocks), "block states do not add up"
-        assert num_free + num_cached_idle == len(queue), "free queue length != free + cached idle blocks"
+        assert num_free + num_cached_idle == self.num_free_blocks, "free queues != free + cached idle blocks"
 
         for block_hash, block in self._cached.items():
             assert block.block_hash == block_hash, (

@@ -110,8 +110,9 @@ class LowerTiers(Protocol):
     def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
         """Plan host → device loads of held ``keys``."""
 
-    def on_device_evict(self, block_id: int, key: BlockHash, group: int = 0) -> None:
-        """A cached device block (of KV group ``group``) is about to be reused for other KV."""
+    def on_device_evict(self, block_id: int, key: BlockHash, group: int = 0, cold: bool = False) -> None:
+        """A cached device block (of KV group ``group``) is about to be reused for other KV; ``cold``: a
+        sliding group's block out of its sequence's window (kept below only where it displaces nothing)."""
 
     def on_block_full(self, block_id: int, key: BlockHash, group: int = 0) -> None:
         """A device block of KV group ``group`` became full and computed (and entered the hash map)."""

@@ -105,7 +105,7 @@ class KVCacheManager:
         if self._on_evict is not None:
             self._on_evict(block)
         if self.tiers is not None and block.block_hash is not None:
-            self.tiers.on_device_evict(block.block_id, block.block_hash, block.group)
+            self.tiers.on_device_evict(block.block_id, block.block_hash, block.group, block.cold)
         self.device_counters.blocks_evicted += 1
         if self.listener is not None and block.block_hash is not None:
             self.listener.blocks_removed(Medium.DEVICE, [block.block_hash], block.group)

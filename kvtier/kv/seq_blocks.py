@@ -122,7 +122,7 @@ class SeqBlocks:
         for g, i, _ in entries:
             self.tables[g][i] = None
             self.num_released[g] = max(self.num_released[g], i + 1)
-        pool.free_blocks(block for _, _, block in entries)
+        pool.free_blocks((block for _, _, block in entries), cold=True)
 
 
 def hit_tables(

@@ -305,23 +305,24 @@ class TierCoordinator:
             self._plan.load_keys.append(key)
             self._promoted.pop(key, None)
 
-    def store(self, block_id: int, key: BlockKey, group: int = 0) -> bool:
+    def store(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> bool:
         """Plan a device → host store of one block (of KV group ``group``) unless the host tier has (or
-        is getting) it."""
+        is getting) it; a ``cold`` block only into free room, first in line for eviction."""
         if self.on_offered is not None:
             self.on_offered(Medium.HOST, [key])
         if self.host.host_block_of(key) is not None:
             return False
-        spec = self.host.prepare_store([key], [group])
+        spec = self.host.prepare_store([key], [group], cold=cold)
         if not spec.keys:
             return False  # the host tier is full of pinned blocks: the block is dropped
         self._plan.stores.append((block_id, int(spec.addresses[0])))  # type: ignore[call-overload]
         self._plan.store_keys.append(key)
         return True
 
-    def on_device_evict(self, block_id: int, key: BlockKey, group: int = 0) -> None:
-        """Write-back: a cached device block is about to be reused; keep its KV in the host tier."""
-        self.store(block_id, key, group)
+    def on_device_evict(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> None:
+        """Write-back: a cached device block is about to be reused; keep its KV in the host tier (a
+        ``cold`` one, out of a sliding window, only where it displaces nothing)."""
+        self.store(block_id, key, group, cold)
 
     def on_block_full(self, block_id: int, key: BlockKey, group: int = 0) -> None:
         """Write-through: store a block as soon as it is full, if the host tier's policy or an active

@@ -44,6 +44,7 @@ class HostTier(KVTier):
         self._num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out block 0 first
         self._held: OrderedDict[BlockKey, int] = OrderedDict()
+        self._cold: set[BlockKey] = set()  # reserved cold keys: held at the eviction end once stored
         self._reserved: dict[BlockKey, int] = {}
         self._pins: Counter[BlockKey] = Counter()
         self._key_groups: dict[BlockKey, int] = {}
@@ -86,20 +87,27 @@ class HostTier(KVTier):
                 self._held.move_to_end(key)
 
     # ------------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[BlockKey], groups: KeyGroups = ()) -> StoreSpec:
+    def prepare_store(
+        self, keys: Sequence[BlockKey], groups: KeyGroups = (), cold: bool = False
+    ) -> StoreSpec:
+        """Reserve host blocks for ``keys`` (evicting the least recently used unpinned ones); ``cold``
+        keys (a sliding group's blocks out of their window) take free blocks only, and are held first in
+        line for eviction, so they never push out a block a returning prompt needs."""
         accepted: list[BlockKey] = []
         host_block_ids: list[int] = []
         evicted: list[BlockKey] = []
         for key in dict.fromkeys(keys):  # in order, without duplicates
             if key in self._held or key in self._reserved:
                 continue
-            if not self._free and not self._evict_one(evicted):
-                break  # everything is pinned or reserved: the rest does not fit
+            if not self._free and (cold or not self._evict_one(evicted)):
+                break  # no free room for a cold block, or everything is pinned or reserved
             host_block_id = self._free.pop()
             self._reserved[key] = host_block_id
             accepted.append(key)
             host_block_ids.append(host_block_id)
         self._note_groups(keys, groups, accepted)
+        if cold:
+            self._cold.update(accepted)
         return StoreSpec(tuple(accepted), tuple(host_block_ids), tuple(evicted))
 
     def complete_store(self, keys: Sequence[BlockKey], ok: bool = True) -> None:
@@ -107,9 +115,12 @@ class HostTier(KVTier):
             host_block_id = self._reserved.pop(key)
             if ok:
                 self._held[key] = host_block_id
+                if key in self._cold:
+                    self._held.move_to_end(key, last=False)  # the first evicted
             else:
                 self._pins.pop(key, None)
                 self._free.append(host_block_id)
+        self._cold.difference_update(keys)
         if ok:
             self._announce_stored(keys)
         else:
