@@ -83,7 +83,7 @@ def test_compact_gemma_blocks_of_every_group_come_back_byte_for_byte(
         disk = restarted.engine.stats().tiers[Medium.DISK]
     assert out.outputs[0].token_ids == want  # the cache never changes the answer of this KV dtype
     assert out.cached_tokens_by_tier.get(Medium.DISK, 0) > 0 and disk.blocks_loaded > 0
-    common = computed.keys() & reloaded.keys()
-    assert len(common) >= disk.blocks_loaded > out.num_cached_tokens // BLOCK  # sliding groups' too
+    common = computed.keys() & reloaded.keys()  # the hit's blocks: every full one, each window's
+    assert len(common) > out.num_cached_tokens // BLOCK  # sliding groups' blocks came back too
     for key in common:
         assert torch.equal(computed[key], reloaded[key]), "a block came back with other bytes"

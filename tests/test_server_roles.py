@@ -268,7 +268,8 @@ def test_four_floods_of_empty_messages_leave_health_fast(served) -> None:  # noq
     for r in answers:
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
     worst = max(health.latencies)
-    assert not health.failures and worst < 0.5, (worst, health.failures)
+    # ~0.1-0.2 s alone; 0.55 s once under a full-suite run on 2 cores. The stall this guards was 4.5 s.
+    assert not health.failures and worst < 1.0, (worst, health.failures)
     # 1500 empty messages: under the count, but more than the 1024-token context holds: refused unrendered
     few = {"messages": [{"role": "user", "content": ""}] * 1500, "max_tokens": 2}
     r = httpx.post(served.url + "/v1/chat/completions", json=few, timeout=60)
