@@ -237,7 +237,7 @@ class LLMEngine:
             return []
         t0 = time.perf_counter()
         result = self._execute(out)
-        samples, failures = self._sample(out, result.logits.cpu())  # the sampler runs on the CPU
+        samples, failures = self._sample(out, result.logits)  # on the device: Sampler.sample decides
         failed = self._fail_rows(failures)
         gone = {request.request_id for request in failed}
         outputs = self._update([x for x in samples if x[0].request_id not in gone]) + self._emit(failed)

@@ -73,6 +73,8 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_context] bool (True = attend); None when B == 1
     # [B] long tokens per sequence, the length of each mask row's True prefix: ``context_lens()``
     _lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    # [B] the same lengths as host ints, when the model runner has them: ``_cut`` reads no device value
+    _host_lens: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
     # the decode kernel's call for this step, prepared at the first layer: ``kernel_call()``
     _call: kvkernels.StepCall | None = field(default=None, init=False, repr=False, compare=False)
     # sliding-window views by (window, block size), built at the first sliding layer: ``window()``
@@ -114,7 +116,9 @@ class DecodeGroup:
             lens = torch.full((b,), self.max_context, dtype=torch.long, device=dev)
         first = (lens - window).clamp_min(0) // block_size  # [B] first block holding a key in the window
         last = (lens - 1) // block_size  # [B] the block of the new token
-        n = int((last - first).max()) + 1
+        n = self._window_blocks(window, block_size)
+        if n is None:  # no host lengths: read the device's (a sync on CUDA)
+            n = int((last - first).max()) + 1
         col = torch.arange(n, device=dev)
         # [B, n] block indices; past a row's own last block it repeats it (masked, never another's block)
         idx = torch.minimum(first[:, None] + col[None, :], last[:, None])
@@ -122,6 +126,15 @@ class DecodeGroup:
         pos = first[:, None] * block_size + torch.arange(n * block_size, device=dev)[None, :]  # [B, n*BS]
         mask = (pos < lens[:, None]) & (pos >= lens[:, None] - window)
         return DecodeWindow(tables, n, mask[:, None, None, :])
+
+    def _window_blocks(self, window: int, block_size: int) -> int | None:
+        """The most blocks a row's window spans (``_cut``'s ``n``), counted on the host: from
+        ``max_context`` when every row has it (no mask), else from the runner's host lengths; None
+        without them."""
+        lens = (self.max_context,) if self.mask is None else self._host_lens
+        if lens is None:
+            return None
+        return max((k - 1) // block_size - max(0, k - window) // block_size for k in lens) + 1
 
 
 @dataclass(frozen=True)

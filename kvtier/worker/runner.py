@@ -11,6 +11,12 @@ built from each scheduled sequence's table in that group (``ScheduledSeq.block_t
 
 The groups share the step's tokens, positions, slot offsets and masks; only the block ids differ. A
 dense model is one group: one metadata, exactly the objects it had before the groups.
+
+A step is built in two passes: ``_plan`` gathers every integer list (tokens, positions, slot mapping,
+block tables, context lengths, sampling rows, copy-on-write pairs) as Python ints into one
+``StepStaging`` (``kvtier/worker/staging.py``), which goes to the device in ONE transfer (pinned and
+asynchronous on CUDA); ``_build`` then makes the metadata from views of that one tensor, its masks
+built on the device. No other host-to-device copy happens in ``execute``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Sequence, TokenLogprobs
 from kvtier.worker.sampler import prompt_logprobs
+from kvtier.worker.staging import StepStaging
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -94,6 +101,41 @@ def _prompt_rows(s: ScheduledSeq, row: int) -> _PromptRows | None:
     return _PromptRows(seq, row + lo - c, lo + 1, hi - lo)
 
 
+@dataclass
+class _DecodePlan:
+    """The decode rows' sizes and staged parts (``StepStaging`` handles), shared by the KV groups."""
+
+    num_seqs: int
+    max_blocks: int
+    max_context: int
+    lens: int | None  # [B] context lengths, the mask's; None: every row has max_context tokens (no mask)
+    tables: tuple[int, ...]  # per KV group: [B * max_blocks] padded block tables
+    host_lens: tuple[int, ...] | None  # the same lengths as host ints (with ``lens``)
+
+
+@dataclass
+class _ChunkPlan:
+    """A prefill chunk: ``num_tokens`` rows from ``start``, after ``num_cached`` cached tokens."""
+
+    start: int
+    num_tokens: int
+    num_cached: int
+    tables: tuple[int, ...] | None  # per KV group: [n_blocks] its block table; None: nothing cached
+
+
+@dataclass
+class _StepPlan:
+    """A step's integer metadata as ``StepStaging`` handles: gathered on the host, uploaded at once."""
+
+    ids: int  # [T] token ids
+    positions: int  # [T]
+    offsets: int  # [T] slot offsets (every KV group's)
+    slot_blocks: tuple[int, ...]  # per KV group: [T] block each new token's K/V is written to
+    decode: _DecodePlan | None
+    chunks: list[_ChunkPlan]
+    logits_rows: int | None  # [N] the rows that sample; None: every row does
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -117,29 +159,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: whole blocks (every layer) from src to dst, one indexed copy."""
+        """Copy-on-write: whole blocks (every layer) from src to dst, one indexed copy (the block ids in
+        one transfer; ``execute`` folds them into the step's own)."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
+        stage = StepStaging()
+        pairs = self._stage_copies(stage, copies)
+        stage.upload(self.device)
+        self._copy_staged(stage, pairs)
+
+    @staticmethod
+    def _stage_copies(stage: StepStaging, copies: list[tuple[int, int]]) -> tuple[int, int] | None:
+        """Stage the src and dst block ids of ``copies``: their handles; None when there are none."""
+        if not copies:
+            return None
+        return stage.add(c[0] for c in copies), stage.add(c[1] for c in copies)
+
+    def _copy_staged(self, stage: StepStaging, pairs: tuple[int, int] | None) -> None:
+        if pairs is not None:
+            src, dst = stage.get(pairs[0]), stage.get(pairs[1])
+            self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run the step: logits [N, V] (float32) for the scheduled seqs whose ``samples`` is True, in
-        row order (decodes, then prefills), and the prompt logprobs of the chunks that want them."""
-        self.copy_blocks(out.block_copies)
-        input_ids, positions, meta, logits_rows = self._prepare(out)
+        row order (decodes, then prefills), and the prompt logprobs of the chunks that want them.
+
+        The step's integer metadata, copy-on-write pairs included, reaches the device in one transfer
+        (``StepStaging``): gathered as Python ints, uploaded, then read through views."""
+        stage = StepStaging()
+        copies = self._stage_copies(stage, out.block_copies)
+        plan = self._plan(out, stage)
+        stage.upload(self.device)
+        self._copy_staged(stage, copies)  # before the step reads or writes the copied blocks
+        input_ids, positions, meta = self._build(plan, stage)
         hidden = self.model.forward(input_ids, positions, self.cache, meta)  # [T, hidden]
         wanted = [r for r in self._prompt_rows(out) if r is not None]
         found = [(r.seq, self._prompt_logprobs(hidden, r)) for r in wanted]
-        if len(logits_rows) != hidden.shape[0]:
-            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        if plan.logits_rows is not None:
+            hidden = hidden.index_select(0, stage.get(plan.logits_rows))
         return StepLogits(self.model.compute_logits(hidden), found)
 
     @staticmethod
     def _prompt_rows(out: SchedulerOutput) -> list[_PromptRows | None]:
-        """Each chunk's prompt-logprob rows, its first token's row counted as ``_prepare`` lays them out."""
+        """Each chunk's prompt-logprob rows, its first token's row counted as ``_plan`` lays them out."""
         rows = [_prompt_rows(s, i) for i, s in enumerate(out.decodes)]
         start = len(out.decodes)
         for s in out.prefills:
@@ -157,11 +220,10 @@ class ModelRunner:
             entries += prompt_logprobs(logits.float(), targets[i : i + n], k)
         return entries
 
-    # ----------------------------------------------------------------------------------------
-    def _prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[AttentionMetadata, ...], list[int]]:
-        """The step's tokens [T], positions [T], one metadata per KV group, and the rows that sample."""
+    # ---------------------------------------------------------------------------- host side
+    def _plan(self, out: SchedulerOutput, stage: StepStaging) -> _StepPlan:
+        """Stage the step's tokens, positions, slot mapping, block tables, context lengths and sampling
+        rows (decodes first, then prefill chunks), every list as Python ints."""
         ids: list[int] = []
         pos: list[int] = []
         logits_rows: list[int] = []
@@ -177,85 +239,133 @@ class ModelRunner:
             pos.extend(range(c, c + n))
             if s.samples:
                 logits_rows.append(len(ids) - 1)
-        first = self._metadata(out, 0, None)
-        metas = (first, *(self._metadata(out, g, first) for g in range(1, self.num_groups)))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        return input_ids, positions, metas, logits_rows
-
-    def _metadata(self, out: SchedulerOutput, g: int, like: AttentionMetadata | None) -> AttentionMetadata:
-        """KV group ``g``'s metadata: its slot mapping and block tables. ``like`` (group 0's, this step):
-        the slot offsets and masks to share (they do not depend on the group)."""
-        bs, dev = self.block_size, self.device
-        slot_blocks: list[int] = []
-        offsets: list[int] = []
-        for s in out.decodes:
-            p = s.num_computed_tokens
-            slot_blocks.append(s.block_tables[g][p // bs])
-            offsets.append(p % bs)
-        decode = None
-        if out.decodes:
-            decode = self._decode_group(out.decodes, g, None if like is None else like.decode)
-        prefills: list[PrefillGroup] = []
-        start = len(out.decodes)
-        for k, s in enumerate(out.prefills):
-            c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_tables[g]
-            slot_blocks.extend(table[p // bs] for p in range(c, c + n))
-            if like is None:
-                offsets.extend(p % bs for p in range(c, c + n))
-            prefills.append(
-                self._prefill_group(start, c, n, table, None if like is None else like.prefills[k])
-            )
-            start += n
-        return AttentionMetadata(
-            slot_block_ids=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
-            slot_offsets=torch.tensor(offsets, dtype=torch.long, device=dev)
-            if like is None
-            else like.slot_offsets,
-            decode=decode,
-            prefills=prefills,
+        bs, groups = self.block_size, range(self.num_groups)
+        return _StepPlan(
+            ids=stage.add(ids),
+            positions=stage.add(pos),
+            offsets=stage.add(p % bs for p in pos),
+            slot_blocks=tuple(stage.add(self._slot_blocks(out, g)) for g in groups),
+            decode=self._plan_decode(out.decodes, stage) if out.decodes else None,
+            chunks=self._plan_chunks(out.prefills, len(out.decodes), stage),
+            logits_rows=None if len(logits_rows) == len(ids) else stage.add(logits_rows),
         )
 
-    def _prefill_group(
-        self, start: int, c: int, n: int, table: Seq[int], like: PrefillGroup | None
-    ) -> PrefillGroup:
-        """A chunk of ``n`` tokens after ``c`` cached ones, its first row ``start``, over ``table``."""
-        if c == 0:
-            return PrefillGroup(start, n, 0, None, None)
-        dev = self.device
-        num_blocks = -(-(c + n) // self.block_size)
-        rows = torch.tensor(readable_table(table[:num_blocks]), dtype=torch.long, device=dev)
-        if like is not None:
-            return PrefillGroup(start, n, c, rows, like.mask)
-        q_pos = torch.arange(c, c + n, device=dev)
-        mask = torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, c+n]
-        return PrefillGroup(start, n, c, rows, mask)
+    def _slot_blocks(self, out: SchedulerOutput, g: int) -> list[int]:
+        """[T] the block of KV group ``g`` each new token is written to (position p: tables[g][p // BS])."""
+        bs = self.block_size
+        blocks = [s.block_tables[g][s.num_computed_tokens // bs] for s in out.decodes]
+        for s in out.prefills:
+            c, n, table = s.num_computed_tokens, s.num_new_tokens, s.block_tables[g]
+            blocks.extend(table[p // bs] for p in range(c, c + n))
+        return blocks
 
-    def _decode_group(self, decodes: list[ScheduledSeq], g: int, like: DecodeGroup | None) -> DecodeGroup:
-        """The decode rows over group ``g``'s tables, padded to the longest context (``like``: the same
-        rows' group in another KV group, whose sizes and mask it shares)."""
-        if like is None:
-            context_lens = [s.num_computed_tokens + 1 for s in decodes]
-            max_context = max(context_lens)
-            max_blocks = -(-max_context // self.block_size)
-            mask = None
-            if len(decodes) > 1 and min(context_lens) != max_context:
-                lens = torch.tensor(context_lens, device=self.device)
-                mask = (torch.arange(max_context, device=self.device)[None, :] < lens[:, None])[
-                    :, None, None, :
-                ]
-        else:
-            max_context, max_blocks, mask = like.max_context, like.max_blocks, like.mask
-        table: list[int] = []
-        for s in decodes:
-            row = list(readable_table(s.block_tables[g][:max_blocks]))
-            # padding is masked out, but a zero weight times NaN is NaN: pad with the sequence's own
-            # first block, so one request's corrupt block never reaches another's attention
-            table.extend(row + row[:1] * (max_blocks - len(row)))
-        return DecodeGroup(
-            num_seqs=len(decodes),
-            block_tables=torch.tensor(table, dtype=torch.long, device=self.device),
-            max_blocks=max_blocks,
-            max_context=max_context,
+    def _plan_decode(self, decodes: list[ScheduledSeq], stage: StepStaging) -> _DecodePlan:
+        """The decode rows padded to the longest context, each KV group's tables staged (the lengths
+        only when they differ: the mask's)."""
+        context_lens = [s.num_computed_tokens + 1 for s in decodes]
+        max_context = max(context_lens)
+        max_blocks = -(-max_context // self.block_size)
+        masked = len(decodes) > 1 and min(context_lens) != max_context
+        tables: list[int] = []
+        for g in range(self.num_groups):
+            table: list[int] = []
+            for s in decodes:
+                row = list(readable_table(s.block_tables[g][:max_blocks]))
+                # padding is masked out, but a zero weight times NaN is NaN: pad with the sequence's own
+                # first block, so one request's corrupt block never reaches another's attention
+                table.extend(row + row[:1] * (max_blocks - len(row)))
+            tables.append(stage.add(table))
+        lens, host_lens = (stage.add(context_lens), tuple(context_lens)) if masked else (None, None)
+        return _DecodePlan(len(decodes), max_blocks, max_context, lens, tuple(tables), host_lens)
+
+    def _plan_chunks(self, prefills: list[ScheduledSeq], start: int, stage: StepStaging) -> list[_ChunkPlan]:
+        """Each prefill chunk, its first row ``start`` on; a chunk after cached tokens stages each KV
+        group's block table (the blocks of its ``c + n`` positions)."""
+        chunks: list[_ChunkPlan] = []
+        for s in prefills:
+            c, n = s.num_computed_tokens, s.num_new_tokens
+            tables = None
+            if c > 0:
+                num_blocks = -(-(c + n) // self.block_size)
+                groups = range(self.num_groups)
+                tables = tuple(stage.add(readable_table(s.block_tables[g][:num_blocks])) for g in groups)
+            chunks.append(_ChunkPlan(start, n, c, tables))
+            start += n
+        return chunks
+
+    # -------------------------------------------------------------------------- device side
+    def _build(
+        self, plan: _StepPlan, stage: StepStaging
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[AttentionMetadata, ...]]:
+        """The step's tokens [T], positions [T] and one metadata per KV group, as views of the uploaded
+        tensor. The groups share the slot offsets and the masks (the same objects); only block ids differ.
+        Masks are built on the device (no transfer)."""
+        offsets = stage.get(plan.offsets)
+        lens, decode_mask = self._decode_mask(plan.decode, stage)
+        chunk_masks = [self._chunk_mask(ch) for ch in plan.chunks]
+        metas = tuple(
+            AttentionMetadata(
+                slot_block_ids=stage.get(plan.slot_blocks[g]),
+                slot_offsets=offsets,
+                decode=self._decode_group(plan.decode, g, lens, decode_mask, stage),
+                prefills=[
+                    self._prefill_group(ch, g, mask, stage)
+                    for ch, mask in zip(plan.chunks, chunk_masks, strict=True)
+                ],
+            )
+            for g in range(self.num_groups)
+        )
+        return stage.get(plan.ids), stage.get(plan.positions), metas
+
+    def _decode_mask(
+        self, plan: _DecodePlan | None, stage: StepStaging
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The decode rows' context lengths [B] and mask [B, 1, 1, max_context] (True = attend); (None,
+        None) when there are no decode rows or every row has ``max_context`` tokens."""
+        if plan is None or plan.lens is None:
+            return None, None
+        lens = stage.get(plan.lens)
+        cols = torch.arange(plan.max_context, device=self.device)
+        return lens, (cols[None, :] < lens[:, None])[:, None, None, :]
+
+    def _chunk_mask(self, chunk: _ChunkPlan) -> torch.Tensor | None:
+        """A chunk's causal mask [n, c + n] after its ``c`` cached tokens; None with nothing cached."""
+        c, n, dev = chunk.num_cached, chunk.num_tokens, self.device
+        if chunk.tables is None:
+            return None
+        q_pos = torch.arange(c, c + n, device=dev)
+        return torch.arange(c + n, device=dev)[None, :] <= q_pos[:, None]  # [n, c+n]
+
+    @staticmethod
+    def _decode_group(
+        plan: _DecodePlan | None,
+        g: int,
+        lens: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        stage: StepStaging,
+    ) -> DecodeGroup | None:
+        """The decode rows over KV group ``g``'s tables (None: no decode rows)."""
+        if plan is None:
+            return None
+        group = DecodeGroup(
+            num_seqs=plan.num_seqs,
+            block_tables=stage.get(plan.tables[g]),
+            max_blocks=plan.max_blocks,
+            max_context=plan.max_context,
             mask=mask,
         )
+        if lens is not None:
+            # the lengths the mask was built from, on the device (``context_lens()`` need not sum the
+            # mask) and on the host (a sliding layer's window cut then reads no device value)
+            group._lens, group._host_lens = lens, plan.host_lens
+        return group
+
+    @staticmethod
+    def _prefill_group(
+        chunk: _ChunkPlan, g: int, mask: torch.Tensor | None, stage: StepStaging
+    ) -> PrefillGroup:
+        """A chunk over KV group ``g``'s block table (none when nothing is cached: no gather)."""
+        if chunk.tables is None:
+            return PrefillGroup(chunk.start, chunk.num_tokens, 0, None, None)
+        table = stage.get(chunk.tables[g])
+        return PrefillGroup(chunk.start, chunk.num_tokens, chunk.num_cached, table, mask)

@@ -5,8 +5,11 @@ A row's logits are edited in this order: the repetition penalty (prompt and outp
 frequency and presence penalties (output tokens), the logit bias, the tokens banned while
 ``min_tokens`` are not out yet, then the structured-output grammar's mask.
 
-Greedy rows are one batched argmax. Random rows share one batched softmax, then each draws with
-``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
+Greedy rows are one batched argmax, on the logits' device when every row of the step is greedy and
+unedited (a GPU's logits stay there: only the chosen ids and a finite flag per row come back, not a
+[N, V] tensor); any other step is sampled on the CPU (per-sequence CPU generators, grammar masks and
+penalties built there), its logits copied over once. Random rows share one batched softmax, then each
+draws with ``torch.multinomial`` from its own ``torch.Generator``, so a seeded sequence draws the same numbers
 whatever else shares its batch.
 
 A bad row fails alone: a row whose logits are non-finite as the model gave them (corrupt K/V), a row
@@ -143,22 +146,29 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> list[SampleResult]:
         """logits: [N, V] float32. Returns (token id, logprobs or None) per request, in order, or a
         ``RowError`` for a request whose row cannot be sampled (no other row is affected)."""
-        finite = torch.isfinite(logits).all(dim=-1).tolist()  # [N]: the model's own rows
-        errors = {i: RowError(_MODEL_ROW, model=True) for i, r in enumerate(reqs) if not finite[r.row]}
+        if logits.device.type != "cpu" and not _device_sampled(reqs):
+            logits = logits.cpu()
+        finite_rows = torch.isfinite(logits).all(dim=-1)  # [N]: the model's own rows
         index = [r.row for r in reqs]
         edits = any(
             r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
             for r in reqs
         )
         if not edits and index == list(range(logits.shape[0])):
-            rows = logits  # one row per sequence, nothing to edit: read in place (a decode step's usual case)
+            # one row per sequence, nothing to edit (a decode step's usual case): the argmax and the
+            # finite flags come back together, one readback
+            rows = logits
+            tokens, finite = torch.stack((rows.argmax(dim=-1), finite_rows.long())).tolist()
+            errors = {i: RowError(_MODEL_ROW, model=True) for i, r in enumerate(reqs) if not finite[r.row]}
         else:
-            rows = logits.index_select(0, torch.tensor(index, dtype=torch.long))  # [M, V], edited below
-            for i, r in enumerate(reqs):
+            finite = finite_rows.tolist()
+            errors = {i: RowError(_MODEL_ROW, model=True) for i, r in enumerate(reqs) if not finite[r.row]}
+            rows = logits.index_select(0, torch.tensor(index, dtype=torch.long, device=logits.device))
+            for i, r in enumerate(reqs):  # rows [M, V] edited
                 if i not in errors:
                     self._guard(errors, i, r, self._edit, rows, i, logits, r)
             _check_edited(rows, errors)
-        tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this
+            tokens = rows.argmax(dim=-1).tolist()  # greedy rows keep this
         self._sample_random(rows, reqs, tokens, errors)
         for i, (token, r) in enumerate(zip(tokens, reqs, strict=True)):
             if i not in errors and r.params.structured_outputs is not None and self.grammars is not None:
@@ -232,6 +242,17 @@ class Sampler:
         if k is None:
             return None
         return prompt_logprobs(row[None], [token], k)[0]
+
+
+def _device_sampled(reqs: list[SampleRequest]) -> bool:
+    """Whether a step's rows sample where their logits are: greedy and unedited, every one of them."""
+    return all(
+        r.params.greedy
+        and not (
+            r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
+        )
+        for r in reqs
+    )
 
 
 def _check_edited(rows: torch.Tensor, errors: dict[int, RowError]) -> None:
