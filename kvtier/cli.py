@@ -221,6 +221,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME: a user's own deploy
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
+    "gpu": "on a lent GPU: exactness vs transformers, kernels, transfer GB/s, TTFT, decode, overlap",
 }
 # Studies, A/B harnesses and peer comparisons: not in the package; a kvtier checkout runs them from its
 # benchmarks/ directory. The first three were `kvtier bench NAME` once: that now says where they are.
@@ -230,7 +231,6 @@ _CHECKOUT_BENCHMARKS = {
     "python -m benchmarks.kvdtype": "KV cache dtypes side by side: perplexity, agreement, capacity, speed",
     "python -m benchmarks.kernels": "this checkout's gguf weight kernel vs a git revision's",
     "python benchmarks/overload.py": "goodput under overload, driven by guidellm (make bench-overload)",
-    "python benchmarks/gpu_check.py": "exactness and speed on CUDA, against transformers",
 }
 _MOVED_BENCHMARKS = ("throughput", "kvdtype", "kernels")
 

@@ -204,7 +204,7 @@ def _decode_reduce(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_cached"])  # one compile for every chunk size
 def _prefill_kernel(
     q_ptr, sq_t, sq_h,  # the chunk's [n, H, D] queries (stored basis)
     out_ptr, so_t, so_h,  # its [n, H, D] output

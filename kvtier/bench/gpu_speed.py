@@ -1,0 +1,233 @@
+"""``kvtier bench gpu`` parts 2-5: the tiers' data path and the attention kernels, timed on the device.
+
+2. transfer  host↔device block copies through ``TierMover`` (pinned host buffer, its own CUDA stream)
+             next to a plain pinned ``copy_`` (cudaMemcpy) of the same bytes.
+3. ttft      time to first token of a long prompt: computed from scratch, its blocks loaded back from
+             the host tier (the device copy evicted by other prompts), and a device prefix-cache hit.
+4. decode    tokens/s of a batch decoding together, with the Triton kernels and with the torch path
+             (gather the context, pad, SDPA).
+5. overlap   how much of a host→device load the forward hides: the engine's order (the step's forward
+             waits for its loads) and the bound (a copy of the same bytes on a side stream, not waited on).
+
+Times are wall-clock around synchronized calls (``torch.cuda.synchronize``), best of a few repetitions.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.bench.gpu_models import Shape, random_prompts
+from kvtier.stats import Medium
+
+BLOCK_SIZE = 16
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def best_of(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Best synchronized wall time of each function, run in turn (all see the same machine)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    sync()
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            sync()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+# ------------------------------------------------------------------------------------------ transfer
+@dataclass
+class TransferRow:
+    blocks: int
+    pattern: str  # contiguous ids (one copy per run) or scattered (one copy per block)
+    mib: float
+    load_gbs: float  # host → device through the mover
+    store_gbs: float  # device → host through the mover
+    memcpy_h2d_gbs: float  # a plain pinned copy of the same bytes
+    memcpy_d2h_gbs: float
+
+    @property
+    def load_fraction(self) -> float:
+        return self.load_gbs / self.memcpy_h2d_gbs
+
+
+@torch.inference_mode()
+def transfer_rows(
+    shape: Shape, sizes: tuple[int, ...], dtype: torch.dtype, repeat: int = 5
+) -> list[TransferRow]:
+    """The shape's blocks (every layer of 16 tokens) moved in batches of ``sizes`` blocks."""
+    from kvtier.kv.plan import SwapPlan
+    from kvtier.transfer.mover import TierMover
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    block_shape = (shape.layers, BLOCK_SIZE, 2, shape.kv_heads, shape.head_dim)
+    top = max(sizes)
+    pool = torch.ones((top * 2, *block_shape), dtype=dtype, device=dev)
+    mover = TierMover(pool, top)
+    pinned = dev.type == "cuda"
+    host = torch.ones(top * mover.block_bytes, dtype=torch.uint8, pin_memory=pinned)
+    device_bytes = torch.ones(top * mover.block_bytes, dtype=torch.uint8, device=dev)
+    rng = random.Random(0)
+    rows = []
+    for n in sizes:
+        nbytes = n * mover.block_bytes
+        ids = {"contiguous": list(range(n)), "scattered": rng.sample(range(top * 2), n)}
+        fns: dict[str, Callable[[], object]] = {
+            "h2d": lambda b=nbytes: device_bytes[:b].copy_(host[:b], non_blocking=True),
+            "d2h": lambda b=nbytes: host[:b].copy_(device_bytes[:b], non_blocking=True),
+        }
+        for pattern, block_ids in ids.items():
+            loads = SwapPlan(loads=list(zip(range(n), block_ids, strict=True)))
+            stores = SwapPlan(stores=list(zip(block_ids, range(n), strict=True)))
+            fns[f"load {pattern}"] = lambda p=loads: (mover.execute(p), mover.synchronize())
+            fns[f"store {pattern}"] = lambda p=stores: (mover.execute(p), mover.synchronize())
+        best = best_of(fns, repeat)
+        gbs = {k: nbytes / v / 1e9 for k, v in best.items()}
+        for pattern in ids:
+            rows.append(
+                TransferRow(
+                    n,
+                    pattern,
+                    nbytes / 2**20,
+                    gbs[f"load {pattern}"],
+                    gbs[f"store {pattern}"],
+                    gbs["h2d"],
+                    gbs["d2h"],
+                )
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ TTFT
+@dataclass
+class TTFTRow:
+    prompt_tokens: int
+    recompute_ms: float
+    host_load_ms: float
+    device_hit_ms: float
+    host_tokens: int  # prompt tokens the host-load run took from the host tier
+    device_tokens: int  # ... the device-hit run from the device pool
+
+    @property
+    def host_speedup(self) -> float:
+        return self.recompute_ms / self.host_load_ms
+
+
+def _ttft(llm: Any, prompt: list[int]) -> tuple[float, Any]:
+    from kvtier import SamplingParams
+
+    sync()
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+    sync()
+    return 1000 * (time.perf_counter() - t0), out
+
+
+def ttft_rows(
+    model_dir: Path, shape: Shape, lengths: tuple[int, ...], dtype: str, backend: str
+) -> list[TTFTRow]:
+    """Each prompt computed, hit on the device, then pushed out of the device pool by other prompts
+    (stored to the host tier on eviction) and loaded back."""
+    from kvtier import LLM, SamplingParams
+
+    pool_tokens = int(max(lengths) * 1.25) + 4 * BLOCK_SIZE
+    block_bytes = shape.kv_bytes_per_token(2 if dtype != "float32" else 4) * BLOCK_SIZE
+    host_gb = 3 * pool_tokens * block_bytes / BLOCK_SIZE / 2**30
+    engine = dict(
+        dtype=dtype, attention_backend=backend, kv_device_blocks=-(-pool_tokens // BLOCK_SIZE),
+        kv_host_gb=host_gb, max_model_len=max(lengths) + BLOCK_SIZE, max_num_batched_tokens=8192,
+    )  # fmt: skip
+    rows = []
+    filler_len = max(lengths) // 2
+    with LLM(str(model_dir), **engine) as llm:
+        warm = random_prompts(1, min(lengths), 99, shape.vocab)[0]
+        for _ in range(2):  # kernels compiled: a fresh chunk, then one after cached blocks
+            _ttft(llm, warm)
+        for n in lengths:
+            prompt = random_prompts(1, n, n, shape.vocab)[0]
+            recompute, _ = _ttft(llm, prompt)
+            device_hit, dev_out = _ttft(llm, prompt)
+            fillers = random_prompts(
+                -(-11 * pool_tokens // (10 * filler_len)), filler_len, n + 1, shape.vocab
+            )
+            for f in fillers:  # one at a time: each evicts the oldest blocks, the prompt's first
+                llm.generate([f], SamplingParams(temperature=0.0, max_tokens=1))
+            host_load, host_out = _ttft(llm, prompt)
+            rows.append(
+                TTFTRow(
+                    n, recompute, host_load, device_hit,
+                    host_out.cached_tokens_by_tier.get(Medium.HOST, 0),
+                    dev_out.cached_tokens_by_tier.get(Medium.DEVICE, 0),
+                )
+            )  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ decode
+@dataclass
+class DecodeRow:
+    batch: int
+    context: int  # prompt tokens per sequence
+    triton_tok_s: float | None
+    torch_tok_s: float
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.triton_tok_s is None else self.triton_tok_s / self.torch_tok_s
+
+
+def decode_tok_s(llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int) -> float:
+    """Tokens/s of ``batch`` sequences decoding ``new_tokens`` after ``context``-token prompts: the run
+    with ``new_tokens`` minus the run with one (other prompts of the same size: no cache hits)."""
+    from kvtier import SamplingParams
+
+    times = []
+    for i, tokens in enumerate((1, new_tokens)):
+        prompts = random_prompts(batch, context, seed + i, shape.vocab)
+        sync()
+        t0 = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        sync()
+        times.append(time.perf_counter() - t0)
+    return batch * (new_tokens - 1) / max(times[1] - times[0], 1e-9)
+
+
+def decode_rows(
+    model_dir: Path,
+    shape: Shape,
+    batches: tuple[int, ...],
+    context: int,
+    new_tokens: int,
+    dtype: str,
+    backends: list[str],
+) -> list[DecodeRow]:
+    from kvtier import LLM
+
+    tok_s: dict[str, list[float]] = {}
+    blocks = max(batches) * 2 * (-(-(context + new_tokens) // BLOCK_SIZE)) + 64
+    for backend in backends:
+        engine = dict(
+            dtype=dtype, attention_backend=backend, kv_device_blocks=blocks, max_num_seqs=max(batches)
+        )
+        with LLM(str(model_dir), **engine) as llm:
+            decode_tok_s(llm, shape, 2, 32, 4, seed=1)  # warm-up: kernels compiled, allocator sized
+            tok_s[backend] = [decode_tok_s(llm, shape, b, context, new_tokens, seed=10 * b) for b in batches]
+    triton = tok_s.get("triton")
+    return [
+        DecodeRow(b, context, None if triton is None else triton[i], tok_s["torch"][i])
+        for i, b in enumerate(batches)
+    ]
