@@ -29,6 +29,7 @@ from kvtier.insight.inspector import CacheFacts, KVInspector
 from kvtier.kv.groups import kv_layout
 from kvtier.kv.hashing import cache_identity
 from kvtier.kv.manager import KVCacheManager
+from kvtier.kv.retention import Retention
 from kvtier.kv_events import KVEventRecorder, RedisStreamPublisher, default_replica_id
 from kvtier.models import attention_backend, registry
 from kvtier.models.kv_quant import STORAGE_DTYPES
@@ -109,11 +110,22 @@ def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, devic
         tuple(runner.kv_cache.shape[1:]),
         runner.kv_cache.element_size(),
     )
-    tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache)
+    retention = _retention(config)
+    tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache, retention)
     kv = KVCacheManager(
-        cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, tiers=tiers, layout=layout
+        cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, None, tiers, layout, retention
     )
     return runner, tiers, mover, kv
+
+
+def _retention(config: EngineConfig) -> Retention | None:
+    """Prompt-cache retention (kvtier/kv/retention.py): at most the fraction of the largest tier."""
+    cache, tiers = config.cache, config.tiers
+    if not cache.enable_prefix_caching or cache.retain_max_fraction <= 0:
+        return None
+    disk_blocks = tiers.disk_bytes // cache.block_bytes if tiers.disk_dir is not None else 0
+    largest = max(cache.num_device_blocks, tiers.num_host_blocks, disk_blocks)
+    return Retention(int(largest * cache.retain_max_fraction), cache.retain_max_fraction)
 
 
 def _start_kv_events(

@@ -221,6 +221,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME: a user's own deploy
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
+    "agent": "agents in tool loops under unrelated pressure: step TTFT with and without retention",
     "gpu": "on a lent GPU: exactness vs transformers, kernels, transfer GB/s, TTFT, decode, overlap",
 }
 # Studies, A/B harnesses and peer comparisons: not in the package; a kvtier checkout runs them from its

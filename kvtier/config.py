@@ -165,6 +165,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     block_bytes: int = 0  # bytes of one block in the device pool (and in every tier)
     kv_dtype: str = "float32"  # what the blocks store: the compute dtype, or fp8_e4m3/fp8_e5m2/int8
+    retain_max_fraction: float = 0.5  # of each tier, at most, kept from eviction by retention
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,9 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
     return EngineConfig(
         model=model,
         dtype=dtype,
-        cache=CacheConfig(bs, num_blocks, args.enable_prefix_caching, block_bytes, kv_dtype),
+        cache=CacheConfig(
+            bs, num_blocks, args.enable_prefix_caching, block_bytes, kv_dtype, args.kv_retain_max_fraction
+        ),
         scheduler=SchedulerConfig(
             args.max_num_seqs,
             args.max_num_batched_tokens,
@@ -391,6 +394,13 @@ class EngineArgs:
     kv_remote_ttl_s: float = field(
         default=86400.0,
         metadata={"help": "expiry of every remote value in seconds, refreshed by a hit (0: none)"},
+    )
+    kv_retain_max_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "the most of each tier that prompt-cache retention (cache_control TTLs, "
+            "prompt_cache_retention) keeps from eviction, 0..1 (0: retention off)"
+        },
     )
     preemption_mode: PreemptionMode = field(
         default="auto", metadata={"help": "auto (cheaper of swap and recompute), swap or recompute"}
@@ -547,6 +557,8 @@ class EngineArgs:
             raise ConfigError(f"step_time_factor must be 0 or >= 1, got {self.step_time_factor}")
         if self.max_num_partial_prefills < 0:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
+        if not 0.0 <= self.kv_retain_max_fraction <= 1.0:
+            raise ConfigError(f"kv_retain_max_fraction must be in [0, 1], got {self.kv_retain_max_fraction}")
         if self.kv_admission_factor < 0:
             raise ConfigError(f"kv_admission_factor must be >= 0, got {self.kv_admission_factor}")
         for name in ("max_itl_ms", "itl_factor", "max_queue_wait_s"):

@@ -43,6 +43,7 @@ from kvtier.assembly import assemble
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.plan import SwapPlan
+from kvtier.kv.retention import RetentionSpan
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
@@ -93,6 +94,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._num_retained_hit_tokens = 0  # prompt tokens read from the cache within a retention
         self._closed = False
 
     @property
@@ -136,12 +138,14 @@ class LLMEngine:
         tenant: str | None = None,
         arrival_time: float | None = None,
         admit: bool = False,
+        retention: Seq[RetentionSpan] = (),
     ) -> str:
         """Validate and queue one request; raises ``ConfigError`` (and queues nothing) on bad input.
         ``priority``: lower runs first; ``tenant``: its fair-share key; ``arrival_time``: monotonic
         seconds when it arrived (the HTTP layer's; default now). ``admit``: refuse it when the engine
         is past its capacity (``KVCapacityExceeded`` / ``QueueWaitExceeded``, both with
-        ``retry_after_s``: kvtier/scheduler/admission.py) instead of queueing every request."""
+        ``retry_after_s``: kvtier/scheduler/admission.py) instead of queueing every request.
+        ``retention``: keep the prompt's first tokens cached for a while (kvtier/kv/retention.py)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self.tokenize_prompt(prompt)
@@ -159,6 +163,7 @@ class LLMEngine:
             request.arrival_time = seq.arrival_time = arrival_time
         request.priority = seq.priority = priority
         request.tenant = seq.tenant = tenant or ""
+        request.retention = tuple(retention)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._num_prompt_tokens += len(token_ids)
@@ -279,7 +284,17 @@ class LLMEngine:
             assert seq.prompt_logprobs is not None
             seq.prompt_logprobs.extend(entries)
         self.scheduler.advance(out)
+        self._retain(out)
         return result
+
+    def _retain(self, out: SchedulerOutput) -> None:
+        """Prompts computed this step keep their retention spans' blocks (a hit refreshes them)."""
+        for s in out.prefills:
+            request = self.requests.get(s.seq.request_id)
+            done = s.num_computed_tokens + s.num_new_tokens >= s.seq.num_prompt_tokens
+            if request is not None and request.retention and done and s.seq.seq_id in self.kv:
+                request.num_retained_tokens = retained = self.kv.retain(s.seq.seq_id, request.retention)
+                self._num_retained_hit_tokens += min(s.seq.num_cached_tokens or 0, retained)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sample], list[Failure]]:
         """A token for every sequence whose chunk reached its newest token, or the row's failure. A
@@ -469,6 +484,8 @@ class LLMEngine:
                     zip(kv.layout.groups, kv.num_blocks_in_use_by_group(), strict=True)
                 )
             ),
+            retained_keys=0 if kv.pool.retention is None else len(kv.pool.retention),
+            retained_hit_tokens=self._num_retained_hit_tokens,
         )
 
     # ------------------------------------------------------------------------------ shutdown

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.engine import LLMEngine, PromptType
+from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.tools import (
@@ -67,14 +68,16 @@ class LLM:
         *,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        retention: Sequence[RetentionSpan] = (),
     ) -> list[RequestOutput]:
-        """Run every prompt to completion (continuously batched); outputs in prompt order."""
+        """Run every prompt to completion (continuously batched); outputs in prompt order.
+        ``retention``: keep each prompt's first tokens cached for a while (kvtier/kv/retention.py)."""
         prompt_list = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompt_list))
         ids: list[str] = []
         try:
             for prompt, p in zip(prompt_list, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, retention=retention))
         except Exception:
             for rid in ids:  # a bad prompt queues nothing: withdraw the ones already added
                 self.engine.abort_request(rid)

@@ -39,6 +39,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
     # The same tokens by the tier they came from: {Medium.DEVICE: ..., Medium.HOST: ..., ...}.
     cached_tokens_by_tier: dict[Medium, int] = field(default_factory=dict)
+    # Prompt tokens whose blocks the request's retention spans keep cached (kvtier/kv/retention.py)
+    num_retained_tokens: int = 0
     # Monotonic seconds (kvtier.output_processor.request_metrics): arrival_time, first_scheduled_time,
     # first_token_time, last_token_time, finished_time; spans queue_time, prefill_time, ttft, e2e.
     metrics: dict[str, float] = field(default_factory=dict)

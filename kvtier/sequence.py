@@ -17,6 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvtier.kv.retention import RetentionSpan
 from kvtier.sampling_params import SamplingParams
 from kvtier.stats import Medium
 
@@ -123,6 +124,9 @@ class Request:
     priority: int = 0
     tenant: str = ""
     error: str | None = None  # why it ended with an error (its sequences are then FINISHED_ERROR)
+    # Prompt-cache retention asked for (kvtier/kv/retention.py), and the prompt tokens it retained
+    retention: tuple[RetentionSpan, ...] = ()
+    num_retained_tokens: int = 0
 
     @property
     def finished(self) -> bool:

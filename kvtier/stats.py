@@ -78,6 +78,7 @@ class TierSnapshot(TierCounters):
     block_size: int = 0  # tokens per block, to express hits in tokens
     errors: dict[str, int] = field(default_factory=dict)  # failures by kind (remote: connect, timeout, ...)
     breaker_state: int = 0  # a tier behind a circuit breaker: 0 closed (in use), 1 open (skipped)
+    retained_blocks: int = 0  # blocks it keeps from eviction for prompt-cache retention (kv/retention.py)
 
     @classmethod
     def of(
@@ -138,6 +139,10 @@ class EngineStats:
     kv_demand_blocks: int = 0
     kv_admission_limit_blocks: int = 0
     kv_groups: tuple[KVGroupUsage, ...] = ()  # the device pool by KV group (one for a dense model)
+    # prompt-cache retention (kvtier/kv/retention.py): keys retained now, and the prompt tokens of
+    # requests asking for retention that were served from the cache within what they retained
+    retained_keys: int = 0
+    retained_hit_tokens: int = 0
 
     @property
     def kv_capacity_tokens(self) -> dict[Medium, int]:

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from kvtier.config import TierConfig
+from kvtier.kv.retention import Retention
 from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskTier
@@ -28,15 +29,16 @@ log = logging.getLogger("kvtier.engine")
 
 
 def build_tiers(
-    config: TierConfig, identity: TierIdentity, device_kv: torch.Tensor
+    config: TierConfig, identity: TierIdentity, device_kv: torch.Tensor, retention: Retention | None = None
 ) -> tuple[TierCoordinator | None, TierMover | None]:
-    """The host tier (and the external tiers under it) with the mover that copies their bytes, or Nones."""
+    """The host tier (and the external tiers under it) with the mover that copies their bytes, or Nones;
+    ``retention``: the prompt-cache retention each tier honours (kvtier/kv/retention.py)."""
     if config.num_host_blocks <= 0:
         return None, None
-    host = HostTier(config.num_host_blocks)
+    host = HostTier(config.num_host_blocks, retention=retention)
     external: list[ExternalLevel] = []
     if config.disk_dir is not None:
-        disk = DiskTier(config.disk_dir, config.disk_bytes, identity)
+        disk = DiskTier(config.disk_dir, config.disk_bytes, identity, retention=retention)
         worker = BlockIOWorker(disk.block_io(config.secret), name="kvtier-disk-io")
         external.append(ExternalLevel(disk, worker, config.store_policy))
     if config.remote_url is not None:
@@ -44,7 +46,7 @@ def build_tiers(
 
         store = RemoteStore(config.remote_url, ttl_s=config.remote_ttl_s)
         remote = RemoteTier(store, identity)
-        io = RedisBlockIO(store, identity, config.secret)
+        io = RedisBlockIO(store, identity, config.secret, retention)
         worker = BlockIOWorker(io, name="kvtier-remote-io")  # batches of up to 32 blocks per round trip
         external.append(ExternalLevel(remote, worker, config.remote_policy))
         log.info("remote tier: %s (%s, ttl %d s)", store.url, config.remote_policy, config.remote_ttl_s)

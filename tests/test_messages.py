@@ -216,7 +216,7 @@ def test_the_last_cache_control_breakpoint_is_found() -> None:
     marked = {"type": "ephemeral", "ttl": "1h"}
     assert request(cache_control={"type": "ephemeral"}).chat().cache_prefix == CachePrefix(whole=True)
     last = [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": marked}]}]
-    assert request(messages=last).chat().cache_prefix == CachePrefix(whole=True)
+    assert request(messages=last).chat().cache_prefix == CachePrefix(whole=True, ttl_s=3600.0)
     loop = json.loads(json.dumps(TOOL_LOOP))
     loop[1]["content"][1]["cache_control"] = {"type": "ephemeral", "ttl": "5m"}
     cut = request(system="S", messages=loop, tools=[WEATHER]).chat().cache_prefix
@@ -228,11 +228,27 @@ def test_the_last_cache_control_breakpoint_is_found() -> None:
     assert cut is not None and [m["role"] for m in cut.conversation] == ["user", "assistant", "tool"]
     system = [{"type": "text", "text": "A", "cache_control": marked}, {"type": "text", "text": "B"}]
     cut = request(system=system, tools=[WEATHER]).chat().cache_prefix
-    assert cut == CachePrefix(({"role": "system", "content": "A"},))
+    assert cut == CachePrefix(({"role": "system", "content": "A"},), ttl_s=3600.0)
     tools = [{**WEATHER, "cache_control": marked}, CLOCK]
     cut = request(system="S", tools=tools).chat().cache_prefix
     assert cut is not None and cut.conversation == ({"role": "system", "content": "S"},)
     assert [t.name for t in cut.tools] == ["get_weather"]
+
+
+def test_every_breakpoint_is_a_prefix_with_its_ttl() -> None:
+    """Anthropic's up-to-four breakpoints, in prompt order (tools, system, messages), each kept for its own
+    TTL: the 1h system prompt outlives the 5m conversation after it."""
+    system = [{"type": "text", "text": "A", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    loop = json.loads(json.dumps(TOOL_LOOP))
+    loop[1]["content"][1]["cache_control"] = {"type": "ephemeral"}
+    chat = request(system=system, messages=loop, tools=[WEATHER], cache_control={"type": "ephemeral"}).chat()
+    assert [(p.whole, p.ttl_s) for p in chat.cache_prefixes] == [
+        (False, 3600.0),
+        (False, 300.0),
+        (True, 300.0),
+    ]
+    assert chat.cache_prefix is chat.cache_prefixes[-1]
+    assert request().chat().cache_prefixes == ()
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -368,6 +384,7 @@ def test_a_text_answer_streamed_and_whole() -> None:
         "cache_read_input_tokens": 32,
         "output_tokens": 11,
         "kvtier_cache_read_by_tier": {"device": 16, "host": 16, "disk": 0, "remote": 0},
+        "kvtier_retained_input_tokens": 0,
     }
 
 

@@ -158,6 +158,44 @@ def test_usage_reads_a_repeated_long_prompt_from_the_cache(client: anthropic.Ant
     assert u2.kvtier_cache_read_by_tier["device"] == u2.cache_read_input_tokens  # type: ignore[attr-defined]
     counted = client.messages.count_tokens(model=MODEL, system=system, messages=ask)
     assert counted.input_tokens == total
+    # the breakpoint's prefix is retained (5 minutes, refreshed by the second request): its full blocks
+    retained = u2.kvtier_retained_input_tokens  # type: ignore[attr-defined]
+    assert total - u1.input_tokens - 16 <= retained <= total - u1.input_tokens and retained % 16 == 0
+
+
+def test_breakpoint_ttls_and_prompt_cache_retention_retain_the_prompt(server: BackgroundServer) -> None:
+    """A 1h system prompt and a 5m turn after it: both prefixes retained. OpenAI's chat route with
+    ``prompt_cache_retention: 24h`` retains the whole prompt, reported in usage's kvtier extension."""
+    words = " ".join(secrets.token_hex(3) for _ in range(60))
+    system = [
+        {"type": "text", "text": f"Notes: {words}", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    ]
+    turn = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Go on.", "cache_control": {"type": "ephemeral"}}],
+        }
+    ]
+    msg = sdk(server.url, api_key=KEY).messages.create(
+        model=MODEL, max_tokens=2, system=system, messages=turn, extra_body=GREEDY
+    )
+    whole = msg.usage.input_tokens + msg.usage.cache_creation_input_tokens + msg.usage.cache_read_input_tokens
+    assert whole - 16 < msg.usage.kvtier_retained_input_tokens <= whole  # type: ignore[attr-defined]
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"Repeat: {words}"}],
+        "max_tokens": 2,
+        "prompt_cache_retention": "24h",
+        "prompt_cache_key": "agent-7",
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    usage = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60).json()[
+        "usage"
+    ]
+    assert usage["prompt_tokens"] - 16 < usage["kvtier"]["retained_tokens"] <= usage["prompt_tokens"]
+    body["prompt_cache_retention"] = "forever"
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert bad.status_code == 400 and "prompt_cache_retention" in bad.text
 
 
 def test_stop_sequences(client: anthropic.Anthropic) -> None:

@@ -262,6 +262,22 @@ def test_a_burst_of_one_prefix_spreads(cluster: dict[str, Any]) -> None:
     assert len(served) == 8 and len(counts) == 2 and min(counts.values()) >= 2, counts
 
 
+def test_a_prompt_cache_key_keeps_an_agents_new_prompts_on_one_replica(cluster: dict[str, Any]) -> None:
+    """Four new prompts (no shared prefix) go round the replicas; with one prompt_cache_key they all go
+    where the first went (the replica then holds what the key's requests share)."""
+    router = cluster["router"]
+    served: dict[str | None, list[str]] = {None: [], "agent-42": []}
+    for key in served:
+        for i in range(4):
+            body = chat(long_system(f"aff-{key}-{i}", 40), "Go on.", prompt_cache_key=key)
+            r = post(router.url, body)
+            assert r.status_code == 200, r.text
+            served[key].append(r.headers["x-kvtier-replica"])
+            load_settled(router, *cluster["replicas"])
+    assert len(set(served[None])) == 2, served
+    assert len(set(served["agent-42"])) == 1, served
+
+
 def sse_events(text: str) -> list[dict[str, Any] | str]:
     """The stream's events, with the per-request fields (id, created) taken out."""
     events: list[dict[str, Any] | str] = []

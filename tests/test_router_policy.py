@@ -358,3 +358,42 @@ def test_the_router_counts_a_chat_streams_first_token_after_its_role_event() -> 
 
     asyncio.run(relay())
     assert seen == [role, token] and released_after == [1]  # at the token, not at the role event
+
+
+def test_a_prompt_cache_key_stays_with_its_replica_while_it_is_not_much_busier() -> None:
+    """Where the key went before wins over a slightly better replica (``affinity``); past two queued
+    requests' worth of cost the policy's own choice stands."""
+    from kvtier.router.policy import keep_affinity
+
+    model = CostModel()
+    a, b = Candidate("a", load=0), Candidate("b", load=1)
+    decision = decide("cache_aware", [a, b], 500, model, turn=0)
+    assert decision.choice == 0
+    kept = keep_affinity(decision, [a, b], 1, 500, model)
+    assert kept.ranking == (1, 0) and kept.reason == "affinity"
+    busy = Candidate("b", load=3)
+    decision = decide("cache_aware", [a, busy], 500, model, turn=0)
+    assert keep_affinity(decision, [a, busy], 1, 500, model) is decision  # 3 queued: too busy
+    assert keep_affinity(decision, [a, busy], None, 500, model) is decision  # no key seen before
+    held = Candidate("b", load=1, cached_tokens=480)  # the key's replica also holds the prefix
+    decision = decide("least_loaded", [a, held], None, model, turn=0)
+    assert keep_affinity(decision, [a, held], 1, None, model).choice == 1
+
+
+def test_the_affinity_table_is_scoped_bounded_and_forgets() -> None:
+    from kvtier.router.affinity import Affinity, cache_key
+
+    now = [0.0]
+    table = Affinity(max_keys=2, ttl_s=60, clock=lambda: now[0])
+    alice, bob = (
+        cache_key({"prompt_cache_key": "k"}, "Bearer A"),
+        cache_key({"prompt_cache_key": "k"}, "Bearer B"),
+    )
+    assert alice != bob and cache_key({"prompt_cache_key": ""}, "x") is None and cache_key([], "x") is None
+    table.put(alice, "http://r1")
+    table.put(bob, "http://r2")
+    assert (table.get(alice), table.get(bob)) == ("http://r1", "http://r2")
+    table.put(cache_key({"prompt_cache_key": "other"}, "Bearer A"), "http://r1")  # the oldest goes
+    assert table.get(alice) is None and len(table) == 2
+    now[0] = 61.0
+    assert table.get(bob) is None  # unused for longer than its TTL

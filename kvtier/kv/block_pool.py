@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.hashing import BlockHash
+from kvtier.kv.retention import Retention
 
 
 @dataclass(eq=False)
@@ -59,6 +60,8 @@ class KVBlock:
     # Freed by a sliding group because its window moved past it (``free_blocks(cold=True)``): it waits
     # at the head of the free queue and the tiers keep it only where it displaces nothing.
     cold: bool = False
+    # Freed while retained (kvtier/kv/retention.py): it waits in the retained queue, evicted last.
+    retained: bool = False
     _prev: KVBlock | None = field(default=None, init=False, repr=False)
     _next: KVBlock | None = field(default=None, init=False, repr=False)
 
@@ -152,6 +155,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool,
         on_evict: Callable[[KVBlock], None] | None = None,
+        retention: Retention | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -160,6 +164,10 @@ class BlockPool:
         self.blocks: list[KVBlock] = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._free_queue = FreeBlockQueue(self.blocks)  # uncached blocks at the head, warm cached ones after
         self._cold_queue = FreeBlockQueue()  # cold cached blocks, oldest first: taken after the uncached
+        self._retained_queue = FreeBlockQueue()  # retained cached blocks (at most the cap): taken last
+        self.retention = retention
+        self._retained_cap = 0 if retention is None else retention.cap(num_blocks)
+        self._next_expiry_check = float("-inf")
         self._cached: dict[BlockHash, KVBlock] = {}
 
     # ---------------------------------------------------------------- counters
@@ -171,7 +179,12 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out: free ones plus cached idle ones."""
-        return len(self._free_queue) + len(self._cold_queue)
+        return len(self._free_queue) + len(self._cold_queue) + len(self._retained_queue)
+
+    @property
+    def num_retained_idle(self) -> int:
+        """Idle cached blocks kept back as retained (evicted after every other free block)."""
+        return len(self._retained_queue)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -188,19 +201,46 @@ class BlockPool:
         return [block.block_id for block in self._free_order()]
 
     def _free_order(self) -> Iterator[KVBlock]:
-        """Free blocks in the order ``get_new_blocks`` takes them: uncached, cold, then warm (LRU)."""
+        """Free blocks in the order ``get_new_blocks`` takes them: uncached, cold, warm (LRU), retained."""
         warm = iter(self._free_queue)
         for block in warm:
             if block.block_hash is not None:
                 yield from self._cold_queue
                 yield block
                 yield from warm
+                yield from self._retained_queue
                 return
             yield block
         yield from self._cold_queue
+        yield from self._retained_queue
 
     def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        if block.retained:
+            return self._retained_queue
         return self._cold_queue if block.cold else self._free_queue
+
+    def _expire_retained(self) -> None:
+        """Idle retained blocks whose retention ran out rejoin the LRU (at most once a second)."""
+        if self.retention is None or not self._retained_queue:
+            return
+        now = self.retention.clock()
+        if now < self._next_expiry_check:
+            return
+        self._next_expiry_check = now + 1.0
+        for block in [b for b in self._retained_queue if not self.retention.is_retained(b.block_hash)]:
+            self._retained_queue.remove(block)
+            block.retained = False
+            self._free_queue.append(block)
+
+    def _retains(self, block: KVBlock) -> bool:
+        """Whether a cached block falling idle waits in the retained queue (retained, and room under
+        the cap; an expired one found there is evicted in its turn all the same)."""
+        return (
+            self.retention is not None
+            and block.block_hash is not None
+            and len(self._retained_queue) < self._retained_cap
+            and self.retention.is_retained(block.block_hash)
+        )
 
     # ---------------------------------------------------------------- allocation
 
@@ -213,6 +253,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"need {num_blocks} free blocks, only {self.num_free_blocks} available")
+        self._expire_retained()
         taken = list(itertools.islice(self._free_order(), num_blocks))
         # Notify first, mutate after: a hook that raises leaves the pool as it was.
         if self.on_evict is not None:
@@ -229,7 +270,7 @@ class BlockPool:
                 block.block_hash = None
                 block.token_ids = None
                 block.group = 0
-            block.cold = False
+            block.cold = block.retained = False
             block.ref_cnt = 1
         return blocks
 
@@ -241,7 +282,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self._queue_of(block).remove(block)
-                block.cold = False
+                block.cold = block.retained = False
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock], cold: bool = False) -> None:
@@ -254,7 +295,8 @@ class BlockPool:
         block is evicted. ``cold`` blocks (a sliding group's, out of the window of the sequence that
         freed them: a hit needs them only for a prefix ending within a window of them) wait, cached, in
         a queue of their own that is taken after the uncached blocks and before any other cached one,
-        so the blocks a returning prompt needs outlive them.
+        so the blocks a returning prompt needs outlive them. A retained cached block (``retention``)
+        waits in the retained queue, taken after every other.
         """
         for block in blocks:
             if block.ref_cnt <= 0:
@@ -262,7 +304,10 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 block.cold = cold and block.block_hash is not None
-                if block.cold:
+                block.retained = not block.cold and self._retains(block)
+                if block.retained:
+                    self._retained_queue.append(block)
+                elif block.cold:
                     self._cold_queue.append(block)
                 elif block.block_hash is None:
                     self._free_queue.appendleft(block)
@@ -331,8 +376,9 @@ class BlockPool:
 
     # ---------------------------------------------------------------- checks
 
-    def _check_queue(self, queue: FreeBlockQueue, seen: set[int], cold: bool) -> None:
-        """One free queue's links, each block in it once; a cold block (cached) in the cold queue only."""
+    def _check_queue(self, queue: FreeBlockQueue, seen: set[int], cold: bool, retained: bool = False) -> None:
+        """One free queue's links, each block in it once; a cold block (cached) in the cold queue only,
+        a retained one in the retained queue only."""
         prev: KVBlock | None = None
         block = queue._head
         num_linked = 0
@@ -342,7 +388,10 @@ class BlockPool:
             assert self.blocks[block.block_id] is block, f"free queue holds foreign block {block.block_id}"
             assert block._prev is prev, f"block {block.block_id}: prev link does not match its predecessor"
             assert block.cold == cold, f"block {block.block_id} (cold={block.cold}) in the wrong free queue"
-            assert not cold or block.block_hash is not None, f"cold block {block.block_id} is uncached"
+            assert block.retained == retained, f"block {block.block_id} (retained={block.retained}) misplaced"
+            assert not (cold or retained) or block.block_hash is not None, (
+                f"block {block.block_id} is uncached"
+            )
             seen.add(block.block_id)
             num_linked += 1
             prev = block
@@ -355,6 +404,7 @@ class BlockPool:
         seen: set[int] = set()
         for queue, cold in ((self._free_queue, False), (self._cold_queue, True)):
             self._check_queue(queue, seen, cold)
+        self._check_queue(self._retained_queue, seen, False, retained=True)
 
         num_free = num_cached_idle = num_in_use = 0
         for block in self.blocks:

@@ -20,8 +20,8 @@ Life of a sequence, as the scheduler drives it::
     fork(seq, child)                                           # n > 1 sampling: share the table
     free(seq)                                                  # finished, aborted or preempted
 
-Preemption by recomputation is ``free`` now and a fresh lookup later; the sequence's full blocks
-stay cached idle in the free queue, so if nothing evicted them the recomputation is mostly hits.
+Preemption by recomputation is ``free`` now and a fresh lookup later: mostly hits if nothing evicted
+the full blocks. ``retain(seq, spans)`` keeps a computed prompt's blocks cached longer (retention.py).
 
 Writers never share a block: before slots are written, ``allocate_slots`` gives the writing
 sequence a private copy of any block another sequence also references (copy-on-write, after a
@@ -51,6 +51,7 @@ from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
+from kvtier.kv.retention import Retention, RetentionSpan, TierProtection, retained_keys
 from kvtier.kv.seq_blocks import Load, SeqBlocks, Swapped, blocks_to_allocate, check_tables, hit_tables
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
@@ -78,6 +79,7 @@ class KVCacheManager:
         on_evict: Callable[[KVBlock], None] | None = None,
         tiers: LowerTiers | None = None,
         layout: KVLayout | None = None,
+        retention: Retention | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -92,7 +94,7 @@ class KVCacheManager:
         self.listener: BlockListener | None = None
         self.observer: AccessObserver | None = None  # block-key accesses (kvtier/insight)
         self.device_quarantined = False  # the canary caught a bad device hit: no prefix reuse at all
-        self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted)
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted, retention=retention)
         self._seqs: dict[str, SeqBlocks] = {}
         self._swapped: dict[str, Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -120,15 +122,10 @@ class KVCacheManager:
     def get_computed_blocks(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
     ) -> ComputedBlocks:
-        """The longest cached prefix of full blocks of ``token_ids``; takes no reference.
-
-        Never covers the whole prompt: at most ``(len(token_ids) - 1) // block_size`` blocks, so at
-        least the last token is computed and produces logits. Stops at the first miss (a later
-        block cannot be valid without its parent). After the device misses, the lower tiers are
-        asked for the following blocks (``ComputedBlocks.lower``); that may start disk reads.
-        Takes no reference and counts nothing: ``allocate_slots`` counts the hit it adopts. With
-        several KV groups the hit is exact across them (``kvtier/kv/group_lookup.py``).
-        """
+        """The longest cached prefix of full blocks of ``token_ids``, at most ``(len - 1) // block_size``
+        (the last token is computed: it makes the logits), up to the first miss; then the lower tiers
+        are asked for the following blocks (``ComputedBlocks.lower``: may start disk reads). Takes no
+        reference, counts nothing (``allocate_slots`` counts what it adopts); exact across KV groups."""
         if not self.enable_caching or self.device_quarantined:
             return NO_COMPUTED_BLOCKS
         if not self.layout.is_dense:
@@ -391,6 +388,18 @@ class KVCacheManager:
                 keys.append(key)
         return keys
 
+    def retain(self, seq_id: str, spans: Sequence[RetentionSpan]) -> int:
+        """Retain the keys of the full cached blocks before each span's end for its TTL; returns the
+        prompt tokens retained (the longest span accepted whole: the cap may refuse the rest)."""
+        retention, seq, bs = self.pool.retention, self._seq(seq_id), self.block_size
+        retained = 0
+        for span in sorted(spans, key=lambda s: s.num_tokens) if retention is not None else ():
+            keys = retained_keys(seq.block_hashes, seq.num_cached_blocks, self.layout, bs, span.num_tokens)
+            if retention.retain(keys, span.ttl_s) < len(keys):
+                break
+            retained = min(span.num_tokens // bs, seq.num_cached_blocks) * bs
+        return retained
+
     def _advance(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
         """The tokens before ``num_computed_tokens`` are computed: release what no later query reads."""
         if num_computed_tokens > seq.num_computed_tokens:
@@ -513,23 +522,19 @@ class KVCacheManager:
         return seq_id in self._seqs or seq_id in self._swapped
 
     def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
-        """The sequence's block table in KV group ``group`` (a copy; a null entry is ``NULL_BLOCK_ID``).
-        With one group (a dense model): its whole block table."""
+        """The sequence's block table in KV group ``group`` (a copy; null entries ``NULL_BLOCK_ID``)."""
         return [
             NULL_BLOCK_ID if block is None else block.block_id for block in self._seq(seq_id).tables[group]
         ]
 
     def block_tables(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
-        """Every KV group's block table, in group order (null entries are ``NULL_BLOCK_ID``): what the
-        runner hands each group's layers."""
+        """Every KV group's block table, in group order (``NULL_BLOCK_ID`` for null entries)."""
         return tuple(tuple(self.block_ids(seq_id, g)) for g in range(self.layout.num_groups))
 
     def num_held_blocks(self, seq_id: str) -> int:
         """Blocks the sequence's tables reference now, over every group (null entries not counted)."""
         seq = self._seq(seq_id)
-        return sum(
-            len(table) - released for table, released in zip(seq.tables, seq.num_released, strict=True)
-        )
+        return sum(len(t) - released for t, released in zip(seq.tables, seq.num_released, strict=True))
 
     def num_blocks_in_use_by_group(self) -> tuple[int, ...]:
         """Distinct device blocks each KV group's tables hold now (a shared block counted once). One
@@ -564,23 +569,24 @@ class KVCacheManager:
         return copies
 
     def num_free_blocks(self) -> int:
-        """Blocks available for new slots (free plus cached idle)."""
-        return self.pool.num_free_blocks
+        return self.pool.num_free_blocks  # blocks available for new slots (free plus cached idle)
 
     def usage(self) -> float:
-        """Fraction of blocks referenced by some sequence."""
-        return self.pool.usage
+        return self.pool.usage  # the fraction of blocks referenced by some sequence
 
     def snapshot(self) -> TierSnapshot:
         """The device pool as a tier: its counters, and blocks in use or cached."""
         pool = self.pool
         used = pool.num_blocks - pool.num_free_blocks
-        return TierSnapshot.of(Medium.DEVICE, self.device_counters, pool.num_blocks, used, self.block_size)
+        snap = TierSnapshot.of(Medium.DEVICE, self.device_counters, pool.num_blocks, used, self.block_size)
+        snap.retained_blocks = TierProtection(pool.retention, 0).count(
+            b.block_hash for b in pool.blocks if b.block_hash
+        )
+        return snap
 
     def check_integrity(self) -> None:
-        """Pool invariants plus: every table block is in use, no block is in two groups' tables, null
-        entries only lead a sliding group's table and stay before its window, and each block's
-        ``ref_cnt`` equals the number of references the tables hold to it. Raises ``AssertionError``."""
+        """Pool invariants plus: table blocks in use, in one group's tables, null entries only before a
+        sliding window, ``ref_cnt`` = the tables' references. Raises ``AssertionError``."""
         self.pool.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()

@@ -28,6 +28,7 @@ import httpx
 
 from kvtier.kv.hashing import BlockHash
 from kvtier.router import policy as policies
+from kvtier.router.affinity import Affinity, cache_key
 from kvtier.router.auth import Keys
 from kvtier.router.groups import request_blocks
 from kvtier.router.index import DEFAULT_MAX_BLOCKS, ReplicaIndex, prompt_blocks
@@ -103,6 +104,7 @@ class Router:
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-router-tokenize")
         self._turn = itertools.count()
         self._identity_checked = False
+        self.affinity = Affinity()  # prompt_cache_key -> the replica its requests went to
 
     # ------------------------------------------------------------------------------ start-up
     def load_tokenizer_in_background(self) -> threading.Thread:
@@ -154,11 +156,32 @@ class Router:
         num_tokens = prompt.num_tokens if prompt is not None and matched else None
         turn = next(self._turn)
         decision = policies.decide(self.settings.policy, candidates, num_tokens, self.settings.cost, turn)
+        decision = self._keep_affinity(decision, healthy, candidates, num_tokens, body, authorization)
         self.metrics.latency.observe(time.perf_counter() - start)
         if decision.reason in ("cache_hit", "load") and self.settings.policy == "cache_aware":
             self.metrics.cached_tokens.observe(decision.cached_tokens)
         work = tuple(decision.work[i] for i in decision.ranking) if decision.work else ()
         return Route([healthy[i] for i in decision.ranking], decision, work)
+
+    def _keep_affinity(
+        self,
+        decision: policies.Decision,
+        healthy: list[Replica],
+        candidates: list[policies.Candidate],
+        num_tokens: int | None,
+        body: Any,
+        authorization: str,
+    ) -> policies.Decision:
+        """The replica the request's ``prompt_cache_key`` went to before, first while it is not much
+        busier (affinity.py); the key then points at this decision's winner."""
+        key = cache_key(body, authorization)
+        if key is None or self.settings.policy == "round_robin":
+            return decision
+        where = self.affinity.get(key)
+        preferred = next((i for i, r in enumerate(healthy) if r.url == where), None)
+        decision = policies.keep_affinity(decision, candidates, preferred, num_tokens, self.settings.cost)
+        self.affinity.put(key, healthy[decision.choice].url)
+        return decision
 
     async def prompt(self, path: str, body: Any, authorization: str, inline: bool = False) -> Prompt | None:
         """The request's token ids and salt (on the tokenizer pool, or here when ``inline``); None

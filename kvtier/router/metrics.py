@@ -3,7 +3,8 @@
 ::
 
     kvtier_router:requests_routed_total{replica, reason}     reason: cache_hit, load, fallback,
-                                                             round_robin, retry (kvtier.router.policy)
+                                                             round_robin, retry, affinity
+                                                             (kvtier.router.policy)
     kvtier_router:request_failures_total{reason}             no_replica, upstream (no byte sent back)
     kvtier_router:estimated_cached_tokens                    histogram: the winner's cached tokens per
                                                              cache-aware decision

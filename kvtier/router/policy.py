@@ -20,16 +20,19 @@ Every decision carries a *reason* (a metric label): ``cache_hit`` (the winner ho
 prompt on its own tiers), ``load`` (it holds none: the estimate chose it for its queue, or for blocks
 every replica can load from the remote tier), ``fallback`` (no cache information: the prompt could
 not be hashed), ``round_robin`` (that policy), ``retry`` (the second attempt, after a failure before
-the first byte).
+the first byte), ``affinity`` (``keep_affinity``: the replica earlier requests with the same
+``prompt_cache_key`` went to, kept while it costs at most ``AFFINITY_SLACK_LOADS`` queued requests more
+than the best: a key's requests meet their prefix there even before its blocks are announced).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-REASONS = ("cache_hit", "load", "fallback", "round_robin", "retry")
+REASONS = ("cache_hit", "load", "fallback", "round_robin", "retry", "affinity")
+AFFINITY_SLACK_LOADS = 2.0
 
 
 @dataclass(frozen=True)
@@ -131,3 +134,27 @@ def decide(
     if num_tokens is None:
         return least_loaded(candidates, turn, reason="fallback")
     return cache_aware(candidates, num_tokens, model, turn)
+
+
+def keep_affinity(
+    decision: Decision,
+    candidates: Sequence[Candidate],
+    preferred: int | None,
+    num_tokens: int | None,
+    model: CostModel,
+) -> Decision:
+    """``decision`` with candidate ``preferred`` (where the request's ``prompt_cache_key`` went before)
+    first, unless it costs more than ``AFFINITY_SLACK_LOADS`` queued requests over the winner."""
+    if preferred is None or decision.choice == preferred:
+        return decision
+    winner = decision.choice
+    if decision.costs:
+        worse = decision.costs[preferred] - decision.costs[winner]
+    else:
+        worse = model.load_tokens * (candidates[preferred].load - candidates[winner].load)
+    if worse > model.load_tokens * AFFINITY_SLACK_LOADS:
+        return decision
+    ranking = (preferred, *(i for i in decision.ranking if i != preferred))
+    c = candidates[preferred]
+    cached = min(c.cached_tokens + c.remote_tokens, num_tokens) if num_tokens is not None else 0
+    return replace(decision, ranking=ranking, reason="affinity", cached_tokens=cached)

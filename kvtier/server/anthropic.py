@@ -391,6 +391,7 @@ class CachePrefix:
     conversation: tuple[dict[str, Any], ...] = ()
     tools: tuple[Tool, ...] = ()
     whole: bool = False
+    ttl_s: float = 300.0  # the breakpoint's "ttl": "5m" (the default) or "1h"
 
 
 def _marked(block: Any) -> bool:
@@ -400,39 +401,59 @@ def _marked(block: Any) -> bool:
     return block.get("cache_control") is not None or nested
 
 
-def _last_breakpoint(
+def _ttl(block: dict[str, Any]) -> float:
+    """A (checked) breakpoint's TTL in seconds; a tool result's nested one counts too."""
+    marks = [block.get("cache_control")]
+    inner = block.get("content") if block.get("type") == "tool_result" else None
+    if isinstance(inner, list):
+        marks += [b.get("cache_control") for b in inner]
+    return max(_TTL_S[m.get("ttl") or "5m"] for m in marks if m is not None)
+
+
+_TTL_S = {"5m": 300.0, "1h": 3600.0}
+
+
+def _breakpoints(
     system: list[dict[str, Any]], raw_tools: Any, tools: list[Tool], messages: list[Any]
-) -> CachePrefix | None:
-    """The last breakpoint in Anthropic's order (tools, system, messages), as a :class:`CachePrefix`."""
-    for i in reversed(range(len(messages))):
-        content = messages[i].get("content")
-        if not isinstance(content, list):
-            continue
-        for j in reversed(range(len(content))):
-            if not _marked(content[j]):
+) -> list[CachePrefix]:
+    """Every breakpoint in Anthropic's order (tools, system, messages), each as a :class:`CachePrefix`
+    with its TTL; the last one is the prompt's cache write end."""
+    found: list[CachePrefix] = []
+    for k, raw in enumerate(raw_tools if tools else []):
+        if raw.get("cache_control") is not None:
+            found.append(
+                CachePrefix(tuple(_conversation(system, [])), tuple(tools[: k + 1]), ttl_s=_ttl(raw))
+            )
+    for j, block in enumerate(system):
+        if block.get("cache_control") is not None:
+            found.append(CachePrefix(tuple(_conversation(system[: j + 1], [])), ttl_s=_ttl(block)))
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if not _marked(block):
                 continue
             if i == len(messages) - 1 and j == len(content) - 1:
-                return CachePrefix(whole=True)
-            cut = [*messages[:i], {**messages[i], "content": content[: j + 1]}]
-            return CachePrefix(tuple(_conversation(system, cut)), tuple(tools))
-    for j in reversed(range(len(system))):
-        if system[j].get("cache_control") is not None:
-            return CachePrefix(tuple(_conversation(system[: j + 1], [])))
-    for k in reversed(range(len(tools))):
-        if raw_tools[k].get("cache_control") is not None:
-            return CachePrefix(tuple(_conversation(system, [])), tuple(tools[: k + 1]))
-    return None
+                found.append(CachePrefix(whole=True, ttl_s=_ttl(block)))
+                continue
+            cut = [*messages[:i], {**message, "content": content[: j + 1]}]
+            found.append(CachePrefix(tuple(_conversation(system, cut)), tuple(tools), ttl_s=_ttl(block)))
+    return found
 
 
 @dataclass(frozen=True)
 class Chat:
     """A request as the chat route runs it: the conversation (OpenAI's shape, normalized), the tools and
-    tool_choice, and where its last cache_control breakpoint sits (None: it has none)."""
+    tool_choice, and its cache_control breakpoints (each a prefix the prompt keeps cached for its TTL)."""
 
     conversation: list[dict[str, Any]]
     tools: list[Tool]
     choice: ToolChoice
-    cache_prefix: CachePrefix | None = None
+    cache_prefixes: tuple[CachePrefix, ...] = ()  # every breakpoint, the last one last
+
+    @property
+    def cache_prefix(self) -> CachePrefix | None:
+        """The last breakpoint (where the prompt's cache write ends), None without one."""
+        return self.cache_prefixes[-1] if self.cache_prefixes else None
 
     @property
     def tool_names(self) -> frozenset[str] | None:
@@ -477,15 +498,14 @@ class CountTokensRequest(_Request):
                 "server; end with a user message",
                 f"messages[{len(self.messages) - 1}]",
             )
-        if check_cache_control(self.cache_control, "cache_control"):
-            prefix: CachePrefix | None = CachePrefix(whole=True)
-        else:
-            prefix = _last_breakpoint(system, self.tools, tools, self.messages)
+        prefixes = _breakpoints(system, self.tools, tools, self.messages)
+        if check_cache_control(self.cache_control, "cache_control"):  # a marker on the last block
+            prefixes.append(CachePrefix(whole=True, ttl_s=_TTL_S[self.cache_control.get("ttl") or "5m"]))
         try:
             conversation = normalize_messages(conversation)
         except ToolError as exc:
             raise invalid(str(exc), "messages") from None
-        return Chat(conversation, tools, choice, prefix)
+        return Chat(conversation, tools, choice, tuple(prefixes))
 
 
 class MessagesRequest(CountTokensRequest):

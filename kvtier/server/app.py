@@ -60,6 +60,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
+from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import KVCapacityExceeded, QueueWaitExceeded
@@ -280,6 +281,7 @@ async def admit(
     priority: int = 0,
     tenant: str | None = None,
     grammar_param: str = "response_format",
+    retention: tuple[RetentionSpan, ...] = (),
 ) -> list[RequestStream]:
     """One stream per prompt, or none: 503 while loading or when the queue is full, 400 when the request
     could never fit the queue or the engine rejects a prompt (naming ``param`` unless the message names
@@ -307,6 +309,7 @@ async def admit(
                 weight=params.n,
                 priority=priority,
                 tenant=tenant,
+                retention=retention,
             )
             streams.append(stream)
     except (QueueWaitExceeded, KVCapacityExceeded, ConfigError) as exc:
@@ -441,6 +444,7 @@ class _Opened:
             priority=body.priority,
             tenant=tenant_of(authorization, body.user),
             grammar_param="tools" if tool_names is not None else "response_format",
+            retention=body.retention,
         )
         tokenizer = state.engine.tokenizer
         assert tokenizer is not None  # admitted: the model has loaded

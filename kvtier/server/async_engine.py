@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
+from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.stats import EngineStats
@@ -88,6 +89,7 @@ class _Add:
     weight: int = 1  # sequences this request will run (its n)
     priority: int = 0
     tenant: str | None = None
+    retention: tuple[RetentionSpan, ...] = ()  # prompt-cache retention (kvtier/kv/retention.py)
 
 
 @dataclass
@@ -250,6 +252,7 @@ class AsyncEngine:
         weight: int = 1,
         priority: int = 0,
         tenant: str | None = None,
+        retention: tuple[RetentionSpan, ...] = (),
     ) -> RequestStream:
         """Queue a request (``weight``: the sequences it runs, its ``n``); raises the engine's
         ``ConfigError`` for bad input and ``KVCapacityExceeded`` (nothing is queued then)."""
@@ -263,7 +266,9 @@ class AsyncEngine:
         future: asyncio.Future[None] = loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._num_submitted += weight
-        add = _Add(request_id, prompt, params, cache_salt, arrival, future, weight, priority, tenant)
+        add = _Add(
+            request_id, prompt, params, cache_salt, arrival, future, weight, priority, tenant, retention
+        )
         self._commands.put(add)
         try:
             await future
@@ -438,6 +443,7 @@ class AsyncEngine:
                     tenant=cmd.tenant,
                     arrival_time=cmd.arrival_time,
                     admit=True,
+                    retention=cmd.retention,
                 )
             except Exception as exc:
                 self._post(self._resolve, cmd.future, None, exc)

@@ -20,6 +20,9 @@ format, call grammar, admission and parser. Only the answer differs::
 ``cache_read_input_tokens`` are the tokens served from kvtier's cache (any tier; split by tier in
 ``kvtier_cache_read_by_tier``), ``cache_creation_input_tokens`` the uncached ones up to the last
 ``cache_control`` breakpoint (0 without one), ``input_tokens`` the rest; ``output_tokens`` the completion.
+Each breakpoint keeps its prefix cached for its TTL (5m, 1h; refreshed by every request that sends it:
+kvtier/kv/retention.py); ``kvtier_retained_input_tokens`` is how much of the prompt that retains (less
+than the last breakpoint when a tier's retention cap is reached: the request is served all the same).
 
 Every error of these routes is Anthropic's shape (:class:`AnthropicRoute`; the key check's 401 too). The
 key is the client role's (:func:`kvtier.server.auth.check_messages_key`: ``x-api-key`` or ``Authorization:
@@ -45,6 +48,7 @@ from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.config import ConfigError
+from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import CompletionOutput, RequestOutput
 from kvtier.server import bodies, prompts, tools
 from kvtier.server.anthropic import (
@@ -210,6 +214,7 @@ def usage(out: RequestOutput, cache_write_end: int | None) -> dict[str, Any]:
         "cache_read_input_tokens": read,
         "output_tokens": len(out.outputs[0].token_ids),
         "kvtier_cache_read_by_tier": {str(tier): n for tier, n in by_tier.items()},
+        "kvtier_retained_input_tokens": out.num_retained_tokens,
     }
 
 
@@ -313,10 +318,15 @@ def _cache_write_end(tokenizer: Tokenizer, prefix: CachePrefix | None, token_ids
 
 def _render(
     tokenizer: Tokenizer, chat: Chat, max_tokens: int | None, max_model_len: int
-) -> tuple[dict[str, Any], int | None]:
-    """The prompt (as the chat route renders it) and its tokens up to the last breakpoint (on the pool)."""
+) -> tuple[dict[str, Any], int | None, tuple[RetentionSpan, ...]]:
+    """The prompt (as the chat route renders it), its tokens up to the last breakpoint, and each
+    breakpoint's retention span (its tokens, its TTL) (on the pool)."""
     prompt = prompts.render_chat(tokenizer, chat.conversation, max_tokens, max_model_len, chat.tools)
-    return prompt, _cache_write_end(tokenizer, chat.cache_prefix, prompt["prompt_token_ids"])
+    ids = prompt["prompt_token_ids"]
+    ends = [_cache_write_end(tokenizer, p, ids) or 0 for p in chat.cache_prefixes]
+    spans = tuple(RetentionSpan(n, p.ttl_s) for n, p in zip(ends, chat.cache_prefixes, strict=True) if n)
+    write_end = None if chat.cache_prefix is None else ends[-1]
+    return prompt, write_end, spans
 
 
 def _count(tokenizer: Tokenizer, chat: Chat) -> int:
@@ -341,7 +351,7 @@ async def create_message(request: Request, serving: Serving) -> Response:
         await prompts.off_loop(state.pool, tools.check_schemas, chat.tools)
     tokenizer, max_model_len = prompts.loaded_tokenizer(state.engine)
     prompts.check_chat_length(tokenizer, len(chat.conversation), chat.num_chars, max_model_len)
-    prompt, cache_write_end = await prompts.off_loop(
+    prompt, cache_write_end, retention = await prompts.off_loop(
         state.pool, _render, tokenizer, chat, params.max_tokens, max_model_len
     )
     authorization = authorization_of(request.headers)
@@ -355,6 +365,7 @@ async def create_message(request: Request, serving: Serving) -> Response:
         param="messages",
         tenant=tenant_of(authorization, user),
         grammar_param="tools",
+        retention=retention,
     )
     fmt = MessagesFormatter(
         state.settings.model_name, chat.tool_names, body.stop_sequences or [], cache_write_end

@@ -40,18 +40,30 @@ _GAUGES = (
         "(--itl-factor / --max-itl-ms), at most --max-num-seqs.",
         "running_cap",
     ),
+    ("retained_keys", "Block keys under prompt-cache retention now (every tier).", "retained_keys"),
 )
 _COUNTERS = (
     ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("prefix_cache_hits", "Prompt tokens served from the prefix cache (any tier).", "prefix_cache_hits"),
     ("prompt_tokens", "Prompt tokens of admitted requests.", "prompt_tokens"),
     ("generation_tokens", "Generated tokens.", "generation_tokens"),
+    (
+        "retained_hit_tokens",
+        "Prompt tokens of requests asking for retention (cache_control, prompt_cache_retention) served "
+        "from the cache within what they retain.",
+        "retained_hit_tokens",
+    ),
 )
 # Per tier, labelled tier="device|host|disk|remote": (name, help, TierSnapshot attribute).
 _TIER_GAUGES = (
     ("tier_usage_perc", "Fraction of the tier's blocks in use (0-1).", "usage"),
     ("tier_capacity_blocks", "Blocks the tier holds.", "capacity_blocks"),
     ("tier_used_blocks", "Blocks of the tier in use.", "used_blocks"),
+    (
+        "tier_retained_blocks",
+        "Blocks the tier keeps from eviction for prompt-cache retention (times kv_block_bytes: bytes).",
+        "retained_blocks",
+    ),
 )
 _TIER_COUNTERS = (
     ("tier_lookups", "Blocks looked up in the tier.", "lookups"),

@@ -55,13 +55,14 @@ import hashlib
 import json
 import re
 import secrets
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.config import ConfigError
+from kvtier.kv.retention import MAX_TTL_S, WHOLE_PROMPT, RetentionSpan
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.tools import (
     CLOSE,
@@ -338,6 +339,10 @@ class GenerationRequest(_Request):
     user: Text | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    # OpenAI's prompt caching: "24h" keeps the prompt's blocks cached that long (kvtier/kv/retention.py;
+    # "in_memory", the default, is ordinary prefix caching); the key is the router's affinity hint
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_key: Text | None = None
     # kvtier / vLLM extensions
     cache_salt: Text | None = None
     ignore_eos: bool = False
@@ -352,6 +357,13 @@ class GenerationRequest(_Request):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     priority: int = 0  # lower runs first (vLLM's meaning)
+
+    @property
+    def retention(self) -> tuple[RetentionSpan, ...]:
+        """The prompt's retention: the whole prompt for 24 hours with ``prompt_cache_retention: 24h``."""
+        if self.prompt_cache_retention == "24h":
+            return (RetentionSpan(WHOLE_PROMPT, MAX_TTL_S),)
+        return ()
 
     @property
     def include_usage(self) -> bool:

@@ -49,7 +49,10 @@ def usage(finals: list[RequestOutput], completions: bool = True) -> dict[str, An
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
-        "kvtier": {"cached_tokens_by_tier": by_tier},
+        "kvtier": {
+            "cached_tokens_by_tier": by_tier,
+            "retained_tokens": sum(o.num_retained_tokens for o in finals),  # prompt_cache_retention
+        },
     }
 
 

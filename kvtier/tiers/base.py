@@ -174,10 +174,16 @@ class KVTier(ABC):
         return n
 
     def snapshot(self, block_size: int) -> TierSnapshot:
-        """A copy of the counters with the current occupancy."""
-        return TierSnapshot.of(
+        """A copy of the counters with the current occupancy (and the keys it protects for retention)."""
+        snap = TierSnapshot.of(
             self.medium, self.counters, self.capacity_blocks, self.num_used_blocks, block_size
         )
+        snap.retained_blocks = self.num_retained_blocks()
+        return snap
+
+    def num_retained_blocks(self) -> int:
+        """Blocks held under prompt-cache retention now (kvtier/kv/retention.py). Default: none."""
+        return 0
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadSpec:
@@ -244,6 +250,9 @@ class ExternalTier(KVTier):
     def accepting(self) -> bool:
         """Whether stores are worth preparing now (a tier behind a circuit breaker: not while open)."""
         return not self.disabled
+
+    def tick(self) -> None:
+        """Periodic upkeep, called once per engine step (``TierCoordinator.poll``). Default: nothing."""
 
     def close(self) -> None:
         """Release what the tier holds outside its bookkeeping (connections, threads); after the

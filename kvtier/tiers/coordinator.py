@@ -433,6 +433,7 @@ class TierCoordinator:
             for r in level.worker.poll():
                 self._apply(level, r)
             self._republish(level)
+            level.tier.tick()
 
     def _republish(self, level: ExternalLevel) -> None:
         """A write-through tier that came back after an outage may be empty (a restarted Redis): write

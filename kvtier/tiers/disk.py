@@ -51,7 +51,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.lower import KeyGroups
+from kvtier.kv.retention import Retention, TierProtection
 from kvtier.stats import Medium, TierCounters
+from kvtier.tiers import retention_file
 from kvtier.tiers.base import BlockKey, ExternalTier, LoadSpec, StoreSpec, TierIdentity
 from kvtier.tiers.block_format import (
     DIR_MODE,
@@ -164,13 +166,20 @@ class DiskTier(ExternalTier):
     medium = Medium.DISK
 
     def __init__(
-        self, directory: str | os.PathLike[str], capacity_bytes: int, identity: TierIdentity
+        self,
+        directory: str | os.PathLike[str],
+        capacity_bytes: int,
+        identity: TierIdentity,
+        retention: Retention | None = None,
     ) -> None:
         self.counters = TierCounters()
         self.identity = identity
         self.directory = os.path.realpath(os.fspath(directory))
         self.file_nbytes = HEADER_NBYTES + identity.block_bytes
         self._capacity_blocks = max(0, capacity_bytes) // self.file_nbytes
+        self.protection = TierProtection(retention, self._capacity_blocks)  # retained keys evicted last
+        self.retention = retention
+        self._next_save = time.monotonic() + retention_file.SAVE_INTERVAL_S
         self._held: OrderedDict[BlockKey, None] = OrderedDict()
         self._reserved: set[BlockKey] = set()
         self._pins: Counter[BlockKey] = Counter()
@@ -185,6 +194,28 @@ class DiskTier(ExternalTier):
             self.disable(reason)
             return
         self._scan()
+        if retention is not None:  # what clients were promised before a restart (retention_file.py)
+            for key, until in retention_file.load(self.directory, retention.clock()).items():
+                retention.restore(key, until)
+
+    def tick(self) -> None:
+        """Write the retention file down every ``SAVE_INTERVAL_S``."""
+        if self.retention is not None and time.monotonic() >= self._next_save:
+            self._next_save = time.monotonic() + retention_file.SAVE_INTERVAL_S
+            self.save_retention()
+
+    def save_retention(self) -> None:
+        """Merge the engine's retention into the directory's file (a failure is logged, not raised)."""
+        if self.retention is None or self.disabled or self.ledger is None:
+            return
+        try:
+            with self.ledger.update():  # one writer at a time, across engines
+                retention_file.save(self.directory, self.retention.entries(), self.retention.clock())
+        except OSError as exc:
+            logger.warning("disk tier: cannot write the retention file: %s", exc)
+
+    def close(self) -> None:
+        self.save_retention()
 
     def block_io(self, secret: bytes | None = None) -> DiskBlockIO:
         """The reads and writes for this tier's worker, sharing its ledger."""
@@ -198,6 +229,9 @@ class DiskTier(ExternalTier):
     @property
     def num_used_blocks(self) -> int:
         return len(self._held) + len(self._reserved)
+
+    def num_retained_blocks(self) -> int:
+        return self.protection.count(self._held)
 
     def contains(self, key: BlockKey, group: int = 0) -> bool:
         """Held; or not reserved and its file is there (another engine wrote it): adopted, held now, as
@@ -304,17 +338,29 @@ class DiskTier(ExternalTier):
         return True
 
     def _evict_one(self, usage: Usage) -> BlockKey | None:
-        """Drop the least recently used unpinned held block and delete its file (a file another engine
-        already deleted is only forgotten)."""
+        """Drop the least recently used unpinned, unprotected held block and delete its file (a file
+        another engine already deleted is only forgotten); protected ones passed over move to the end."""
+        passed: list[BlockKey] = []
+        victim = None
         for key in self._held:
-            if not self._pins[key]:
-                del self._held[key]
-                if remove_inside(self.directory, self.path_of(key)):
-                    usage.num_blocks -= 1
-                self.counters.blocks_evicted += 1
-                self._announce_removed([key])
-                return key
-        return None
+            if self._pins[key]:
+                continue
+            if self.protection.protects(key):
+                passed.append(key)
+                continue
+            victim = key
+            break
+        for key in passed:
+            self._held.move_to_end(key)
+        if victim is None:
+            return None
+        del self._held[victim]
+        self.protection.forget(victim)
+        if remove_inside(self.directory, self.path_of(victim)):
+            usage.num_blocks -= 1
+        self.counters.blocks_evicted += 1
+        self._announce_removed([victim])
+        return victim
 
     def _ledger_add(self, delta: int) -> None:
         assert self.ledger is not None
@@ -338,6 +384,7 @@ class DiskTier(ExternalTier):
         if key in self._held:
             del self._held[key]
             self._announce_removed([key])
+        self.protection.forget(key)
         self._forget_groups([key])
         self._pins.pop(key, None)
         if not self.disabled and remove_inside(self.directory, self.path_of(key)):
@@ -351,6 +398,7 @@ class DiskTier(ExternalTier):
         self.disabled_reason = reason
         self._announce_removed(list(self._held))
         self._held.clear()
+        self.protection.keys.clear()
         if self._reserved and self.ledger is not None:
             with contextlib.suppress(OSError):
                 self.ledger.add(-len(self._reserved))
@@ -473,6 +521,7 @@ class DiskTier(ExternalTier):
         gone = [k for k in self._held if k not in present and not self._pins[k]]
         for key in gone:
             del self._held[key]
+            self.protection.forget(key)
         self._announce_removed(gone)
         unknown = [(_mtime_ns(path), key) for key, path in present.items() if key not in self._held]
         adopted = OrderedDict((key, None) for _, key in sorted(unknown) if key not in self._reserved)

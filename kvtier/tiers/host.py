@@ -11,7 +11,9 @@ block is in one of four states::
     pinned      held or reserved, with pins > 0         a load in flight or a swapped-out sequence:
                                                         never evicted
 
-Eviction pops the oldest unpinned held key. ``on_evict(key, host_block_id)`` sees it first, while its
+Eviction pops the oldest unpinned held key, passing over (and moving to the recently used end) a key
+that is retained (kvtier/kv/retention.py) while the tier protects fewer than its cap.
+``on_evict(key, host_block_id)`` sees it first, while its
 bytes are still intact, so the coordinator can demote the block to disk instead of dropping it.
 
 KV events: ``listener`` hears of a key when it becomes held (``complete_store`` ok) and when it stops
@@ -29,6 +31,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.kv.lower import KeyGroups
+from kvtier.kv.retention import Retention, TierProtection
 from kvtier.stats import Medium, TierCounters
 from kvtier.tiers.base import BlockKey, KVTier, LoadSpec, StoreSpec
 
@@ -36,9 +39,15 @@ from kvtier.tiers.base import BlockKey, KVTier, LoadSpec, StoreSpec
 class HostTier(KVTier):
     medium = Medium.HOST
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[BlockKey, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        on_evict: Callable[[BlockKey, int], None] | None = None,
+        retention: Retention | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the host tier needs at least one block, got {num_blocks}")
+        self.protection = TierProtection(retention, num_blocks)
         self.counters = TierCounters()
         self.on_evict = on_evict
         self._num_blocks = num_blocks
@@ -57,6 +66,9 @@ class HostTier(KVTier):
     @property
     def num_used_blocks(self) -> int:
         return self._num_blocks - len(self._free)
+
+    def num_retained_blocks(self) -> int:
+        return self.protection.count(self._held)
 
     def contains(self, key: BlockKey, group: int = 0) -> bool:
         return key in self._held
@@ -126,17 +138,33 @@ class HostTier(KVTier):
         else:
             self._forget_groups(keys)
 
-    def _evict_one(self, evicted: list[BlockKey]) -> bool:
+    def _victim(self) -> BlockKey | None:
+        """The least recently used held key that is neither pinned nor protected (None: none is);
+        the protected keys passed over move to the recently used end."""
+        passed: list[BlockKey] = []
+        victim = None
         for key in self._held:
-            if not self._pins[key]:
-                break
-        else:
+            if self._pins[key]:
+                continue
+            if self.protection.protects(key):
+                passed.append(key)
+                continue
+            victim = key
+            break
+        for key in passed:
+            self._held.move_to_end(key)
+        return victim
+
+    def _evict_one(self, evicted: list[BlockKey]) -> bool:
+        key = self._victim()
+        if key is None:
             return False
         host_block_id = self._held[key]
         if self.on_evict is not None:
             self.on_evict(key, host_block_id)
         del self._held[key]
         self._pins.pop(key, None)
+        self.protection.forget(key)
         self._free.append(host_block_id)
         evicted.append(key)
         self.counters.blocks_evicted += 1
@@ -164,6 +192,7 @@ class HostTier(KVTier):
         dropped = [key for key in dict.fromkeys(keys) if key in self._held and not self._pins[key]]
         for key in dropped:
             self._free.append(self._held.pop(key))
+            self.protection.forget(key)
         self._announce_removed(dropped)
 
     def check_integrity(self) -> None:

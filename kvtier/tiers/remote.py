@@ -21,8 +21,9 @@ Keys and values::
                                   optional HMAC-SHA256) then the payload, written with one SET: never
                                   half a value; read for another KV group than its header's, a miss
 
-Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry) and a hit refreshes it (``EXPIRE``),
-so ``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
+Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry; a retained block's remaining
+retention when longer: kvtier/kv/retention.py) and a hit refreshes it (``EXPIRE``), so
+``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
 evicts: ``contains`` is a local, bounded set of keys known to be there, and a load that finds nothing
 is a counted miss (``missing``). A value that is truncated, corrupt, written for another model, dtype or
 shape, or whose MAC does not verify is never loaded: a miss, counted by kind, and deleted if the store
@@ -32,15 +33,15 @@ of bytes arrives, it counts as ``foreign`` and is deleted if still that long wit
 writer without the secret can make loads miss (a slowdown), but cannot make a replica allocate more
 than ``READ_BATCH_BYTES`` per read round trip.
 
-Faults never fail a request: a refused, reset or timed-out command opens the breaker (one warning
-line); while it is open lookups return 0 and stores are dropped without touching the network, and a
-background probe reconnects with backoff (one line when the store answers again). The blocks known
-to be there are forgotten at each outage: a restarted store may be empty.
+Faults never fail a request: a refused, reset or timed-out command opens the breaker (one warning line);
+while open, lookups return 0 and stores are dropped, and a probe reconnects with backoff (one line when
+the store answers). The keys known to be there are forgotten at each outage (a store may restart empty).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import urllib.parse
@@ -53,6 +54,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier.kv.lower import KeyGroups
+from kvtier.kv.retention import Retention
 from kvtier.stats import REMOTE_ERROR_KINDS as ERROR_KINDS
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 from kvtier.tiers.base import BlockKey, ExternalTier, LoadSpec, StoreSpec, TierIdentity
@@ -277,10 +279,17 @@ class RedisBlockIO:
     Both paths are batched (the worker hands over each run of queued jobs of one kind): one pipeline per
     batch. A failed read is a miss for that block; nothing is fatal (an outage is the breaker's job)."""
 
-    def __init__(self, store: RemoteStore, identity: TierIdentity, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        store: RemoteStore,
+        identity: TierIdentity,
+        secret: bytes | None = None,
+        retention: Retention | None = None,
+    ) -> None:
         self.store = store
         self.identity = identity
         self.secret = secret
+        self.retention = retention  # a retained block's value lives at least as long as its retention
         self._heads: list[memoryview] = []  # scratch block headers (the worker's thread only)
 
     def read(self, key: BlockKey, address: object, out: ByteBuffer, group: int = 0) -> None:
@@ -368,6 +377,14 @@ class RedisBlockIO:
             return RemoteMiss(kind, str(exc))
         return None
 
+    def _ttl(self, key: BlockKey) -> int:
+        """A value's expiry: ``kv_remote_ttl_s`` (0: none), or a retained key's remaining retention when
+        that is longer (kvtier/kv/retention.py; read without locking: the worker's thread)."""
+        until = None if self.retention is None or not self.store.ttl_s else self.retention.peek(key)
+        if until is None:
+            return self.store.ttl_s
+        return max(self.store.ttl_s, math.ceil(until - self.retention.clock()))
+
     def write_batch(
         self, jobs: list[tuple[BlockKey, object, ByteBuffer]], groups: KeyGroups = ()
     ) -> list[BaseException | None]:
@@ -382,12 +399,13 @@ class RedisBlockIO:
             commands = []
             groups = groups or [0] * len(jobs)
             for (key, address, data), there, group in zip(jobs, present, groups, strict=True):
+                ttl = self._ttl(key)
                 if there is True or there == 1:
-                    if store.ttl_s:
-                        commands.append(("expire", (address, store.ttl_s), {}))
+                    if ttl:
+                        commands.append(("expire", (address, ttl), {}))
                     continue
                 value = encode_block_value(key, self.identity, data, self.secret, group)
-                commands.append(("set", (address, value), {"ex": store.ttl_s or None}))
+                commands.append(("set", (address, value), {"ex": ttl or None}))
             replies = self._execute(commands) if commands else []
         except Exception as exc:  # noqa: BLE001 (the store went away: the stores are dropped)
             store.failed(exc)
