@@ -36,13 +36,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-tokens", type=int, default=16, help="tokens of each answer (a tool call)")
     p.add_argument("--result-tokens", type=int, default=48, help="tokens of each tool result")
     p.add_argument("--pause-s", type=float, default=1.5, help="each tool call's duration")
-    p.add_argument("--pressure-tokens", type=int, default=1536, help="each unrelated prompt")
-    p.add_argument("--pressure-concurrency", type=int, default=1, help="unrelated prompts in flight")
+    p.add_argument("--pressure-tokens", type=int, default=512, help="each unrelated prompt")
+    p.add_argument("--pressure-concurrency", type=int, default=2, help="unrelated prompts in flight")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_engine_args(
         p,
         ["model", "kv_device_blocks", "kv_host_gb", "num_threads", "max_num_batched_tokens"],
-        defaults={"kv_device_blocks": 384, "kv_host_gb": 0.35},
+        defaults={"kv_device_blocks": 192, "kv_host_gb": 0.2, "max_num_batched_tokens": 512},
     )
     p.set_defaults(func=main)
 
