@@ -1,6 +1,6 @@
 """``kvtier bench agent`` end to end on a tiny model: two agents in tool loops, unrelated prompts pushing
-through a 48-block device pool and a ~52-block host tier (retention may keep half of them). With retention their steps read their prefix
-back from the cache; without, the pressure has pushed it out."""
+through a 48-block device pool and a ~52-block host tier (retention may keep half of them). With
+retention their steps read their prefix back from the cache; without, the pressure has pushed it out."""
 
 from __future__ import annotations
 

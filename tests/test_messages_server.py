@@ -163,6 +163,37 @@ def test_usage_reads_a_repeated_long_prompt_from_the_cache(client: anthropic.Ant
     assert total - u1.input_tokens - 16 <= retained <= total - u1.input_tokens and retained % 16 == 0
 
 
+def test_diagnostics_explain_a_miss_against_an_earlier_message(server: BackgroundServer) -> None:
+    """The next turn of a conversation names the earlier message: nothing missed. A prompt edited in the
+    middle: where it diverged. A message id this server never gave: unknown. Malformed: a 400."""
+    raw = httpx.Client(base_url=server.url, headers={"x-api-key": KEY}, timeout=60)
+    words = " ".join(secrets.token_hex(3) for _ in range(80))
+    first_turn = [{"role": "user", "content": f"Notes: {words}. Summarize."}]
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0.0, "messages": first_turn}
+    first = raw.post("/v1/messages", json=body).json()
+    answer = first["content"][0]["text"] or "ok"
+    later = [*first_turn, {"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+    diag = {"previous_message_id": first["id"]}
+    second = raw.post("/v1/messages", json={**body, "messages": later, "diagnostics": diag}).json()
+    reason = second["diagnostics"]["cache_miss_reason"]
+    assert (
+        reason["type"] in ("none", "prompt_changed")
+        and reason["cached_tokens"] >= reason["reusable_tokens"] > 0
+    )
+    edited = [{"role": "user", "content": f"Notes: {words[:40]}X{words[41:]}. Summarize."}]
+    third = raw.post("/v1/messages", json={**body, "messages": edited, "diagnostics": diag}).json()
+    reason = third["diagnostics"]["cache_miss_reason"]
+    assert reason["type"] == "prompt_changed" and 0 < reason["diverged_at_token"] < 120  # ~char 47 of ~250
+    assert reason["reusable_tokens"] <= reason["diverged_at_token"]
+    unknown = raw.post(
+        "/v1/messages", json={**body, "diagnostics": {"previous_message_id": "msg_nope"}}
+    ).json()
+    assert unknown["diagnostics"]["cache_miss_reason"]["type"] == "previous_message_unknown"
+    bad = raw.post("/v1/messages", json={**body, "diagnostics": {"previous_message_id": 3}})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    assert "diagnostics" not in first
+
+
 def test_breakpoint_ttls_and_prompt_cache_retention_retain_the_prompt(server: BackgroundServer) -> None:
     """A 1h system prompt and a 5m turn after it: both prefixes retained. OpenAI's chat route with
     ``prompt_cache_retention: 24h`` retains the whole prompt, reported in usage's kvtier extension."""

@@ -41,7 +41,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     add_engine_args(
         p,
-        ["model", "kv_device_blocks", "kv_host_gb", "num_threads", "max_num_batched_tokens"],
+        [
+            "model",
+            "kv_device_blocks",
+            "kv_host_gb",
+            "num_threads",
+            "max_num_batched_tokens",
+            "scheduling_policy",
+            "max_step_ms",
+        ],
         defaults={"kv_device_blocks": 192, "kv_host_gb": 0.2, "max_num_batched_tokens": 512},
     )
     p.set_defaults(func=main)

@@ -515,9 +515,25 @@ class MessagesRequest(CountTokensRequest):
     stop_sequences: list[Text] | None = None
     stream: bool = False
     metadata: JSONValue = None
+    diagnostics: JSONValue = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+
+    @property
+    def previous_message_id(self) -> str | None:
+        """``diagnostics.previous_message_id``: explain this request's cache use against that message's
+        (kvtier/server/diagnostics.py); 400 when malformed."""
+        if self.diagnostics is None:
+            return None
+        d = self.diagnostics
+        if (
+            not isinstance(d, dict)
+            or set(d) != {"previous_message_id"}
+            or not isinstance(d["previous_message_id"], str)
+        ):
+            raise invalid('diagnostics must be {"previous_message_id": "msg_..."}', "diagnostics")
+        return d["previous_message_id"]
 
     @property
     def user_id(self) -> str | None:

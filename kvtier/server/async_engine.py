@@ -163,6 +163,7 @@ class AsyncEngine:
         # Set from the engine when the model has loaded (fixed from then on; read from any thread).
         self.tokenizer: Tokenizer | None = None
         self.max_model_len: int | None = None
+        self.block_size: int | None = None  # tokens per KV block, once the model has loaded
         self.grammars: Grammars | None = None
         self._factory = factory
         self._observer = observer
@@ -366,6 +367,7 @@ class AsyncEngine:
         self._snapshot = (engine.stats(), 0, 0)
         _ = engine.tokenizer.max_token_chars  # computed once here, not on the event loop
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self.block_size = engine.block_size
         self.grammars = engine.grammars  # thread-safe compiles (kvtier/worker/structured.py)
         self._engine = engine  # ready from here on
         self._loaded.set()

@@ -63,6 +63,7 @@ from kvtier.server.anthropic import (
 )
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_messages_key
+from kvtier.server.diagnostics import PromptLog, miss_reason
 from kvtier.server.metrics import TIERS
 from kvtier.server.protocol import APIError, check_model, http_error, tenant_of, tenant_salt, validation_error
 from kvtier.tokenizer import Tokenizer
@@ -228,15 +229,17 @@ class MessagesFormatter:
         tool_names: frozenset[str] | None,
         stop_sequences: list[str],
         cache_write_end: int | None = None,
+        diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
     ):
         self.message_id = f"msg_{secrets.token_hex(12)}"
         self.model = model
         self.tool_names = tool_names
         self.stop_sequences = stop_sequences
         self.cache_write_end = cache_write_end
+        self.diagnose = diagnose  # diagnostics.previous_message_id asked: the cache_miss_reason of an output
 
     def _message(self, content: list[dict[str, Any]], out: RequestOutput, stop: tuple[Any, Any]) -> dict:
-        return {
+        message = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
@@ -246,6 +249,9 @@ class MessagesFormatter:
             "stop_sequence": stop[1],
             "usage": usage(out, self.cache_write_end),
         }
+        if self.diagnose is not None:
+            message["diagnostics"] = {"cache_miss_reason": self.diagnose(out)}
+        return message
 
     def _stop(self, c: CompletionOutput, called: bool) -> tuple[str, str | None]:
         """``(stop_reason, stop_sequence)``: max_tokens when cut, tool_use after calls, stop_sequence when
@@ -355,22 +361,38 @@ async def create_message(request: Request, serving: Serving) -> Response:
         state.pool, _render, tokenizer, chat, params.max_tokens, max_model_len
     )
     authorization = authorization_of(request.headers)
+    salt = tenant_salt(authorization, user, None, state.settings.prefix_cache_scope)
+    previous = body.previous_message_id
     streams = await serving.admit(
         state.engine,
         state.metrics,
         [prompt],
         params,
-        cache_salt=tenant_salt(authorization, user, None, state.settings.prefix_cache_scope),
+        cache_salt=salt,
         arrival=arrival,
         param="messages",
         tenant=tenant_of(authorization, user),
         grammar_param="tools",
         retention=retention,
     )
+    log = _prompt_log(state)
+    ids = prompt["prompt_token_ids"]
+    diagnose = None
+    if previous is not None:
+        before, block_size = log.get(previous), state.engine.block_size or 16
+        diagnose = lambda out: miss_reason(before, ids, salt, out.num_cached_tokens, block_size)  # noqa: E731
     fmt = MessagesFormatter(
-        state.settings.model_name, chat.tool_names, body.stop_sequences or [], cache_write_end
+        state.settings.model_name, chat.tool_names, body.stop_sequences or [], cache_write_end, diagnose
     )
+    log.record(fmt.message_id, ids, salt, max((r.ttl_s for r in retention), default=None))
     return await serving.respond(request, fmt, streams, body.stream)
+
+
+def _prompt_log(state: Any) -> PromptLog:
+    """The app's record of recent messages' prompts (made at the first message)."""
+    if getattr(state, "prompt_log", None) is None:
+        state.prompt_log = PromptLog()
+    return state.prompt_log
 
 
 async def count_tokens(request: Request) -> JSONResponse:

@@ -1,0 +1,98 @@
+"""Why a request missed the cache, relative to an earlier one (Anthropic's ``diagnostics``).
+
+A client sends ``diagnostics: {"previous_message_id": "msg_..."}`` on ``/v1/messages`` to ask how this
+request's cache use compares with an earlier message's; the answer carries
+``diagnostics.cache_miss_reason``, from what kvtier knows::
+
+    type                        when
+    none                        the prompt continues the previous one and every whole block of what they
+                                share came from the cache
+    prompt_changed              the prompts differ at token N (``diverged_at_token``): only the whole
+                                blocks before it could be reused, and they were
+    retention_expired           blocks of the shared prefix were evicted after the previous message's
+                                retention (its cache_control TTL) ran out
+    evicted                     blocks of the shared prefix were evicted from every tier (no retention
+                                asked for, or still retained but past a tier's cap)
+    different_tenant            another API key or user: a tenant's prefixes are never another's hits
+    previous_message_unknown    this server did not answer that message, or forgot it (it keeps the last
+                                ``MAX_RECORDS``)
+
+with ``cached_tokens`` (what this request read from the cache), ``reusable_tokens`` (the whole blocks it
+shares with the previous prompt, at most all but its last token) and a one-line ``message``.
+:class:`PromptLog` remembers each answered message's prompt (token ids), tenant salt, time and retention.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+MAX_RECORDS = 2048
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    token_ids: array  # int32 token ids of the message's prompt
+    salt: str | None  # its tenant's prefix-cache salt
+    at: float  # wall-clock seconds when it was admitted
+    retained_until: float | None  # when the longest retention it asked for ends (None: none)
+
+
+class PromptLog:
+    """The last ``max_records`` messages' prompts by message id."""
+
+    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+        self.max_records = max_records
+        self._records: OrderedDict[str, PromptRecord] = OrderedDict()
+
+    def record(self, message_id: str, token_ids: list[int], salt: str | None, ttl_s: float | None) -> None:
+        now = time.time()
+        until = None if ttl_s is None else now + ttl_s
+        self._records[message_id] = PromptRecord(array("i", token_ids), salt, now, until)
+        while len(self._records) > self.max_records:
+            self._records.popitem(last=False)
+
+    def get(self, message_id: str) -> PromptRecord | None:
+        return self._records.get(message_id)
+
+
+def _shared(a: array, b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def miss_reason(
+    prev: PromptRecord | None, token_ids: list[int], salt: str | None, cached: int, block_size: int
+) -> dict[str, Any]:
+    """``cache_miss_reason`` of a request whose prompt is ``token_ids`` (read ``cached`` tokens from the
+    cache) against the previous message's record (table above)."""
+    if prev is None:
+        return {"type": "previous_message_unknown", "message": "this server has no record of that message"}
+    if prev.salt != salt:
+        message = "the previous message was another tenant's (API key or user): its prefixes are not shared"
+        return {"type": "different_tenant", "message": message}
+    shared = _shared(prev.token_ids, token_ids)
+    reusable = min(shared, len(token_ids) - 1) // block_size * block_size
+    out: dict[str, Any] = {"cached_tokens": cached, "reusable_tokens": reusable}
+    if cached >= reusable:
+        if shared < len(prev.token_ids):
+            where = f"the prompt differs from the previous message's at token {shared}"
+            return {"type": "prompt_changed", "diverged_at_token": shared, **out, "message": where}
+        return {"type": "none", **out, "message": "every shared whole block came from the cache"}
+    lost = f"{reusable - cached} of the {reusable} shared tokens were evicted"
+    if prev.retained_until is not None and time.time() > prev.retained_until:
+        ended = time.strftime("%H:%M:%S", time.gmtime(prev.retained_until))
+        return {
+            "type": "retention_expired",
+            **out,
+            "message": f"{lost} after its retention ended ({ended} UTC)",
+        }
+    return {"type": "evicted", **out, "message": f"{lost} from every tier"}
