@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,8 @@ class PromptLog:
         return self._records.get(message_id)
 
 
-def _shared(a: array, b: list[int]) -> int:
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -79,7 +81,7 @@ def miss_reason(
     if prev.salt != salt:
         message = "the previous message was another tenant's (API key or user): its prefixes are not shared"
         return {"type": "different_tenant", "message": message}
-    shared = _shared(prev.token_ids, token_ids)
+    shared = shared_prefix(prev.token_ids, token_ids)
     reusable = min(shared, len(token_ids) - 1) // block_size * block_size
     out: dict[str, Any] = {"cached_tokens": cached, "reusable_tokens": reusable}
     if cached >= reusable:

@@ -63,7 +63,7 @@ from kvtier.server.anthropic import (
 )
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_messages_key
-from kvtier.server.diagnostics import PromptLog, miss_reason
+from kvtier.server.diagnostics import PromptLog, miss_reason, shared_prefix
 from kvtier.server.metrics import TIERS
 from kvtier.server.protocol import APIError, check_model, http_error, tenant_of, tenant_salt, validation_error
 from kvtier.tokenizer import Tokenizer
@@ -314,12 +314,7 @@ def _cache_write_end(tokenizer: Tokenizer, prefix: CachePrefix | None, token_ids
         _, cut = tokenizer.encode_chat(list(prefix.conversation), False, tools=list(prefix.tools))
     except ConfigError:
         return 0
-    shared = 0
-    for a, b in zip(cut, token_ids, strict=False):
-        if a != b:
-            break
-        shared += 1
-    return shared
+    return shared_prefix(cut, token_ids)
 
 
 def _render(
