@@ -24,8 +24,9 @@ class FakeEngine:
         self.threads: set[str] = set()
         self.fail_next_step = False
         self.closed = False
-        self.tokenizer = SimpleNamespace(max_token_chars=1)  # AsyncEngine copies these two when loaded
+        self.tokenizer = SimpleNamespace(max_token_chars=1)  # AsyncEngine copies these three when loaded
         self.max_model_len = 64
+        self.block_size = 16
         self.grammars = None  # no structured output
         self.has_idle_work = False  # no canary checks waiting (kvtier/insight)
 
