@@ -50,6 +50,21 @@ def test_a_retained_key_expires_a_refresh_extends_it_and_the_cap_refuses_the_res
     assert not r.is_retained(k("z"))
 
 
+def test_the_retained_count_of_a_tier_walks_the_smaller_side_and_is_cached_a_second() -> None:
+    """What /metrics reads every engine step must not walk a 100k-block tier each time."""
+    clock = Clock()
+    r = Retention(max_blocks=10, clock=clock)
+    r.retain([k("a"), k("b")], 60)
+    many = {k(str(i)): None for i in range(50)} | {k("a"): None}
+    assert r.count_in(many) == 1 and r.count_in({k("a"): None}) == 1 and Retention(5).count_in(many) == 0
+    protection = TierProtection(r, 8)
+    assert protection.count(many) == 1
+    r.retain([k("0")], 60)
+    assert protection.count(many) == 1  # within the second: the cached count
+    clock.now += 1.5
+    assert protection.count(many) == 2
+
+
 def test_a_span_outside_the_ttls_is_refused() -> None:
     with pytest.raises(ValueError, match="ttl"):
         RetentionSpan(100, 0)

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.hashing import BlockHash
-from kvtier.kv.retention import Retention
+from kvtier.kv.retention import Retention, TierProtection
 
 
 @dataclass(eq=False)
@@ -168,6 +168,7 @@ class BlockPool:
         self.retention = retention
         self._retained_cap = 0 if retention is None else retention.cap(num_blocks)
         self._next_expiry_check = float("-inf")
+        self._retained_count = TierProtection(retention, 0)  # only its throttled count is used
         self._cached: dict[BlockHash, KVBlock] = {}
 
     # ---------------------------------------------------------------- counters
@@ -180,6 +181,10 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out: free ones plus cached idle ones."""
         return len(self._free_queue) + len(self._cold_queue) + len(self._retained_queue)
+
+    def num_retained_blocks(self) -> int:
+        """Cached blocks (in use or idle) under retention now; for metrics (at most once a second)."""
+        return self._retained_count.count(self._cached)
 
     @property
     def num_retained_idle(self) -> int:

@@ -51,7 +51,7 @@ from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
-from kvtier.kv.retention import Retention, RetentionSpan, TierProtection, retained_keys
+from kvtier.kv.retention import Retention, RetentionSpan, retained_keys
 from kvtier.kv.seq_blocks import Load, SeqBlocks, Swapped, blocks_to_allocate, check_tables, hit_tables
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
@@ -579,9 +579,7 @@ class KVCacheManager:
         pool = self.pool
         used = pool.num_blocks - pool.num_free_blocks
         snap = TierSnapshot.of(Medium.DEVICE, self.device_counters, pool.num_blocks, used, self.block_size)
-        snap.retained_blocks = TierProtection(pool.retention, 0).count(
-            b.block_hash for b in pool.blocks if b.block_hash
-        )
+        snap.retained_blocks = pool.num_retained_blocks()
         return snap
 
     def check_integrity(self) -> None:

@@ -30,7 +30,7 @@ retention outlives a restart. Pure Python, no torch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.kv.groups import KVLayout
@@ -67,11 +67,24 @@ class Retention:
         self.clock = clock
         self._until: dict[BlockHash, float] = {}
         self.num_refused = 0  # keys an ask could not retain (the cap was reached)
+        self._next_purge = float("-inf")
 
     def __len__(self) -> int:
-        """Keys retained now (expired ones are dropped first)."""
-        self.purge()
+        """Keys retained now (expired ones are dropped at most once a second: a per-step gauge)."""
+        now = self.clock()
+        if now >= self._next_purge:
+            self._next_purge = now + 1.0
+            self.purge()
         return len(self._until)
+
+    def count_in(self, held: Collection[BlockHash]) -> int:
+        """How many of ``held`` are retained now, walking the smaller of the two."""
+        if not self._until:
+            return 0
+        now = self.clock()
+        if len(self._until) <= len(held):
+            return sum(1 for key, until in self._until.items() if until > now and key in held)
+        return sum(1 for key in held if self._until.get(key, now) > now)
 
     def cap(self, capacity_blocks: int) -> int:
         """How many keys a tier of ``capacity_blocks`` protects at most."""
@@ -135,6 +148,7 @@ class TierProtection:
         self.retention = retention
         self.cap = 0 if retention is None else retention.cap(capacity_blocks)
         self.keys: set[BlockHash] = set()
+        self._counted_at, self._count = float("-inf"), 0
 
     def protects(self, key: BlockHash) -> bool:
         """Whether eviction must pass over ``key`` now (it takes one of the cap's places if it can)."""
@@ -154,10 +168,15 @@ class TierProtection:
         """``key`` left the tier."""
         self.keys.discard(key)
 
-    def count(self, held: Iterable[BlockHash]) -> int:
-        """How many of the tier's ``held`` keys are retained now (its retained blocks, for metrics)."""
-        retention = self.retention
-        return 0 if retention is None else sum(1 for key in held if retention.peek(key) is not None)
+    def count(self, held: Collection[BlockHash]) -> int:
+        """How many of the tier's ``held`` keys are retained now (its retained blocks, for metrics):
+        counted at most once a second (the engine's stats are taken every step)."""
+        if self.retention is None:
+            return 0
+        now = self.retention.clock()
+        if now >= self._counted_at + 1.0 or now < self._counted_at:
+            self._counted_at, self._count = now, self.retention.count_in(held)
+        return self._count
 
 
 def retained_keys(
