@@ -83,7 +83,7 @@ class Sequence:
     priority: int = 0
     tenant: str = ""
     admitted_order: int | None = None  # when it last joined the running batch (recency for preemption)
-    num_starved_steps: int = 0  # steps in a row a prompt mid-prefill got no tokens
+    num_starved_steps: int = 0  # steps in a row a prompt (mid-prefill or waiting) got no tokens
     kv_cached_blocks: int = 0  # device blocks its prompt found cached when it arrived (admission estimate)
 
     @property

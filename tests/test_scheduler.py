@@ -162,6 +162,22 @@ def test_story_a_passed_over_prompt_is_not_starved() -> None:
     assert long.num_output_tokens >= 1  # it still got its chunks (at the latest every STARVE_STEPS)
 
 
+def test_story_a_waiting_prompt_longer_than_a_step_is_not_starved_by_prompts_that_fit() -> None:
+    """An agent's 768-token prompt waits while unrelated 512-token prompts keep coming, one always
+    queued ahead of it, and a step holds 512 prompt tokens: each of those finishes in one step, so the
+    finishers' pass took them all and the long one never started (kvtier bench agent under stall_free
+    never finished). Passed over STARVE_STEPS steps, it takes a chunk first; it completes."""
+    w = world(max_num_batched_tokens=512, max_num_partial_prefills=1)
+    w.request("p0", 512, 1)
+    agent = w.request("agent", 768, 2)
+    for i in range(1, 40):
+        w.request(f"p{i}", 512, 1)  # the unrelated traffic's next prompt, queued before the step
+        w.step()
+        if agent.num_output_tokens:
+            break
+    assert agent.num_output_tokens >= 1, f"admitted so far: {w.admitted}"
+
+
 def test_story_on_a_slow_cpu_a_short_prompt_still_goes_in_one_step() -> None:
     # A decode step of 8 streams takes 150 ms, about max_step_ms: the target follows the measured
     # decode step (2.5 of them), so prefill keeps 1.5 decode steps' worth of every step.

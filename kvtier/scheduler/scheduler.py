@@ -12,7 +12,10 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
                     ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
                     ``max_num_batched_tokens``
     3. prefills     with ``max_num_partial_prefills`` = P > 0:
-                      a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk
+                      a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk,
+                         then one waiting prompt that finishers behind it overtook for STARVE_STEPS
+                         steps in a row (one too long to finish in a step, behind a stream of prompts
+                         that do, would otherwise never start)
                       b. *finishers*: prompts whose whole rest fits in what is left of the budget,
                          running ones first, then waiting ones in fair order (``fairness.py``):
                          short prompts overtake a long one's remaining chunks
@@ -295,6 +298,8 @@ class Scheduler:
             starved = [s for s in prompts if s.num_starved_steps >= STARVE_STEPS]
             for seq in starved:
                 plan.continue_prompt(seq)
+            waited = [s for s in self.waiting if s.num_starved_steps >= STARVE_STEPS]
+            plan.admit_all(waited, must_finish=False, limit=1)  # one long prompt the finishers kept out
             for seq in prompts:
                 plan.continue_prompt(seq, must_finish=True)
             passed = plan.admit_all(order, must_finish=True)
@@ -304,6 +309,9 @@ class Scheduler:
             plan.admit_all(itertools.chain(passed, order), must_finish=False, limit=limit - len(partial))
         for seq in prompts:
             seq.num_starved_steps = 0 if seq.seq_id in plan.taken else seq.num_starved_steps + 1
+        for seq in self.waiting:  # overtaken by a finisher behind it: one more step starved
+            overtaken = seq.seq_id in plan.overtaken and seq.seq_id not in plan.taken
+            seq.num_starved_steps = seq.num_starved_steps + 1 if overtaken else 0
         return plan.scheduled
 
     def _admit(self, seq: Sequence, budget: int, must_finish: bool) -> int | None:
@@ -528,6 +536,8 @@ class _PrefillPlan:
         self.fair = fair
         self.scheduled: list[ScheduledSeq] = []
         self.stopped = False  # the pool or max_num_seqs is full: no more admissions this step
+        self._too_long: list[str] = []  # waiting prompts the finishers' pass skipped: they cannot finish
+        self.overtaken: set[str] = set()  # ...and a finisher after them in order was admitted
 
     def _take(self, seq: Sequence, num_new: int) -> None:
         self.scheduled.append(self.s._scheduled(seq, num_new))
@@ -554,6 +564,8 @@ class _PrefillPlan:
         s, passed = self.s, []
         bs = s.kv.block_size
         for seq in order:
+            if seq.seq_id in self.taken:
+                continue  # admitted earlier in this step (a starved one)
             if self.stopped or self.budget <= 0 or (limit is not None and limit <= 0):
                 passed.append(seq)
                 break
@@ -563,6 +575,7 @@ class _PrefillPlan:
                 break
             if must_finish and seq.num_remaining_tokens - seq.kv_cached_blocks * bs > self.budget:
                 passed.append(seq)  # cheap test first: its prompt cannot finish in this step
+                self._too_long.append(seq.seq_id)
                 continue
             try:
                 num_new = s._admit(seq, self.budget, must_finish)
@@ -575,6 +588,8 @@ class _PrefillPlan:
                 continue
             self._take(seq, num_new)
             self.fair.admitted(seq)
+            if must_finish:
+                self.overtaken.update(self._too_long)
             if limit is not None:
                 limit -= 1
         return passed
