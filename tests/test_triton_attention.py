@@ -29,12 +29,11 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvtier import LLM, SamplingParams  # noqa: E402
+from kvtier.bench.gpu_kernel_step import step_metadata  # noqa: E402
 from kvtier.config import ConfigError, EngineArgs  # noqa: E402
 from kvtier.models import attention_backend, triton_attention  # noqa: E402
 from kvtier.models.attention import (  # noqa: E402
     AttentionMetadata,
-    DecodeGroup,
-    PrefillGroup,
     paged_attention,
     write_kv,
 )
@@ -101,42 +100,11 @@ def make_step(
         cache.write(LAYER, kv.to(DEVICE), block_ids, pos % block_size)
     decodes = [i for i, (c, n) in enumerate(seqs) if n == 1 and c > 0]
     chunks = [i for i in range(len(seqs)) if i not in decodes]
-    meta = _metadata(seqs, tables, decodes, chunks, block_size)
+    meta = step_metadata(seqs, tables, block_size, DEVICE)
     t = sum(seqs[i][1] for i in decodes + chunks)
     kv = (torch.randn(t, 2, kvh, head_dim, generator=gen) * 2).to(compute).to(DEVICE)
     q = (torch.randn(t, kvh * group, head_dim, generator=gen) * 2).to(compute).to(DEVICE)
     return Step(cache, meta, q, write_kv(cache, LAYER, kv, meta), head_dim**-0.5)
-
-
-def _metadata(
-    seqs: list[tuple[int, int]], tables: list[list[int]], decodes: list[int], chunks: list[int], bs: int
-) -> AttentionMetadata:
-    """The runner's metadata (``ModelRunner._metadata``) for these rows."""
-    slots = [(tables[i][p // bs], p % bs) for i in decodes + chunks for p in range(seqs[i][0], sum(seqs[i]))]
-    decode = None
-    if decodes:
-        lens = [seqs[i][0] + 1 for i in decodes]
-        max_blocks = -(-max(lens) // bs)
-        rows = [tables[i] + tables[i][:1] * (max_blocks - len(tables[i])) for i in decodes]
-        ctx = torch.tensor(lens, device=DEVICE)
-        mask = None
-        if len(lens) > 1 and min(lens) != max(lens):
-            mask = (torch.arange(max(lens), device=DEVICE)[None, :] < ctx[:, None])[:, None, None, :]
-        table = torch.tensor([b for row in rows for b in row], device=DEVICE)
-        decode = DecodeGroup(len(decodes), table, max_blocks, max(lens), mask)
-    prefills, start = [], len(decodes)
-    for i in chunks:
-        c, n = seqs[i]
-        if c == 0:
-            prefills.append(PrefillGroup(start, n, 0, None, None))
-        else:
-            mask = (
-                torch.arange(c + n, device=DEVICE)[None, :] <= torch.arange(c, c + n, device=DEVICE)[:, None]
-            )
-            prefills.append(PrefillGroup(start, n, c, torch.tensor(tables[i], device=DEVICE), mask))
-        start += n
-    ids, offsets = (torch.tensor(x, device=DEVICE) for x in zip(*slots, strict=True))
-    return AttentionMetadata(ids, offsets, decode, prefills)
 
 
 def tolerance(compute: torch.dtype) -> float:

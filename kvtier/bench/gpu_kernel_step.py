@@ -17,9 +17,11 @@ from kvtier.models.kv_quant import KVFormat, PagedKVCache
 LAYER, BLOCK_SIZE = 1, 16
 
 
-def _metadata(seqs: list[tuple[int, int]], tables: list[list[int]], dev: torch.device) -> AttentionMetadata:
-    """Decode rows (one new token after a cache) first, then prefill chunks, as ``ModelRunner``."""
-    bs = BLOCK_SIZE
+def step_metadata(
+    seqs: list[tuple[int, int]], tables: list[list[int]], bs: int, dev: torch.device
+) -> AttentionMetadata:
+    """The runner's metadata for these rows (``(cached, new)`` per sequence over its block table):
+    decode rows (one new token after a cache) first, then prefill chunks (the Triton tests' too)."""
     decodes = [i for i, (c, n) in enumerate(seqs) if n == 1 and c > 0]
     chunks = [i for i in range(len(seqs)) if i not in decodes]
     slots = [(tables[i][p // bs], p % bs) for i in decodes + chunks for p in range(seqs[i][0], sum(seqs[i]))]
@@ -37,9 +39,11 @@ def _metadata(seqs: list[tuple[int, int]], tables: list[list[int]], dev: torch.d
     prefills, start = [], len(decodes)
     for i in chunks:
         c, n = seqs[i]
-        mask = torch.arange(c + n, device=dev)[None, :] <= torch.arange(c, c + n, device=dev)[:, None]
-        table = torch.tensor(tables[i], device=dev) if c else None
-        prefills.append(PrefillGroup(start, n, c, table, mask if c else None))
+        if c == 0:  # a fresh chunk attends to its own rows
+            prefills.append(PrefillGroup(start, n, 0, None, None))
+        else:
+            mask = torch.arange(c + n, device=dev)[None, :] <= torch.arange(c, c + n, device=dev)[:, None]
+            prefills.append(PrefillGroup(start, n, c, torch.tensor(tables[i], device=dev), mask))
         start += n
     ids, offsets = (torch.tensor(x, device=dev) for x in zip(*slots, strict=True))
     return AttentionMetadata(ids, offsets, decode, prefills)
@@ -69,7 +73,7 @@ def compare(
             kv = (torch.randn(c, 2, kv_heads, head_dim, generator=gen) * 2).to(compute).to(dev)
             pos = torch.arange(c, device=dev)
             cache.write(LAYER, kv, torch.tensor(table, device=dev)[pos // BLOCK_SIZE], pos % BLOCK_SIZE)
-    meta = _metadata(seqs, tables, dev)
+    meta = step_metadata(seqs, tables, BLOCK_SIZE, dev)
     t = sum(n for _, n in seqs)
     kv = (torch.randn(t, 2, kv_heads, head_dim, generator=gen) * 2).to(compute).to(dev)
     q = (torch.randn(t, heads, head_dim, generator=gen) * 2).to(compute).to(dev)

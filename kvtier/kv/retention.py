@@ -30,8 +30,10 @@ retention outlives a restart. Pure Python, no torch.
 from __future__ import annotations
 
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.kv.groups import KVLayout
 from kvtier.kv.hashing import BlockHash, group_key
@@ -163,6 +165,23 @@ class TierProtection:
             self.keys.add(key)
             return True
         return False
+
+    def victim(self, held: OrderedDict[BlockHash, Any], pins: Counter[BlockHash]) -> BlockHash | None:
+        """A tier's eviction victim: the least recently used ``held`` key neither pinned nor protected
+        (None: none is); the protected keys passed over move to the recently used end."""
+        passed: list[BlockHash] = []
+        victim = None
+        for key in held:
+            if pins[key]:
+                continue
+            if self.protects(key):
+                passed.append(key)
+                continue
+            victim = key
+            break
+        for key in passed:
+            held.move_to_end(key)
+        return victim
 
     def forget(self, key: BlockHash) -> None:
         """``key`` left the tier."""

@@ -340,18 +340,7 @@ class DiskTier(ExternalTier):
     def _evict_one(self, usage: Usage) -> BlockKey | None:
         """Drop the least recently used unpinned, unprotected held block and delete its file (a file
         another engine already deleted is only forgotten); protected ones passed over move to the end."""
-        passed: list[BlockKey] = []
-        victim = None
-        for key in self._held:
-            if self._pins[key]:
-                continue
-            if self.protection.protects(key):
-                passed.append(key)
-                continue
-            victim = key
-            break
-        for key in passed:
-            self._held.move_to_end(key)
+        victim = self.protection.victim(self._held, self._pins)
         if victim is None:
             return None
         del self._held[victim]

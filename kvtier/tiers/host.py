@@ -138,25 +138,8 @@ class HostTier(KVTier):
         else:
             self._forget_groups(keys)
 
-    def _victim(self) -> BlockKey | None:
-        """The least recently used held key that is neither pinned nor protected (None: none is);
-        the protected keys passed over move to the recently used end."""
-        passed: list[BlockKey] = []
-        victim = None
-        for key in self._held:
-            if self._pins[key]:
-                continue
-            if self.protection.protects(key):
-                passed.append(key)
-                continue
-            victim = key
-            break
-        for key in passed:
-            self._held.move_to_end(key)
-        return victim
-
     def _evict_one(self, evicted: list[BlockKey]) -> bool:
-        key = self._victim()
+        key = self.protection.victim(self._held, self._pins)
         if key is None:
             return False
         host_block_id = self._held[key]
