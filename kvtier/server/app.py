@@ -10,7 +10,8 @@
 
 Chat takes tools (``tools``, ``tool_choice``, ``parallel_tool_calls``: :mod:`.tools`, :mod:`kvtier.tools`):
 their schemas are checked on the tokenizer pool before the model is needed, the prompt renders them, and
-the answer's text is parsed into ``tool_calls``.
+the answer's text is parsed into ``tool_calls``. Both completion routes take kvtier's ``diagnostics:
+{"previous_response_id": ...}`` and answer ``usage.kvtier.cache_miss_reason`` (:mod:`.diagnostics`).
 
 Which key each route takes (client, KV reader, metrics, admin) is :mod:`.auth`'s table.
 
@@ -64,7 +65,7 @@ from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import KVCapacityExceeded, QueueWaitExceeded
-from kvtier.server import bodies, prompts, tools
+from kvtier.server import bodies, diagnostics, prompts, tools
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_distinct, check_key, check_kv_reader, check_metrics
 from kvtier.server.dashboard import dashboard_router
@@ -431,14 +432,16 @@ class _Opened:
         body, state = self.body, self.request.app.state
         check_open(self.request)
         authorization = self.request.headers.get("authorization", "")
+        salt = tenant_salt(authorization, body.user, body.cache_salt, state.settings.prefix_cache_scope)
+        log = diagnostics.prompt_log(state)  # diagnostics.previous_response_id: why it missed (400 first)
+        previous = diagnostics.previous_response_id(body.diagnostics)
+        diagnose = diagnostics.explain(log, previous, given, salt, state.engine.block_size or 16)
         streams = await admit(
             state.engine,
             state.metrics,
             given,
             self.params,
-            cache_salt=tenant_salt(
-                authorization, body.user, body.cache_salt, state.settings.prefix_cache_scope
-            ),
+            cache_salt=salt,
             arrival=self.arrival,
             param=param,
             priority=body.priority,
@@ -450,6 +453,8 @@ class _Opened:
         assert tokenizer is not None  # admitted: the model has loaded
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-{uuid.uuid4().hex}"
+        ttl_s = max((r.ttl_s for r in body.retention), default=None)
+        diagnostics.record_answer(log, request_id, given, salt, ttl_s)
         fmt = Formatter(
             kind,
             tokenizer,
@@ -461,6 +466,7 @@ class _Opened:
             echo=echo,
             prompt_only=prompt_only,
             tool_names=tool_names,
+            diagnose=diagnose,
         )
         return await respond(self.request, fmt, streams, body.stream)
 

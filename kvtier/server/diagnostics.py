@@ -20,7 +20,12 @@ request's cache use compares with an earlier message's; the answer carries
 with ``cached_tokens`` (what this request read from the cache), ``reusable_tokens`` (the whole blocks it
 shares with the previous prompt, at most all but its last token) and a one-line ``message``.
 :class:`PromptLog` remembers each answered message's prompt (token ids), tenant salt, time and retention.
-Torch-free.
+
+The OpenAI routes offer the same as a kvtier extension: ``/v1/chat/completions`` and ``/v1/completions``
+take ``diagnostics: {"previous_response_id": "chatcmpl-..." | "cmpl-..." | "msg_..."}`` and answer in
+``usage.kvtier.cache_miss_reason`` (a stream sends its usage chunk when diagnostics are asked). Both APIs
+record into one :class:`PromptLog` (:func:`prompt_log`), so either may name the other's answers; a
+``/v1/completions`` call of several prompts is neither recorded nor explained (400 when asked). Torch-free.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from __future__ import annotations
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.server.protocol import bad_request
 
 MAX_RECORDS = 2048
 
@@ -59,6 +66,59 @@ class PromptLog:
 
     def get(self, message_id: str) -> PromptRecord | None:
         return self._records.get(message_id)
+
+
+def prompt_log(state: Any) -> PromptLog:
+    """The app's record of recent answers' prompts (``app.state.prompt_log``, made at the first one),
+    shared by the Messages and the OpenAI routes."""
+    if getattr(state, "prompt_log", None) is None:
+        state.prompt_log = PromptLog()
+    return state.prompt_log
+
+
+def previous_response_id(diagnostics: Any) -> str | None:
+    """The OpenAI routes' ``diagnostics.previous_response_id`` (None: not asked); a 400 naming
+    ``diagnostics`` when it is malformed."""
+    if diagnostics is None:
+        return None
+    if (
+        not isinstance(diagnostics, dict)
+        or set(diagnostics) != {"previous_response_id"}
+        or not isinstance(diagnostics["previous_response_id"], str)
+    ):
+        raise bad_request('diagnostics must be {"previous_response_id": "chatcmpl-..."}', "diagnostics")
+    return diagnostics["previous_response_id"]
+
+
+def token_ids_of(prompt: Any) -> list[int]:
+    """A rendered prompt's token ids (a list of ids, or ``{"prompt_token_ids": [...]}``)."""
+    return list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+
+
+def explain(
+    log: PromptLog,
+    previous_id: str | None,
+    prompts: Sequence[Any],
+    salt: str | None,
+    block_size: int,
+) -> Callable[[Any], dict[str, Any]] | None:
+    """An OpenAI call's ``cache_miss_reason`` of its final output against ``previous_id``'s record, as a
+    function of that output (None: not asked); a 400 naming ``diagnostics`` for a call of several
+    prompts. Looked up now: before this call's own answer is recorded."""
+    if previous_id is None:
+        return None
+    if len(prompts) != 1:
+        raise bad_request(f"diagnostics explains one prompt; this request has {len(prompts)}", "diagnostics")
+    before, token_ids = log.get(previous_id), token_ids_of(prompts[0])
+    return lambda out: miss_reason(before, token_ids, salt, out.num_cached_tokens, block_size)
+
+
+def record_answer(
+    log: PromptLog, response_id: str, prompts: Sequence[Any], salt: str | None, ttl_s: float | None
+) -> None:
+    """Remember an OpenAI call's prompt under its response id (a call of one prompt only)."""
+    if len(prompts) == 1:
+        log.record(response_id, token_ids_of(prompts[0]), salt, ttl_s)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

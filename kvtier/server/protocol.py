@@ -42,8 +42,9 @@ and ``Infinity``).
 Every error body is ``{"error": {"message", "type", "param", "code"}}``; a message quotes at most
 ``MAX_ECHO`` characters of what the client sent.
 
-A key is sent as ``Authorization: Bearer <key>`` and compared in constant time (:func:`presents`); a
-missing or wrong one is a 401 (:func:`unauthorized`). Which route takes which key is each app's own
+A key is sent as ``Authorization: Bearer <key>`` and compared in constant time (:func:`presents`, from
+:mod:`.tenants` like :func:`tenant_salt`, re-exported here); a missing or wrong one is a 401
+(:func:`unauthorized`). Which route takes which key is each app's own
 table (``kvtier.server.auth``, ``kvtier.router.auth``). With ``--prefix-cache-scope user`` a request's
 ``cache_salt`` is derived from its tenant (:func:`tenant_salt`: the key it presented, its ``user`` field
 and its own salt), so one tenant's prompts are never a prefix-cache hit for another.
@@ -51,10 +52,8 @@ and its own salt), so one tenant's prompts are never a prefix-cache hit for anot
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import secrets
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -64,6 +63,10 @@ from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps t
 from kvtier.config import ConfigError
 from kvtier.kv.retention import MAX_TTL_S, WHOLE_PROMPT, RetentionSpan
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.server.tenants import bearer as bearer
+from kvtier.server.tenants import presents as presents
+from kvtier.server.tenants import tenant_of as tenant_of
+from kvtier.server.tenants import tenant_salt as tenant_salt
 from kvtier.tools import (
     CLOSE,
     Tool,
@@ -224,44 +227,6 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, text, param=loc[0] if loc else None, code=code)
 
 
-# ------------------------------------------------------------------------------------- keys, tenants
-def bearer(authorization: str) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header's value, or None."""
-    scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
-
-
-def presents(authorization: str, *keys: str | None) -> bool:
-    """Whether the ``Authorization`` header carries one of ``keys`` (the Nones skipped); every key is
-    compared, each in constant time."""
-    token = bearer(authorization)
-    if token is None:
-        return False
-    given = token.encode()
-    matches = [secrets.compare_digest(given, key.encode()) for key in keys if key is not None]
-    return any(matches)
-
-
-def tenant_salt(authorization: str, user: str | None, cache_salt: str | None, scope: str) -> str | None:
-    """A request's prefix-cache salt: its own ``cache_salt``; with ``scope`` ``"user"``
-    (``--prefix-cache-scope user``) one derived from its tenant (the ``Authorization`` header's key and the
-    ``user`` field; neither: the anonymous tenant) and its own salt."""
-    if scope != "user":
-        return cache_salt
-    _, _, key = authorization.partition(" ")
-    parts = (key.strip(), user or "", cache_salt or "")
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
-
-
-def tenant_of(authorization: str, user: str | None) -> str:
-    """A request's fair-share key: the ``Authorization`` header's key and the ``user`` field, hashed
-    (neither: "")."""
-    _, _, key = authorization.partition(" ")
-    if not key.strip() and not user:
-        return ""
-    return hashlib.sha256(json.dumps((key.strip(), user or "")).encode()).hexdigest()[:16]
-
-
 # ---------------------------------------------------------------------------------------- requests
 def _unicode(text: str) -> str:
     try:
@@ -345,6 +310,7 @@ class GenerationRequest(_Request):
     prompt_cache_key: Text | None = None
     # kvtier / vLLM extensions
     cache_salt: Text | None = None
+    diagnostics: JSONValue = None  # {"previous_response_id": ...}: why it missed (server/diagnostics.py)
     ignore_eos: bool = False
     min_tokens: Count = 0
     stop_token_ids: list[Count] | None = None

@@ -4,7 +4,9 @@ A streamed response is, per choice: (chat only) a ``role`` chunk, (text with ``e
 logprobs, content chunks as text arrives, a chunk
 with the ``finish_reason`` and an empty delta; then, with ``stream_options.include_usage``, one chunk
 with ``choices: []`` and the ``usage``; then ``data: [DONE]``. ``usage`` carries OpenAI's
-``prompt_tokens_details.cached_tokens`` and kvtier's ``kvtier.cached_tokens_by_tier``.
+``prompt_tokens_details.cached_tokens`` and kvtier's ``kvtier.cached_tokens_by_tier``, and, when the
+request asked ``diagnostics`` (``diagnose``), ``kvtier.cache_miss_reason`` (:mod:`.diagnostics`; a stream
+sends its usage chunk then, ``include_usage`` or not).
 
 A chat with tools (``tool_names``: tool_choice other than none) has each choice's text parsed for calls
 (:class:`kvtier.tools.ToolCallParser`, one per choice): content chunks carry the text outside the calls,
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from kvtier.outputs import CompletionOutput, RequestOutput
@@ -77,6 +79,7 @@ class Formatter:
         echo: bool = False,
         prompt_only: bool = False,
         tool_names: frozenset[str] | None = None,
+        diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
     ):
         self.kind = kind
         self.tokenizer = tokenizer
@@ -94,6 +97,13 @@ class Formatter:
         self._token_text: dict[int, str] = {}
         self.tool_names = tool_names  # chat with tools: calls are parsed out of the text
         self._parsers: dict[int, ToolCallParser] = {}  # choice -> its streaming parser
+        self.diagnose = diagnose  # diagnostics asked: the cache_miss_reason of the (one) final output
+
+    def _usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        body = usage(finals, not self.prompt_only)
+        if self.diagnose is not None and finals:
+            body["kvtier"]["cache_miss_reason"] = self.diagnose(finals[0])
+        return body
 
     # ------------------------------------------------------------------------------ logprobs
     def _text(self, token_id: int) -> str:
@@ -250,14 +260,14 @@ class Formatter:
                         yield chunk
             if out.finished:
                 finals[prompt_index] = out
-        if self.include_usage:
+        if self.include_usage or self.diagnose is not None:
             body = {
                 "id": self.request_id,
                 "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage([finals[i] for i in sorted(finals)], not self.prompt_only),
+                "usage": self._usage([finals[i] for i in sorted(finals)]),
             }
             yield sse(body)
         yield DONE
@@ -295,6 +305,6 @@ class Formatter:
             "created": self.created,
             "model": self.model,
             "choices": choices,
-            "usage": usage(finals, not self.prompt_only),
+            "usage": self._usage(finals),
             "system_fingerprint": None,
         }
