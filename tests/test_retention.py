@@ -9,6 +9,7 @@ every hit extends it, another tenant's prompt never hits it, and the answers nev
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,36 @@ def test_a_retained_blocks_redis_value_lives_at_least_as_long_as_its_retention(r
     client = redis.Redis.from_url(redis_server.url)
     ttl = {name: client.ttl(redis_key(K(name))) for name in "rx"}
     assert 3500 < ttl["r"] <= 3600 and 0 < ttl["x"] <= 60
+    replica.close()
+
+
+def test_a_redis_hit_never_shortens_a_retained_values_expiry(redis_server) -> None:
+    """kv_remote_ttl_s of 60 s below an hour's retention: a hit refreshes the ordinary block to a minute
+    and the retained one to its remaining hour (it used to cut it to the minute), and the blocks read
+    back intact. Once the retention is over, a hit refreshes it to the minute like any other."""
+    import redis
+
+    from kvtier.tiers.remote import RedisBlockIO, redis_key
+    from tests.test_remote_tier import K, Replica
+
+    clock = Clock()
+    clock.now = time.time()
+    retention = Retention(max_blocks=10, clock=clock)
+    retention.retain([K("r")], 3600)
+    replica = Replica(redis_server.url, ttl_s=60)
+    replica.worker = type(replica.worker)(RedisBlockIO(replica.store, replica.identity, None, retention))
+    assert all(r.ok for r in replica.put("rx"))
+    client = redis.Redis.from_url(redis_server.url)
+    for name in "rx":
+        client.expire(redis_key(K(name)), 30)  # time passed: both values have half a minute left
+    results, _ = replica.get("rx")
+    assert all(r.ok for r in results), [r.error for r in results]
+    ttl = {name: client.ttl(redis_key(K(name))) for name in "rx"}
+    assert 3500 < ttl["r"] <= 3600 and 30 < ttl["x"] <= 60, ttl
+    clock.now += 3601  # the retention is over: an ordinary block now
+    client.expire(redis_key(K("r")), 30)
+    results, _ = replica.get("r")
+    assert results[0].ok and 30 < client.ttl(redis_key(K("r"))) <= 60
     replica.close()
 
 

@@ -29,6 +29,7 @@ retention outlives a restart. Pure Python, no torch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -120,6 +121,13 @@ class Retention:
         """``until`` without forgetting an expired key: safe from another thread (a Redis writer)."""
         expiry = self._until.get(key)
         return expiry if expiry is not None and expiry > self.clock() else None
+
+    def ttl_at_least(self, key: BlockHash, ttl_s: int) -> int:
+        """``ttl_s``, or ``key``'s remaining retention in whole seconds when that is longer (a Redis value's
+        expiry, written or refreshed: never shorter than its retention; 0, no expiry, stays 0). Reads with
+        ``peek``: safe from another thread."""
+        until = self.peek(key) if ttl_s else None
+        return ttl_s if until is None else max(ttl_s, math.ceil(until - self.clock()))
 
     def is_retained(self, key: BlockHash) -> bool:
         return self.until(key) is not None

@@ -21,8 +21,8 @@ Keys and values::
                                   optional HMAC-SHA256) then the payload, written with one SET: never
                                   half a value; read for another KV group than its header's, a miss
 
-Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry; a retained block's remaining
-retention when longer: kvtier/kv/retention.py) and a hit refreshes it (``EXPIRE``), so
+Every value is written with ``EX kv_remote_ttl_s`` (0: no expiry), and a hit refreshes it (``EXPIRE``),
+to a retained block's remaining retention when longer (kvtier/kv/retention.py: never shortened), so
 ``volatile-lru``/``allkeys-lru`` eviction reclaims cold blocks. The tier cannot see what the store
 evicts: ``contains`` is a local, bounded set of keys known to be there, and a load that finds nothing
 is a counted miss (``missing``). A value that is truncated, corrupt, written for another model, dtype or
@@ -41,7 +41,6 @@ the store answers). The keys known to be there are forgotten at each outage (a s
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import urllib.parse
@@ -336,9 +335,12 @@ class RedisBlockIO:
         while len(self._heads) < len(jobs):
             self._heads.append(memoryview(bytearray(HEADER_NBYTES)))
         outs = [memoryview(out).cast("B") for _, _, out in jobs]
-        try:
-            names = [address for _, address, _ in jobs]
-            values = store.bulk.get_many(names, store.ttl_s, self._heads[: len(jobs)], outs)  # type: ignore[arg-type]
+        names, ttls = [address for _, address, _ in jobs], [self._ttl(key) for key, _, _ in jobs]
+        longer = any(ttl != store.ttl_s for ttl in ttls)  # a retained value's expiry is never shortened:
+        try:  # read with EXISTS then, and EXPIRE each to its own TTL (one more round trip)
+            values = store.bulk.get_many(names, 0 if longer else store.ttl_s, self._heads[: len(jobs)], outs)  # type: ignore[arg-type]
+            if longer:
+                self._execute([("expire", (name, ttl), {}) for name, ttl in zip(names, ttls, strict=True)])
         except Exception as exc:  # noqa: BLE001 (the store went away: every read is a miss)
             store.failed(exc)
             return [exc] * len(jobs)
@@ -378,12 +380,9 @@ class RedisBlockIO:
         return None
 
     def _ttl(self, key: BlockKey) -> int:
-        """A value's expiry: ``kv_remote_ttl_s`` (0: none), or a retained key's remaining retention when
-        that is longer (kvtier/kv/retention.py; read without locking: the worker's thread)."""
-        until = None if self.retention is None or not self.store.ttl_s else self.retention.peek(key)
-        if until is None:
-            return self.store.ttl_s
-        return max(self.store.ttl_s, math.ceil(until - self.retention.clock()))
+        """A value's expiry, written or refreshed: ``kv_remote_ttl_s``, never below its retention."""
+        ttl_s = self.store.ttl_s
+        return ttl_s if self.retention is None else self.retention.ttl_at_least(key, ttl_s)
 
     def write_batch(
         self, jobs: list[tuple[BlockKey, object, ByteBuffer]], groups: KeyGroups = ()
