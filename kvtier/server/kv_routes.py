@@ -27,8 +27,23 @@
                           "quarantined": ["host"], "last_mismatch": null | {"tier": "host",
                           "block_keys": ["<64 hex>"], "groups": [0], "max_abs_diff": 3.2,
                           "time": <unix seconds>}}
+    POST /v1/kv/publish  {"block_hashes": ["<64 hex>", ...], "timeout_s": 5}
+                         -> {"object": "kv.publish", "role": "prefill", "shared_tier": true,
+                             "num_blocks": 12, "published": 12, "storing": 0, "missing": 0, "seconds": 0.03}
+                         disaggregated prefill (docs/disaggregation.md): returns once every block of the
+                         list (KV group 0's keys, as a router hashes a prompt) is in the write-through
+                         remote tier, or will never be (missing), or ``timeout_s`` (at most 30) passed
     POST /admin/kv/quarantine  {"release": ["host"]}  lift quarantines (canary mismatches) ->
                           {"released": ["host"], "quarantined": []}; 400 for an unknown medium
+
+``role`` is the replica's ``kvtier serve --role`` (``both``, ``prefill``, ``decode``): how a router
+learns which replicas compute prompts and which stream answers.
+
+A prompt's last blocks become full in the step that computes them; their copies to the host tier (and
+from there the writes to the remote tier) are planned then and run at the start of the next step, so on
+a replica with nothing more to step they would wait for the next request. ``/v1/kv/publish`` steps an
+idle engine once (a step without requests runs just those copies and applies finished writes), then
+waits for the writes (``TierCoordinator.publish``); a busy engine's own steps do the same meanwhile.
 
 ``kv_groups`` is the KV layout (``kvtier/kv/groups.py``): one full group for a dense model; a hybrid
 model's groups, full-attention first. Group ``g``'s blocks are announced and listed under
@@ -44,23 +59,32 @@ The keys (:mod:`.auth`)::
 
     GET  /v1/kv/info                the client key (or the kv reader's, or the admin's): the router's check
     GET  /v1/kv/blocks, /canary,    --kv-read-key or the admin key; without --kv-read-key the client key.
-         /advice                    Block hashes let a reader test guesses of other users' prompts
+         /advice, POST /publish     Block hashes let a reader test guesses of other users' prompts
     POST /admin/kv/quarantine       --admin-key only; 404 when the server has none
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
 from kvtier.engine import LLMEngine
 from kvtier.kv.groups import KVLayout
+from kvtier.kv.hashing import BLOCK_HASH_NUM_BYTES, BlockHash
 from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.auth import check_admin, check_kv_info, check_kv_reader
 from kvtier.server.bodies import parse_json
 from kvtier.server.protocol import APIError
 from kvtier.stats import Medium
+from kvtier.tiers.coordinator import SharedProgress
+
+PUBLISH_MAX_BLOCKS = 1 << 16  # block hashes one /v1/kv/publish may name (a 1M-token prompt at 16)
+PUBLISH_MAX_WAIT_S = 30.0
+PUBLISH_DEFAULT_WAIT_S = 5.0
+PUBLISH_POLL_S = 0.005  # between two looks at the writes (each a call between two engine steps)
 
 
 def _media(requested: list[str] | None) -> set[Medium] | None:
@@ -98,7 +122,8 @@ def kv_router() -> APIRouter:
 
         engine: AsyncEngine = request.app.state.engine
         answer = await engine.call(info_of)
-        return {"object": "kv.info", "model": request.app.state.settings.model_name, **answer}
+        model, role = request.app.state.settings.model_name, _role(request)
+        return {"object": "kv.info", "model": model, "role": role, **answer}
 
     @router.get("/blocks")
     async def blocks(request: Request, medium: list[str] | None = Query(default=None)) -> dict[str, Any]:  # noqa: B008
@@ -124,11 +149,71 @@ def kv_router() -> APIRouter:
             },
         }
 
+    _publish_route(router)
     outer = APIRouter()
     outer.include_router(info_router)
     outer.include_router(router)
     outer.include_router(_admin_router())
     return outer
+
+
+def _role(request: Request) -> str:
+    """The replica's ``--role`` (``kvtier.server.serve.set_role``; an app built without it: ``both``)."""
+    return getattr(request.app.state, "role", "both")
+
+
+def _publish_request(body: Any) -> tuple[list[BlockHash], float]:
+    """``/v1/kv/publish``'s block keys and wait, checked (a 400 naming the field)."""
+    hashes = body.get("block_hashes") if isinstance(body, dict) else None
+    if not isinstance(hashes, list) or len(hashes) > PUBLISH_MAX_BLOCKS:
+        message = f'send {{"block_hashes": ["<64 hex>", ...]}} (at most {PUBLISH_MAX_BLOCKS})'
+        raise APIError(400, message, param="block_hashes")
+    keys = []
+    for h in hashes:
+        if not isinstance(h, str) or len(h) != 2 * BLOCK_HASH_NUM_BYTES:
+            raise APIError(400, "a block hash is 64 hex digits", param="block_hashes")
+        try:
+            keys.append(BlockHash(bytes.fromhex(h)))
+        except ValueError:
+            raise APIError(400, "a block hash is 64 hex digits", param="block_hashes") from None
+    wait = body.get("timeout_s", PUBLISH_DEFAULT_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= PUBLISH_MAX_WAIT_S:
+        raise APIError(400, f"timeout_s must be a number in [0, {PUBLISH_MAX_WAIT_S:g}]", param="timeout_s")
+    return keys, float(wait)
+
+
+def publish_round(e: LLMEngine, keys: list[BlockHash]) -> SharedProgress | None:
+    """One look at ``keys`` in the shared tier, on the engine thread between two steps (None: no tiers).
+    An idle engine is stepped once first: the copies its last step planned run, finished writes apply."""
+    if not e.has_unfinished_requests():
+        e.step()  # no request: nothing is scheduled, so this returns [] (module docstring)
+    return e.tiers.publish(keys) if e.tiers is not None else None
+
+
+def _publish_route(router: APIRouter) -> None:
+    """``POST /v1/kv/publish``: wait until a prompt's blocks are in the shared tier (module docstring)."""
+
+    @router.post("/publish")
+    async def publish(request: Request) -> dict[str, Any]:
+        keys, wait = _publish_request(parse_json(await request.body()))
+        engine: AsyncEngine = request.app.state.engine
+        start = time.monotonic()
+        while True:
+            progress = await engine.call(lambda e: publish_round(e, keys))
+            if progress is None or progress.settled or time.monotonic() - start >= wait:
+                break
+            await asyncio.sleep(PUBLISH_POLL_S)
+        progress = progress or SharedProgress(0, 0, len(set(keys)), active=False)
+        return {
+            "object": "kv.publish",
+            "role": _role(request),
+            "shared_tier": progress.active,
+            "num_blocks": len(set(keys)),
+            "published": progress.num_held,
+            "storing": progress.num_storing,
+            "missing": progress.num_missing,
+            "seconds": round(time.monotonic() - start, 6),
+        }
 
 
 def _insight_routes(router: APIRouter) -> None:

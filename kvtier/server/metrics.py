@@ -232,10 +232,22 @@ class ServerMetrics:
             self.request_success.labels(reason)
         for reason in ("queue_full", "invalid_request", "kv_capacity"):
             self.requests_rejected.labels(reason)
+        self.role = Gauge(
+            PREFIX + "role",
+            "1 for the replica's role in disaggregated serving (kvtier serve --role): both, prefill, decode.",
+            ["role"],
+            registry=r,
+        )
+        self.set_role("both")
         # Engine-thread state: arrival times, whether the first token was seen, latest token times.
         self._arrivals: dict[str, float] = {}
         self._first_seen: set[str] = set()
         self._last_token: dict[str, dict[int, float]] = {}  # request id -> choice -> time
+
+    def set_role(self, role: str) -> None:
+        """Show ``role`` (``kvtier serve --role``) as ``kvtier:role{role="..."} 1``, the only series."""
+        self.role.clear()
+        self.role.labels(role).set(1)
 
     def watch_kv_admission(self, source: Callable[[], Any]) -> None:
         """Gauges of admission by KV capacity, read from ``source()`` (the latest ``EngineStats``, None

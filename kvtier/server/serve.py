@@ -34,12 +34,25 @@ if TYPE_CHECKING:
 # batch; a server keeps finishing requests past its capacity: kvtier/scheduler/goodput.py).
 SERVE_ENGINE_DEFAULTS = {"itl_factor": 6.0, "max_queue_wait_s": 10.0}
 
+# A replica's part in disaggregated serving (docs/disaggregation.md): ``both`` computes prompts and
+# streams answers (the default); ``prefill`` computes prompts for a router and publishes their blocks to
+# the shared remote tier; ``decode`` takes prompts whose blocks are there and streams the answers.
+ROLES = ("both", "prefill", "decode")
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     _add_key_args(g)
+    g.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="the replica's part behind 'kvtier router': both (default: prompts and answers), prefill "
+        "(computes prompts, publishes their KV blocks to --kv-remote-url write-through) or decode (loads "
+        "prompts' blocks from --kv-remote-url, streams answers); shown in /v1/kv/info and /metrics",
+    )
     g.add_argument(
         "--max-queue",
         type=int,
@@ -239,6 +252,31 @@ def _check_flags(ns: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
 
 
+def check_role(role: str, args: EngineArgs) -> None:
+    """A ``prefill`` or ``decode`` replica hands prompts over through the shared remote tier: it needs one
+    (``--kv-remote-url``), and a prefill replica must write each full block through to it (a write-back
+    remote tier would get a block only when the host tier evicts it). ConfigError naming the flag."""
+    if role == "both":
+        return
+    if args.kv_remote_url is None:
+        raise ConfigError(
+            f"--role {role} needs --kv-remote-url: prefill and decode replicas hand prompts over "
+            "through the shared remote tier (docs/disaggregation.md)"
+        )
+    if role == "prefill" and args.kv_remote_policy != "write_through":
+        raise ConfigError(
+            "--role prefill needs --kv-remote-policy write_through: each full block must reach the "
+            "remote tier as soon as it is computed"
+        )
+
+
+def set_role(app: FastAPI, role: str) -> None:
+    """Give ``app`` (``create_app``'s) its ``--role``: reported by ``GET /v1/kv/info`` and as
+    ``kvtier:role{role=...}`` on ``/metrics``."""
+    app.state.role = role
+    app.state.metrics.set_role(role)
+
+
 def describe_tiers(engine: LLMEngine) -> str:
     """``device 256 blocks (1.0 GiB), host 512 blocks (2.0 GiB), disk 10 GiB at DIR``."""
     config = engine.config
@@ -275,6 +313,7 @@ def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSetting
 def main(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     _check_flags(ns)
+    check_role(ns.role, args)
     name = ns.served_model_name or default_model_name(args.model)  # an unknown model path fails here
     sock = bind(ns.host, ns.port)
     if args.kv_replica_id is None:  # KV events and /v1/kv/info name this replica hostname:port
@@ -302,8 +341,10 @@ def main(ns: argparse.Namespace) -> int:
         on_load_error=on_load_error,
         on_ready=on_ready,
     )
+    set_role(app, ns.role)
+    role = f" as a {ns.role} replica" if ns.role != "both" else ""
     print(
-        f"kvtier: serving {name} on {url} (OpenAI API under /v1; /health, /metrics); "
+        f"kvtier: serving {name}{role} on {url} (OpenAI API under /v1; /health, /metrics); "
         "the model is loading (/health answers 503 until 'ready')",
         file=sys.stderr,
         flush=True,
@@ -327,10 +368,13 @@ def main(ns: argparse.Namespace) -> int:
 __all__ = [
     "BackgroundServer",
     "add_args",
+    "ROLES",
     "bind",
+    "check_role",
     "default_model_name",
     "describe_tiers",
     "engine_factory",
     "main",
     "serve_in_thread",
+    "set_role",
 ]

@@ -9,6 +9,8 @@ work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of 
                                             tier or of an external tier)
                    ──load / swap_out / swap_in ─► host pins and host blocks
                    ◄──take_plan()────────── the step's SwapPlan (device↔host copies)
+    server ─────────publish(keys)────────► disaggregated prefill: how many of a prompt's blocks the
+                                            shared tier holds, is getting, or will never get
 
     host eviction ──► demote to each external tier (disk, ...) that lacks the block: the host bytes
                       are snapshotted at once and the tier's background worker writes them
@@ -103,6 +105,22 @@ class ExternalLevel:
 
     def in_flight(self, key: BlockKey) -> bool:
         return key in self.promoting or key in self.storing
+
+
+@dataclass(frozen=True)
+class SharedProgress:
+    """Where a prompt's blocks stand in the shared (remote) tier: what a disaggregated prefill replica
+    reports while a router waits to hand the prompt to a decode replica (``publish``)."""
+
+    num_held: int  # in the shared tier (written by this replica, or found there)
+    num_storing: int  # on their way: in the step's device -> host copies or being written down
+    num_missing: int  # neither: not in the host tier either, so nothing will write them
+    active: bool  # a write-through shared tier takes blocks (False: nothing to wait for)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will arrive: every block is there or will never be."""
+        return not self.active or self.num_storing == 0
 
 
 class TierCoordinator:
@@ -425,6 +443,28 @@ class TierCoordinator:
             level.storing.add(key)
             snapshot = self.host_bytes.host_snapshot(host_block_id)
             level.worker.submit_store(key, address, snapshot, group_of(key))
+
+    def publish(self, keys: Sequence[BlockKey]) -> SharedProgress:
+        """Disaggregated prefill: where ``keys`` (a prompt's full blocks, KV group 0's keys) stand in the
+        write-through shared tier, writing down the host blocks it lacks and is not getting (evicted from
+        it, or written while it was down). Call between steps: a key in the pending ``SwapPlan`` is
+        counted as storing (the next step's copies write it down)."""
+        level = next((lv for lv in self.external if lv.tier.medium == Medium.REMOTE), None)
+        if level is None or level.policy != "write_through" or not level.tier.accepting:
+            return SharedProgress(0, 0, len(keys), active=False)
+        planned = set(self._plan.store_keys)
+        held = storing = 0
+        down = []
+        for key in dict.fromkeys(keys):
+            if level.tier.contains(key, self.host.group_of(key)):
+                held += 1
+            elif key in level.storing or key in planned:
+                storing += 1
+            elif self.host.contains(key) and key not in self._private:
+                down.append(key)
+        self._store_down(level, down)
+        storing += sum(1 for key in down if key in level.storing)
+        return SharedProgress(held, storing, len(dict.fromkeys(keys)) - held - storing, active=True)
 
     def poll(self) -> None:
         """Apply the external tiers' finished reads and writes (and write the host blocks again to a
