@@ -200,3 +200,35 @@ def test_history_is_sampled_in_the_background(served) -> None:  # noqa: ANN001
         time.sleep(0.1)
     times = [s.t for s in history._samples]
     assert all(b - a >= 0.9 for a, b in zip(times, times[1:], strict=False))  # at most one a second
+
+
+def test_the_data_shows_retained_blocks_and_bytes_per_tier_and_hits_on_them(served) -> None:  # noqa: ANN001
+    """A prompt retained for 24 hours (``prompt_cache_retention``), sent twice: the data says how many keys
+    are retained, how many blocks the device pool keeps for them (and their bytes), and how many prompt
+    tokens of retaining requests were hits, the numbers /metrics has."""
+    from tests.test_metrics import scrape
+
+    auth = {"Authorization": "Bearer sesame"}
+    body = {"model": "tiny", "prompt": prompt(40, 64), "max_tokens": 1, "temperature": 0.0}
+    for _ in range(2):
+        answer = httpx.post(served.url + "/v1/completions", json={**body, "prompt_cache_retention": "24h"})
+        assert answer.status_code == 401  # the key first
+        answer = httpx.post(
+            served.url + "/v1/completions", json={**body, "prompt_cache_retention": "24h"}, headers=auth
+        )
+        assert answer.status_code == 200 and answer.json()["usage"]["kvtier"]["retained_tokens"] == 64
+    deadline = time.monotonic() + 20
+    while True:  # a tier's retained blocks are recounted at most once a second, at an engine step
+        data = httpx.get(served.url + "/v1/kv/dashboard", headers=auth).json()
+        if data["tiers"]["device"]["retained_blocks"] == 4:
+            break
+        assert time.monotonic() < deadline, data["tiers"]["device"]
+        time.sleep(1.1)
+        httpx.post(served.url + "/v1/completions", json={**body, "prompt": [7]}, headers=auth)
+    totals, device = data["totals"], data["tiers"]["device"]
+    assert totals["retained_keys"] == 4 and totals["retained_hit_tokens"] == 48  # the second: 3 blocks hit
+    assert totals["kv_block_bytes"] == BLOCK_BYTES and device["retained_bytes"] == 4 * BLOCK_BYTES
+    scraped = scrape(served.app.state.metrics)  # what GET /metrics renders
+    assert scraped["kvtier:retained_keys"][()] == totals["retained_keys"]
+    assert scraped["kvtier:retained_hit_tokens_total"][()] == totals["retained_hit_tokens"]
+    assert scraped["kvtier:tier_retained_blocks"][(("tier", "device"),)] == device["retained_blocks"]

@@ -59,8 +59,10 @@ def server(tiny_llama_dir: Callable[..., Path]) -> Iterator[BackgroundServer]:
     srv.stop()
 
 
-def complete(server: BackgroundServer, prompt: list[int] | list[list[int]], max_tokens: int) -> None:
-    body = {"model": "dashboard-test", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def complete(
+    server: BackgroundServer, prompt: list[int] | list[list[int]], max_tokens: int, **extra: Any
+) -> None:
+    body = {"model": "dashboard-test", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     answer = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
     assert answer.status_code == 200, answer.text
 
@@ -176,11 +178,15 @@ def test_the_live_page_shows_what_metrics_says_and_keeps_up(server: BackgroundSe
                 "document.getElementById('canary').textContent"
             )
 
-        # Act 4: more traffic; the page follows within a couple of polls and still matches /metrics.
-        complete(server, tokens(20, 40), 3)
+        # Act 4: more traffic, retained for 24 hours and sent twice; the page follows within a couple of
+        # polls, still matches /metrics, and shows the retained keys and the hits on them.
+        for _ in range(2):
+            complete(server, tokens(20, 40), 3, prompt_cache_retention="24h")
         settle(server)
         wait_for_update(page)
         shown = check_against_metrics(page, server)
+        retained = {s["metric"]: s["value"] for s in shown if s["metric"].startswith("kvtier:retained")}
+        assert retained == {"kvtier:retained_keys": 2, "kvtier:retained_hit_tokens_total": 32}, retained
         assert (
             page.evaluate(
                 "Number(document.querySelector('[data-metric=\"kvtier:prompt_tokens_total\"]').dataset.value)"

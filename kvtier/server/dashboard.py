@@ -11,10 +11,11 @@
     {"object": "kv.dashboard", "model", "replica_id", "time", "uptime_s", "block_size",
      "totals":  {"num_requests_running", "num_requests_waiting", "kv_cache_usage", "prefix_cache_queries",
                  "prefix_cache_hits", "prompt_tokens", "generation_tokens", "num_preemptions": {mode: n},
-                 "canary_checks": {"match": {tier: n}, "mismatch": {tier: n}}},
+                 "canary_checks": {"match": {tier: n}, "mismatch": {tier: n}}, "retained_keys",
+                 "retained_hit_tokens", "kv_block_bytes"},
      "tiers":   {"device": {"capacity_blocks", "used_blocks", "usage", "lookups", "hit_blocks",
                             "hit_tokens", "blocks_loaded", "blocks_stored", "blocks_evicted", "hit_rate",
-                            "recent_hit_rate"},
+                            "recent_hit_rate", "retained_blocks", "retained_bytes"},
                  "host": {...}, ...},                                  (the tiers this engine has)
      "history": {"interval_s": 1, "seconds": 300, "points": [{"t", "usage": {tier: 0..1},
                  "hit_rate": {tier: 0..1 | null}, "lookups": {tier: n}, "hit_blocks": {tier: n},
@@ -26,8 +27,12 @@
      "features": {"advice": bool, "canary": bool}}
 
 The counters are the same snapshot ``/metrics`` exposes (taken after every engine step), so when the
-engine is idle the page's numbers equal the Prometheus ones. ``block_map.cells`` has one character per
-device block (per ``blocks_per_cell`` blocks in a pool larger than ``MAX_CELLS``: the busiest of them)::
+engine is idle the page's numbers equal the Prometheus ones. Prompt-cache retention
+(docs/prompt-caching.md): ``retained_keys`` (keys retained now), ``retained_hit_tokens`` (prompt tokens of
+retaining requests served from the cache) and each tier's ``retained_blocks`` (what it keeps from
+eviction; recounted at most once a second), in bytes ``retained_blocks x kv_block_bytes``.
+``block_map.cells`` has one character per device block (per ``blocks_per_cell`` blocks in a pool larger
+than ``MAX_CELLS``: the busiest of them)::
 
     .        free (no KV)
     d h k r  cached idle: holds KV that was computed on the device / loaded from host, disk, remote
@@ -168,6 +173,10 @@ def _totals(stats: EngineStats) -> dict[str, Any]:
             result: {tier: n for (r, tier), n in sorted(stats.canary_checks.items()) if r == result}
             for result in ("match", "mismatch")
         },
+        # prompt-cache retention (kvtier/kv/retention.py)
+        "retained_keys": stats.retained_keys,
+        "retained_hit_tokens": stats.retained_hit_tokens,
+        "kv_block_bytes": stats.kv_block_bytes,
     }
 
 
@@ -180,6 +189,8 @@ def _tiers(stats: EngineStats, history: History) -> dict[str, dict[str, Any]]:
             hit_tokens=snap.hit_tokens,
             hit_rate=_ratio(snap.hit_blocks, snap.lookups),
             recent_hit_rate=history.recent_hit_rate(medium),
+            retained_blocks=snap.retained_blocks,
+            retained_bytes=snap.retained_blocks * stats.kv_block_bytes,
         )
         out[str(medium)] = tier
     return out

@@ -47,6 +47,13 @@ function put(node, ...children) { node.replaceChildren(...children.flat().filter
 function int(n) { return n === null || n === undefined ? "–" : String(Math.round(n)); }
 function pct(x, digits = 1) { return x === null || x === undefined ? "–" : (100 * x).toFixed(digits) + "%"; }
 function ratio(num, den) { return den > 0 ? num / den : null; }
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return (i ? n.toFixed(1) : String(Math.round(n))) + " " + units[i];
+}
 function ago(seconds) {
   if (seconds < 60) return seconds.toFixed(0) + " s";
   if (seconds < 3600) return (seconds / 60).toFixed(1) + " min";
@@ -176,6 +183,10 @@ function renderTotals(t) {
     stat("preemptions", String((pre.swap || 0) + (pre.recompute || 0)),
       [metric("kvtier:num_preemptions_total", { mode: "swap" }, pre.swap || 0), " swap · ",
         metric("kvtier:num_preemptions_total", { mode: "recompute" }, pre.recompute || 0), " recompute"]),
+    // prompt-cache retention (cache_control, prompt_cache_retention): keys kept now, and the prompt
+    // tokens of retaining requests that were served from the cache
+    stat("retained", [metric("kvtier:retained_keys", null, t.retained_keys || 0), " keys"],
+      [metric("kvtier:retained_hit_tokens_total", null, t.retained_hit_tokens || 0), " prompt tokens hit"]),
   );
 }
 
@@ -200,6 +211,9 @@ function renderTiers(tiers) {
         row("loaded · stored · evicted", [metric("kvtier:tier_blocks_loaded_total", label, t.blocks_loaded), " · ",
           metric("kvtier:tier_blocks_stored_total", label, t.blocks_stored), " · ",
           metric("kvtier:tier_blocks_evicted_total", label, t.blocks_evicted)]),
+        row("retained", [metric("kvtier:tier_retained_blocks", label, t.retained_blocks || 0), " blocks · ",
+          el("span", { class: "retained-bytes", "data-value": String(t.retained_bytes || 0) },
+            bytes(t.retained_bytes || 0))]),
       )));
   }
   put($("tiers"), ...cards);
