@@ -7,6 +7,8 @@
     auth.py      the roles: client (--api-key), admin (--admin-key, off by default), metrics (--metrics-key)
     body.py      request bodies: bounded, timed, parsed (bad or too deep JSON: a 400)
     proxy.py     one request through to a replica and back, byte for byte; retry before the first byte
+    disagg.py    with prefill replicas: a long prompt computed on one, its blocks published to the
+                 remote tier, the request then answered by a decode replica (docs/disaggregation.md)
     core.py      Router: the state, and choose() (which replicas, best first)
     policy.py    cache_aware / round_robin / least_loaded: pure functions over numbers
     prompt.py    a request's token ids and block hashes, exactly as the engine computes them

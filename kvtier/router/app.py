@@ -61,6 +61,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as Endpoint
 
+from kvtier.router import disagg
 from kvtier.router.auth import check_admin, check_client, check_metrics, check_reader, guarded
 from kvtier.router.body import parse_json, read_body, read_json
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
@@ -155,6 +156,8 @@ async def _generate(request: Request, path: str) -> Response:
     body = await read_body(request)
     given = parse_json(body)  # a bad or too deeply nested body: our 400, the replica never sees it
     authorization = request.headers.get("authorization", "")
+    if disagg.active(router):  # some replica computes prompts for the others: a two-step route
+        return await disagg.route(router, request, path, body, given, authorization)
     route = await router.choose(path, given, authorization, body_bytes=len(body))
     return await forward(router, request, route, path, body)
 

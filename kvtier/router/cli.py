@@ -8,7 +8,8 @@
                   [--policy cache_aware|round_robin|least_loaded] \\
                   [--api-key KEY] [--admin-key KEY] [--metrics-key KEY] [--kv-read-key KEY] \\
                   [--model PATH] [--prefix-cache-scope shared|user] \\
-                  [--timeout-header 10] [--timeout-body 30]
+                  [--timeout-header 10] [--timeout-body 30] \\
+                  [--disagg-min-prompt-tokens 512] [--disagg-publish-timeout 5]
 
 The keys are roles (kvtier.router.auth): the client key for /v1 and /router, the admin key for /admin
 (off, 404, without it; never the client key), the metrics key for /metrics (open without it); the KV
@@ -110,6 +111,20 @@ def _add_tuning_args(p: argparse.ArgumentParser) -> None:
         help="a block in the shared remote tier costs this fraction of computing it "
         f"(default {cost.remote_cost:g})",
     )
+    g.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=512,
+        help="with prefill replicas (kvtier serve --role prefill): a prompt with fewer uncached tokens "
+        "than this on the best decode replica goes straight to it, without a prefill handoff (default 512)",
+    )
+    g.add_argument(
+        "--disagg-publish-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait after a prefill for its blocks to reach the remote tier before handing off "
+        "anyway (the decode replica computes what is missing; default 5, at most 30)",
+    )
     g.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls (default 1)")
     g.add_argument(
         "--max-index-blocks",
@@ -150,6 +165,10 @@ def settings_from(ns: argparse.Namespace):  # noqa: ANN201 (RouterSettings, impo
         value = getattr(ns, flag)
         if not 0 <= value < float("inf"):
             raise ConfigError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if not 0 <= ns.disagg_publish_timeout <= 30:
+        raise ConfigError(f"--disagg-publish-timeout must be in [0, 30], got {ns.disagg_publish_timeout}")
+    if ns.disagg_min_prompt_tokens < 0:
+        raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {ns.disagg_min_prompt_tokens}")
     for flag in ("max_index_blocks", "max_request_bytes"):
         if getattr(ns, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(ns, flag)}")
@@ -179,6 +198,8 @@ def settings_from(ns: argparse.Namespace):  # noqa: ANN201 (RouterSettings, impo
         poll_interval=ns.poll_interval,
         timeout_header=ns.timeout_header,
         timeout_body=ns.timeout_body or None,
+        disagg_min_prompt_tokens=ns.disagg_min_prompt_tokens,
+        disagg_publish_timeout=ns.disagg_publish_timeout,
     )
 
 

@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,10 @@ class RouterSettings:
     poll_interval: float = 1.0
     timeout_header: float = 10.0  # seconds for a request line and headers (0: none; kvtier.router.cli)
     timeout_body: float | None = 30.0  # seconds for a request body (408 after; None: none)
+    # disaggregated prefill and decode (kvtier.router.disagg): a prompt with fewer uncached tokens than
+    # this on the best decode replica skips the prefill replicas; how long to wait for its blocks
+    disagg_min_prompt_tokens: int = 512
+    disagg_publish_timeout: float = 5.0
 
 
 class NoReplica(Exception):
@@ -144,20 +149,35 @@ class Router:
         if not self.replicas.healthy():
             raise NoReplica("no healthy replica")
         prompt = None
-        if self.settings.policy == "cache_aware" and self.tokenizer is not None:
-            if not self._identity_checked:  # the replicas seen before the tokenizer loaded
-                self._identity_checked = True
-                self.replicas.recheck_identity()
+        if self.settings.policy == "cache_aware":
             prompt = await self.prompt(path, body, authorization, inline=body_bytes <= INLINE_BODY_BYTES)
-        healthy = self.replicas.healthy()  # again: one may have gone while the prompt was tokenized
+        route = self.rank(prompt, body, authorization)  # again: one may have gone while it was tokenized
+        self.metrics.latency.observe(time.perf_counter() - start)
+        return route
+
+    def rank(
+        self,
+        prompt: Prompt | None,
+        body: Any,
+        authorization: str,
+        among: Callable[[Replica], bool] | None = None,
+        *,
+        affinity: bool = True,
+    ) -> Route:
+        """The healthy replicas ``among`` accepts (None: all), best first for a request whose prompt is
+        ``prompt`` (None, or a policy other than cache_aware: by load); NoReplica when there is none.
+        ``affinity``: honour and update the request's ``prompt_cache_key`` (not for a prefill's pick)."""
+        healthy = [r for r in self.replicas.healthy() if among is None or among(r)]
         if not healthy:
             raise NoReplica("no healthy replica")
+        if self.settings.policy != "cache_aware":
+            prompt = None
         candidates, matched = self._candidates(healthy, prompt)
         num_tokens = prompt.num_tokens if prompt is not None and matched else None
         turn = next(self._turn)
         decision = policies.decide(self.settings.policy, candidates, num_tokens, self.settings.cost, turn)
-        decision = self._keep_affinity(decision, healthy, candidates, num_tokens, body, authorization)
-        self.metrics.latency.observe(time.perf_counter() - start)
+        if affinity:
+            decision = self._keep_affinity(decision, healthy, candidates, num_tokens, body, authorization)
         if decision.reason in ("cache_hit", "load") and self.settings.policy == "cache_aware":
             self.metrics.cached_tokens.observe(decision.cached_tokens)
         work = tuple(decision.work[i] for i in decision.ranking) if decision.work else ()
@@ -188,6 +208,9 @@ class Router:
         without a tokenizer or for a body the replica would refuse."""
         if self.tokenizer is None:
             return None
+        if not self._identity_checked:  # the replicas seen before the tokenizer loaded
+            self._identity_checked = True
+            self.replicas.recheck_identity()
         args = (self.tokenizer, path, body, authorization, self.settings.prefix_cache_scope, self.encoder)
         if inline:
             return parse_prompt(*args)
@@ -281,6 +304,7 @@ def _replica_state(r: Replica) -> dict[str, Any]:
     return {
         "url": r.url,
         "replica_id": (r.info or {}).get("replica_id"),
+        "role": r.role,
         "healthy": r.healthy,
         "running": r.running,
         "waiting": r.waiting,

@@ -116,6 +116,11 @@ class ReplicaIndex:
                 elif event.medium == Medium.REMOTE:
                     self._apply_event(event)
 
+    def note_remote(self, hashes: Sequence[BlockHash]) -> None:
+        """The replica confirmed ``hashes`` in the remote tier (a disaggregated prefill's publish,
+        ``kvtier.router.disagg``): what its event stream will announce, known now."""
+        self._store(hashes, REMOTE_BIT)
+
     def drop_remote(self) -> None:
         """Forget every block's remote-tier bit (the shared store was emptied or restarted)."""
         for h in [h for h, bits in self.held.items() if bits & REMOTE_BIT]:

@@ -6,6 +6,12 @@
                                                              round_robin, retry, affinity
                                                              (kvtier.router.policy)
     kvtier_router:request_failures_total{reason}             no_replica, upstream (no byte sent back)
+    kvtier_router:handoffs_total{outcome}                    disaggregation (kvtier.router.disagg):
+                                                             handoff, prefill_failed, short, unscored,
+                                                             no_decode; reasons prefill and handoff above
+    kvtier_router:handoff_seconds                            histogram: prefill sent -> its blocks in the
+                                                             remote tier (what a handoff adds)
+    kvtier_router:handoff_blocks_total, _bytes_total         blocks (bytes) prefill replicas published
     kvtier_router:estimated_cached_tokens                    histogram: the winner's cached tokens per
                                                              cache-aware decision
     kvtier_router:routing_latency_seconds                    histogram: body parsed -> replica chosen
@@ -31,7 +37,10 @@ from kvtier.router.replicas import Replica
 PREFIX = "kvtier_router:"
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_HANDOFF_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 SOURCES = ("events", "polling", "none")
+# What became of a completion while prefill replicas were up (kvtier.router.disagg.why_not)
+HANDOFF_OUTCOMES = ("handoff", "prefill_failed", "short", "unscored", "no_decode")
 
 
 class _ReplicaCollector(Collector):
@@ -92,7 +101,32 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self._handoff_metrics()
         self.registry.register(_ReplicaCollector(replicas, mode))
+
+    def _handoff_metrics(self) -> None:
+        """Disaggregated prefill and decode (``kvtier.router.disagg``)."""
+        self.handoffs = Counter(
+            PREFIX + "handoffs",
+            "Completions while prefill replicas are up, by outcome: handed off, prefill failed (the "
+            "decode replica computed the prompt), or sent straight to a decode replica and why.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in HANDOFF_OUTCOMES:
+            self.handoffs.labels(outcome)
+        self.handoff_seconds = Histogram(
+            PREFIX + "handoff_seconds",
+            "Seconds from sending a prompt to a prefill replica to its blocks being in the remote tier.",
+            buckets=_HANDOFF_BUCKETS,
+            registry=self.registry,
+        )
+        self.handoff_blocks = Counter(
+            PREFIX + "handoff_blocks", "KV blocks prefill replicas published.", registry=self.registry
+        )
+        self.handoff_bytes = Counter(
+            PREFIX + "handoff_bytes", "KV bytes prefill replicas published.", registry=self.registry
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -84,7 +84,7 @@ async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> A
             yield b"data: [DONE]\n\n"
 
 
-async def _until_disconnected(request: Request) -> None:
+async def until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
@@ -100,7 +100,7 @@ async def _send(router: Router, request: Request, replica: Replica, method: str,
         method, replica.url + path, content=body, headers=_headers(request), timeout=_TIMEOUT
     )
     send = asyncio.ensure_future(router.client.send(upstream, stream=True))
-    watch = asyncio.ensure_future(_until_disconnected(request))
+    watch = asyncio.ensure_future(until_disconnected(request))
     gone = asyncio.ensure_future(replica.down.wait())
     try:
         await asyncio.wait({send, watch, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -118,7 +118,7 @@ async def _send(router: Router, request: Request, replica: Replica, method: str,
     return send.result()
 
 
-class _Hold:
+class Hold:
     """One request's share of a replica's load: in flight until released, its prefill work queued
     until its first token (or the release, whichever comes first). Each is given back once."""
 
@@ -153,7 +153,7 @@ async def attempt(
 ) -> Response | None:
     """One try on ``replica``: its answer, or None to try the next replica (when not ``last``).
     ``work``: the request's estimated prefill tokens there, queued on it until its first token."""
-    hold = _Hold(replica, work)
+    hold = Hold(replica, work)
     release, first_token = hold.release, hold.first_token
     try:
         upstream = await _send(router, request, replica, method, path, body)

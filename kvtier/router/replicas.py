@@ -8,7 +8,8 @@ checks in a row, so that one slow answer on a loaded machine does not empty the 
 stops receiving requests within ``HEALTH_INTERVAL_S`` (0.5 s) of dying; a hung one within ~3 s.
 
 When it answers 200 again the router reads its ``GET /v1/kv/info`` (block size, cache identity, hash
-spec version, model fingerprint, event stream, KV layout: ``kv_groups``, see ``groups.py``). Its load
+spec version, model fingerprint, event stream, KV layout: ``kv_groups``, see ``groups.py``; its role in
+disaggregated serving: ``role``, see ``disagg.py``). Its load
 comes with every health check: ``kvtier serve`` puts ``num_requests_running``/``waiting`` in its
 ``/health`` answer (an older replica's are read from its ``GET /metrics``).
 
@@ -77,6 +78,14 @@ class Replica:
     @property
     def load(self) -> int:
         return max(self.in_flight, self.running + self.waiting)
+
+    @property
+    def role(self) -> str:
+        """Its ``kvtier serve --role`` (``/v1/kv/info``'s ``role``): ``prefill`` computes prompts for a
+        handoff (``kvtier.router.disagg``), ``decode`` and ``both`` answer clients; ``both`` when it says
+        none (a replica from before the roles)."""
+        role = (self.info or {}).get("role")
+        return role if role in ("prefill", "decode") else "both"
 
     @property
     def stream(self) -> str | None:
