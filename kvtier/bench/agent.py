@@ -12,19 +12,23 @@ minutes (what Anthropic's ``cache_control`` on the last block, or a client's
 
 Reported per run: the agents' step TTFT (steps after the first, whose prefix was computed before)
 p50/p90, the share of their prompt tokens read from each tier, and the unrelated traffic's prompt
-tokens/s. The engine runs in this process and is stepped here (no HTTP): the numbers are the cache's.
+tokens/s (:mod:`.agent_report`). By default the engine runs in this process and is stepped here (no
+HTTP): the numbers are the cache's. ``--url URL`` (a running server or router) and ``--cluster`` (two
+``kvtier serve`` replicas sharing a Redis behind ``kvtier router``, started for each run) drive the same
+workload as a client, with real streamed ``/v1/messages`` requests (:mod:`.agent_http`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
+from kvtier.bench import agent_http
+from kvtier.bench.agent_report import RunResult, print_table, write_json
 
 RETAIN_TTL_S = 300.0
 
@@ -39,6 +43,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pressure-tokens", type=int, default=512, help="each unrelated prompt")
     p.add_argument("--pressure-concurrency", type=int, default=2, help="unrelated prompts in flight")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="drive a running server (or router) over HTTP instead")
+    where.add_argument(
+        "--cluster",
+        action="store_true",
+        help="over HTTP through kvtier router in front of --replicas replicas sharing a Redis (started here)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="--cluster: kvtier serve replicas")
+    p.add_argument("--api-key", default=None, help="--url: the server's API key")
     add_engine_args(
         p,
         [
@@ -49,28 +62,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
             "max_num_batched_tokens",
             "scheduling_policy",
             "max_step_ms",
+            "max_model_len",
         ],
         defaults={"kv_device_blocks": 192, "kv_host_gb": 0.2, "max_num_batched_tokens": 512},
     )
     p.set_defaults(func=main)
-
-
-@dataclass
-class RunResult:
-    label: str
-    agent_ttft_s: list[float] = field(default_factory=list)  # steps after each agent's first
-    agent_prompt_tokens: int = 0
-    agent_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    pressure_prompt_tokens: int = 0
-    seconds: float = 0.0
-
-    def p(self, q: float) -> float:
-        xs = sorted(self.agent_ttft_s)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-    @property
-    def pressure_tok_s(self) -> float:
-        return self.pressure_prompt_tokens / self.seconds if self.seconds else 0.0
 
 
 @dataclass
@@ -156,37 +152,13 @@ def main(ns: argparse.Namespace) -> int:
     from kvtier import LLM
 
     args = engine_args_from(ns)  # a bad flag fails before anything loads
+    if ns.url or ns.cluster:
+        return agent_http.main(ns)
     results = []
     for label, retain in (("no retention", False), ("cache_control (retained)", True)):
         with LLM(args.model, **engine_kwargs(args)) as llm:
             results.append(_Run(llm, ns, retain, label).run())
     print_table(results, ns)
     if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump([asdict(r) | {"p50": r.p(0.5), "p90": r.p(0.9)} for r in results], f, indent=2)
+        write_json(results, ns.json)
     return 0
-
-
-def print_table(results: list[RunResult], ns: argparse.Namespace) -> None:
-    print(
-        f"kvtier bench agent: {ns.agents} agents x {ns.steps} steps, {ns.system_tokens}-token system "
-        f"prompts, {ns.pause_s} s tool pauses; unrelated {ns.pressure_tokens}-token prompts, "
-        f"{ns.pressure_concurrency} in flight"
-    )
-    cols = f"{'step TTFT p50':>14} {'p90':>8} {'agent tokens cached (device/host/disk)':>40}"
-    head = f"{'run':<26} {cols} {'unrelated tok/s':>16}"
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        share = [
-            r.agent_tokens_by_tier.get(t, 0) / max(r.agent_prompt_tokens, 1)
-            for t in ("device", "host", "disk")
-        ]
-        tiers = "/".join(f"{x:.0%}" for x in share)
-        print(f"{r.label:<26} {r.p(0.5):>13.3f}s {r.p(0.9):>7.3f}s {tiers:>40} {r.pressure_tok_s:>16.0f}")
-    if len(results) == 2 and results[1].p(0.9) > 0:
-        base, kept = results
-        print(
-            f"p90 step TTFT {base.p(0.9) / kept.p(0.9):.2f}x lower with retention; unrelated throughput "
-            f"{kept.pressure_tok_s / max(base.pressure_tok_s, 1e-9):.2f}x"
-        )
