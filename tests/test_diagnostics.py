@@ -48,3 +48,15 @@ def test_another_tenant_and_a_forgotten_message() -> None:
     log.record("msg_b", [2], None, None)  # the log keeps two: msg_prev is forgotten
     assert log.get("msg_prev") is None
     assert miss_reason(None, PREV, "alice", 0, BS)["type"] == "previous_message_unknown"
+
+
+def test_the_log_keeps_at_most_its_token_budget() -> None:
+    """Long prompts: the oldest records go once the prompts kept pass ``max_tokens`` (their memory is
+    bounded whatever the prompts' lengths); a re-recorded id is counted once."""
+    log = PromptLog(max_records=100, max_tokens=500)
+    for i in range(4):
+        log.record(f"msg_{i}", PREV, None, None)  # 200 tokens each
+    assert [log.get(f"msg_{i}") is not None for i in range(4)] == [False, False, True, True]
+    log.record("msg_3", PREV[:10], None, None)
+    log.record("msg_4", PREV, None, None)  # 200 + 10 + 200: msg_2 stays
+    assert all(log.get(f"msg_{i}") is not None for i in (2, 3, 4))

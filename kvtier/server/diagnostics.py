@@ -15,7 +15,7 @@ request's cache use compares with an earlier message's; the answer carries
                                 asked for, or still retained but past a tier's cap)
     different_tenant            another API key or user: a tenant's prefixes are never another's hits
     previous_message_unknown    this server did not answer that message, or forgot it (it keeps the last
-                                ``MAX_RECORDS``)
+                                ``MAX_RECORDS``, at most ``MAX_TOKENS`` prompt tokens in all)
 
 with ``cached_tokens`` (what this request read from the cache), ``reusable_tokens`` (the whole blocks it
 shares with the previous prompt, at most all but its last token) and a one-line ``message``.
@@ -40,6 +40,7 @@ from typing import Any
 from kvtier.server.protocol import bad_request
 
 MAX_RECORDS = 2048
+MAX_TOKENS = 16 * 2**20  # prompt tokens kept in all
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,24 @@ class PromptRecord:
 
 
 class PromptLog:
-    """The last ``max_records`` messages' prompts by message id."""
+    """The last ``max_records`` answers' prompts by id, at most ``max_tokens`` tokens of them in all (4
+    bytes each: 64 MiB by default, whatever the prompts' lengths)."""
 
-    def __init__(self, max_records: int = MAX_RECORDS) -> None:
+    def __init__(self, max_records: int = MAX_RECORDS, max_tokens: int = MAX_TOKENS) -> None:
         self.max_records = max_records
+        self.max_tokens = max_tokens
         self._records: OrderedDict[str, PromptRecord] = OrderedDict()
+        self._num_tokens = 0
 
     def record(self, message_id: str, token_ids: list[int], salt: str | None, ttl_s: float | None) -> None:
         now = time.time()
         until = None if ttl_s is None else now + ttl_s
+        old = self._records.pop(message_id, None)
+        self._num_tokens += len(token_ids) - (0 if old is None else len(old.token_ids))
         self._records[message_id] = PromptRecord(array("i", token_ids), salt, now, until)
-        while len(self._records) > self.max_records:
-            self._records.popitem(last=False)
+        while len(self._records) > self.max_records or self._num_tokens > self.max_tokens:
+            _, gone = self._records.popitem(last=False)
+            self._num_tokens -= len(gone.token_ids)
 
     def get(self, message_id: str) -> PromptRecord | None:
         return self._records.get(message_id)
