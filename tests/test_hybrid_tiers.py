@@ -87,3 +87,35 @@ def test_compact_gemma_blocks_of_every_group_come_back_byte_for_byte(
     assert len(common) > out.num_cached_tokens // BLOCK  # sliding groups' blocks came back too
     for key in common:
         assert torch.equal(computed[key], reloaded[key]), "a block came back with other bytes"
+
+
+def test_a_restart_reads_each_block_a_returning_gemma_prompt_needs_once(gemma: Path, tmp_path: Path) -> None:
+    """A restarted engine, its host tier only a little larger than one returning prompt's blocks:
+    the prompt's blocks come up from disk once each (no group's reads evict another's, no window is
+    read for a prefix the prompt will not end at), in a few steps, and the whole prefix is a hit."""
+    first_turn, follow_up = turns(gemma)
+    disk = str(tmp_path / "kv")
+    with make(gemma, kv_host_gb=0.01, kv_disk_dir=disk) as first:
+        answer = token_ids(first.generate([{"prompt_token_ids": first_turn}], GREEDY))[0]
+        second_turn = first_turn + answer + follow_up
+        answer = token_ids(first.generate([{"prompt_token_ids": second_turn}], GREEDY))[0]
+        block_bytes = first.engine.runner.kv_cache[0].nbytes
+    third_turn = second_turn + answer + follow_up
+    num_full = (len(third_turn) - 1) // BLOCK
+    num_computed = (len(second_turn) + len(answer) - 1) // BLOCK  # full blocks turn 2 computed
+    host_gb = (num_full * 2 + 8) * block_bytes / 2**30  # one prompt's full blocks and windows, and some
+    with make(gemma, kv_host_gb=host_gb, kv_disk_dir=disk) as restarted:
+        engine = restarted.engine
+        request_id = engine.add_request({"prompt_token_ids": third_turn}, GREEDY)
+        steps, outputs = 0, []
+        while not engine.scheduler.running:  # waiting for its blocks to come up from disk
+            outputs += engine.step()
+            steps += 1
+        while not any(o.finished for o in outputs):
+            outputs += engine.step()
+        tiers = engine.stats().tiers
+    out = next(o for o in outputs if o.request_id == request_id and o.finished)
+    assert out.outputs[0].token_ids == hf_continuation(gemma, third_turn)
+    assert out.num_cached_tokens == num_computed * BLOCK  # every block turn 2 computed: no recompute
+    assert tiers[Medium.DISK].blocks_loaded == tiers[Medium.HOST].blocks_loaded  # each read was used
+    assert steps <= 3, f"{steps} steps waited for the reads (one per block read)"

@@ -16,11 +16,16 @@ largest ``n' <= n`` whose window every sliding group holds. A miss at position `
 The full groups' prefixes are cut to ``n'``: the hit is exact, the rest is recomputed.
 
 Lower tiers, kept simple (and exact): each full group asks them once for the blocks after its device
-prefix (as a one-group lookup does); each sliding group asks once for the blocks of the window at the
-full groups' ``n`` that the device lacks. A shorter ``n'`` uses the device for any window position the
-lower tiers were not asked about. Keys are checked still loadable after every lookup ran (a lookup's
-reads can evict an earlier lookup's host blocks); pending reads of every lookup add up in
-``ComputedBlocks.lower.num_pending_blocks``, so the scheduler waits for them as for a one-group hit.
+prefix (as a one-group lookup does); each sliding group asks once for the blocks that the device lacks
+of the window at the prefix the full groups *will* hold once their pending reads land (``reach``: a
+restart reads a whole prompt up from disk over several steps, and a window asked for at each step's
+partial ``n`` would read blocks no final window needs and evict the ones it does). A shorter ``n'``
+uses the device for any window position the lower tiers were not asked about. Every host hit stays
+pinned until the search ends, so one group's reads never evict another group's hits of the same
+prompt (on a host tier not much larger than one prompt's blocks they did, and the reads of one
+returning prompt went round in circles); keys are still checked loadable at the end. Pending reads
+of every lookup add up in ``ComputedBlocks.lower.num_pending_blocks``, so the scheduler waits for
+them as for a one-group hit.
 """
 
 from __future__ import annotations
@@ -73,8 +78,10 @@ class _GroupSearch:
         self._keys: dict[tuple[int, int], BlockHash] = {}
         self._device: dict[tuple[int, int], KVBlock | None] = {}
         self.runs: dict[int, _FullRun] = {}  # full group -> its prefix
+        self.reach = 0  # the full groups' prefix once their pending reads land (blocks)
         self.below: dict[tuple[int, int], tuple[BlockHash, Medium]] = {}  # sliding (g, i) loadable
         self.num_pending = 0
+        self.held: list[BlockHash] = []  # host hits pinned for the search (``release``)
 
     def key(self, g: int, i: int) -> BlockHash:
         key = self._keys.get((g, i))
@@ -96,11 +103,15 @@ class _GroupSearch:
         if self.tiers is None or not keys:
             return NO_LOWER_HIT
         hit = self.tiers.lookup(keys, g)  # reads below check each block's group
+        self.tiers.hold(hit.host_keys)  # until the search ends: the next groups' reads evict around them
+        self.held.extend(hit.host_keys)
         self.num_pending += hit.num_pending_blocks
         return hit
 
     def full_groups(self, n: int) -> int:
-        """The longest prefix (at most ``n`` blocks) every full group holds on the device or below."""
+        """The longest prefix (at most ``n`` blocks) every full group holds on the device or below;
+        sets ``reach``, the prefix they will hold once their pending reads land."""
+        self.reach = n
         for g, spec in enumerate(self.layout.groups):
             if spec.window is not None:
                 continue
@@ -110,11 +121,12 @@ class _GroupSearch:
             lower = self._lookup_below([self.key(g, i) for i in range(len(device), n)], g)
             self.runs[g] = run = _FullRun(device, lower)
             n = min(n, run.num_blocks)
+            self.reach = min(self.reach, run.num_blocks + lower.num_pending_blocks)
         return n
 
     def ask_below_for_windows(self, n: int) -> None:
-        """Each sliding group asks the lower tiers, once, for the blocks of its window at ``n`` that the
-        device lacks; the leading ones they hold become loadable."""
+        """Each sliding group asks the lower tiers, once, for the blocks of its window at ``n`` (the
+        full groups' ``reach``) that the device lacks; the leading ones they hold become loadable."""
         for g, spec in enumerate(self.layout.groups):
             if spec.window is None:
                 continue
@@ -122,6 +134,12 @@ class _GroupSearch:
             hit = self._lookup_below([self.key(g, i) for i in missing], g)
             for j, i in enumerate(missing[: len(hit.host_keys)]):
                 self.below[(g, i)] = (hit.host_keys[j], hit.source_of(j))
+
+    def release(self) -> None:
+        """Drop the search's pins on its host hits (adopting the hit pins them again: ``hold``)."""
+        if self.tiers is not None and self.held:
+            self.tiers.unhold(self.held)
+        self.held = []
 
     def drop_unloadable(self, n: int) -> int:
         """Forget lower-tier blocks no longer loadable (a later lookup's reads evicted them); returns
@@ -193,10 +211,13 @@ def find_group_hit(
     max_blocks = max(0, (len(token_ids) - 1) // bs)
     chain = hash_full_blocks(token_ids, bs, root_hash(extra_keys), 0, max_blocks * bs)
     search = _GroupSearch(pool, layout, bs, token_ids, chain, tiers)
-    n = search.full_groups(max_blocks)
-    if layout.has_sliding:
-        search.ask_below_for_windows(n)
-    n = search.sliding_from_right(search.drop_unloadable(n))
+    try:
+        n = search.full_groups(max_blocks)
+        if layout.has_sliding:
+            search.ask_below_for_windows(max(n, search.reach))
+        n = search.sliding_from_right(search.drop_unloadable(n))
+    finally:
+        search.release()
     groups = tuple(search.group_hit(g, n) for g in range(layout.num_groups))
     head = groups[0]  # group 0: the flat fields (statistics, tokens by tier, the observers)
     device_ids = tuple(i for i in head.block_ids if i is not None)

@@ -107,6 +107,9 @@ class LowerTiers(Protocol):
     def hold(self, keys: Sequence[BlockHash]) -> None:
         """Pin host hits between the lookup and the device allocation; ``load`` takes the pin over."""
 
+    def unhold(self, keys: Sequence[BlockHash]) -> None:
+        """Drop pins ``hold`` took that no ``load`` took over."""
+
     def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
         """Plan host → device loads of held ``keys``."""
 

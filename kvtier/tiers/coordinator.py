@@ -314,6 +314,9 @@ class TierCoordinator:
         tier through write-back stores); ``load`` takes the pin over."""
         self.host.pin(keys)
 
+    def unhold(self, keys: Sequence[BlockKey]) -> None:
+        self.host.unpin(keys)
+
     def load(self, keys: Sequence[BlockKey], device_block_ids: Sequence[int]) -> None:
         """Plan host → device loads of ``keys``, which the caller pinned (``hold`` or ``swap_out``)."""
         spec = self.host.prepare_load(keys)
@@ -494,13 +497,19 @@ class TierCoordinator:
             self._store_down(level, [k for k in batch if self.host.host_block_of(k) is not None])
 
     def wait(self, timeout: float) -> None:
-        """Block until some external I/O finishes (or ``timeout``): used when nothing else can run."""
-        busy = [level for level in self.external if level.promoting] or [
-            level for level in self.external if level.storing
-        ]
-        if busy:
-            for r in busy[0].worker.wait(timeout):
-                self._apply(busy[0], r)
+        """Block until a tier's reads have all landed, else until some write finishes (or ``timeout``):
+        used when nothing else can run. Waiting for every read, not the first, matters: each wake-up
+        runs a scheduler step (a prefix lookup) that, on two cores, delays the reader's next file."""
+        deadline = time.monotonic() + timeout
+        reading = [level for level in self.external if level.promoting]
+        for level in reading:
+            while level.promoting and (left := deadline - time.monotonic()) > 0:
+                for r in level.worker.wait(left):
+                    self._apply(level, r)
+        storing = [level for level in self.external if level.storing]
+        if not reading and storing:
+            for r in storing[0].worker.wait(timeout):
+                self._apply(storing[0], r)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Write every held host block down to the external tiers and wait (engine shutdown: a
