@@ -220,6 +220,7 @@ _BENCHMARKS = {  # kvtier bench NAME runs kvtier.bench.NAME: a user's own deploy
     "transfer": "tier store/load bandwidth vs memcpy; decode with write-back on/off",
     "remote": "two engines sharing one Redis: returning-turn TTFT, prefill saved, Redis bandwidth",
     "cluster": "replicas behind kvtier router: round-robin vs cache-aware, Redis/replica failures",
+    "disagg": "the same cores as two colocated replicas vs one prefill + one decode: ITL, TTFT, tok/s",
     "advice": "miss-ratio curves vs a replay on real tiers of 1/4..2x size; --canary-cost: canary overhead",
     "agent": "agents in tool loops under unrelated pressure: step TTFT with and without retention",
     "gpu": "on a lent GPU: exactness vs transformers, kernels, transfer GB/s, TTFT, decode, overlap",
