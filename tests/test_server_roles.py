@@ -165,6 +165,22 @@ def test_key_flags_and_their_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # ------------------------------------------------------------------------------- item 6, no model
+def test_a_big_body_naming_far_too_many_messages_is_refused_before_it_is_parsed() -> None:
+    """Parsing 127k empty messages holds the GIL ~57 ms (the engine thread waits); counting the bytes
+    ``"role"`` takes ~6 ms. Below four times the bound the exact count after parsing decides, so a
+    legitimate body that mentions ``"role"`` more often than it has messages is never refused early."""
+    from kvtier.server import bodies
+    from kvtier.server.protocol import ChatCompletionRequest
+
+    flood = json.dumps({"messages": [{"role": "user", "content": ""}] * 127_000}).encode()
+    with pytest.raises(bodies.APIError, match="about 127000"):
+        bodies.precount(flood)  # before any parsing
+    quoting = [{"role": "user", "content": "x" * 200 + ' ends with "role'}] * 1500  # JSON: ...\\"role"
+    raw = json.dumps({"model": MODEL, "messages": quoting}).encode()
+    assert len(raw) > bodies.INLINE_BYTES and raw.count(b'"role"') == 3000 > bodies.MAX_MESSAGES
+    assert len(bodies.validate(ChatCompletionRequest, raw).messages) == 1500
+
+
 def test_many_empty_messages_are_a_400_before_validation() -> None:
     """127k empty messages (4 MB) passed the character count and took ~0.3 s of the event loop each."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": ""}] * 127_000})
