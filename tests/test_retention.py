@@ -309,3 +309,13 @@ def test_a_zero_fraction_turns_retention_off(tiny_llama_dir, tmp_path: Path) -> 
     with LLM(str(tiny_llama_dir()), kv_device_blocks=24, kv_retain_max_fraction=0.0) as llm:
         assert llm.engine.kv.pool.retention is None
         assert _step(llm, 0, (RetentionSpan(len(SYSTEM), 300.0),)).num_retained_tokens == 0
+
+
+def test_a_span_past_the_cap_reports_the_blocks_it_retained(tiny_llama_dir) -> None:
+    """A dense model's span the cap cuts short still retains (and reports) its leading blocks."""
+    with LLM(str(tiny_llama_dir()), kv_device_blocks=24) as llm:
+        retention = llm.engine.kv.pool.retention
+        assert retention is not None
+        retention.max_blocks = 4  # the cap: 4 of the system prompt's 6 blocks
+        out = _step(llm, 0, (RetentionSpan(len(SYSTEM), 300.0),))
+        assert out.num_retained_tokens == 4 * 16 and retention.num_refused == 2

@@ -51,7 +51,7 @@ from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
 from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
-from kvtier.kv.retention import Retention, RetentionSpan, retained_keys
+from kvtier.kv.retention import Retention, RetentionSpan, retain_spans
 from kvtier.kv.seq_blocks import Load, SeqBlocks, Swapped, blocks_to_allocate, check_tables, hit_tables
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
@@ -390,15 +390,13 @@ class KVCacheManager:
 
     def retain(self, seq_id: str, spans: Sequence[RetentionSpan]) -> int:
         """Retain the keys of the full cached blocks before each span's end for its TTL; returns the
-        prompt tokens retained (the longest span accepted whole: the cap may refuse the rest)."""
-        retention, seq, bs = self.pool.retention, self._seq(seq_id), self.block_size
-        retained = 0
-        for span in sorted(spans, key=lambda s: s.num_tokens) if retention is not None else ():
-            keys = retained_keys(seq.block_hashes, seq.num_cached_blocks, self.layout, bs, span.num_tokens)
-            if retention.retain(keys, span.ttl_s) < len(keys):
-                break
-            retained = min(span.num_tokens // bs, seq.num_cached_blocks) * bs
-        return retained
+        prompt tokens retained (``retain_spans``)."""
+        retention, seq = self.pool.retention, self._seq(seq_id)
+        if retention is None:
+            return 0
+        return retain_spans(
+            retention, seq.block_hashes, seq.num_cached_blocks, self.layout, self.block_size, spans
+        )
 
     def _advance(self, seq: SeqBlocks, num_computed_tokens: int) -> None:
         """The tokens before ``num_computed_tokens`` are computed: release what no later query reads."""

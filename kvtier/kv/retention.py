@@ -219,3 +219,24 @@ def retained_keys(
     return [
         group_key(block_hashes[i], g) for i in range(n_full) for g, first in enumerate(firsts) if i >= first
     ]
+
+
+def retain_spans(
+    retention: Retention,
+    block_hashes: Sequence[BlockHash],
+    num_cached: int,
+    layout: KVLayout,
+    block_size: int,
+    spans: Sequence[RetentionSpan],
+) -> int:
+    """Retain each span's keys (``retained_keys``), shortest span first, for its TTL; returns the prompt
+    tokens retained: the longest span accepted whole, or where the cap refused the rest of a dense
+    model's span, the blocks it took (a hybrid prefix cut short holds no usable window)."""
+    retained = 0
+    for span in sorted(spans, key=lambda s: s.num_tokens):
+        keys = retained_keys(block_hashes, num_cached, layout, block_size, span.num_tokens)
+        num_kept = retention.retain(keys, span.ttl_s)
+        if num_kept < len(keys):
+            return max(retained, num_kept * block_size) if layout.is_dense else retained
+        retained = min(span.num_tokens // block_size, num_cached) * block_size
+    return retained
