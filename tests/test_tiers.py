@@ -217,6 +217,31 @@ def test_story_write_back_skips_blocks_the_host_already_holds() -> None:
     rig.kv.check_integrity()
 
 
+def test_story_a_full_host_tier_keeps_its_room_for_blocks_no_tier_holds(tmp_path: Path) -> None:
+    """With the host tier full, a device block the disk already holds is not stored into it (that would
+    evict another block to make room for a copy that is safe anyway); one held nowhere else is. A step
+    that loads a returning prompt pins most of a small host tier, and the blocks it evicts from the
+    device were dropped for want of room while copies of disk blocks took it."""
+    rig = Rig(tmp_path, host_blocks=3)
+    a_keys = hash_full_blocks(A, BS, root_hash(KEYS))
+    rig.prefill("A", A)
+    rig.kv.free("A")
+    rig.prefill("B", B)  # evicts A's 3 blocks into the host tier
+    rig.run_plan()
+    rig.tiers.flush()  # and down to disk
+    assert rig.disk is not None and set(rig.disk.keys()) == set(a_keys)
+    assert rig.tiers.store(0, b"\x01" * 32)  # held nowhere else: evicts A's oldest block (on disk)
+    rig.run_plan()
+    held = rig.host.held_keys()
+    on_disk_only = next(k for k in a_keys if k not in held)
+    assert rig.host.num_used_blocks == rig.host.capacity_blocks
+
+    assert not rig.tiers.store(1, on_disk_only)  # safe below: the host tier keeps what it holds
+    assert rig.host.held_keys() == held and rig.tiers.take_plan().stores == []
+    assert rig.tiers.store(1, b"\x02" * 32)  # held nowhere else: takes the least recently used room
+    assert len(rig.tiers.take_plan().stores) == 1
+
+
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     """A running sequence with 13 computed tokens (3 full blocks + 1 slot) is swapped out: all 4
     blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes."""

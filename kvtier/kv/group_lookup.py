@@ -20,12 +20,13 @@ prefix (as a one-group lookup does); each sliding group asks once for the blocks
 of the window at the prefix the full groups *will* hold once their pending reads land (``reach``: a
 restart reads a whole prompt up from disk over several steps, and a window asked for at each step's
 partial ``n`` would read blocks no final window needs and evict the ones it does). A shorter ``n'``
-uses the device for any window position the lower tiers were not asked about. Every host hit stays
-pinned until the search ends, so one group's reads never evict another group's hits of the same
-prompt (on a host tier not much larger than one prompt's blocks they did, and the reads of one
-returning prompt went round in circles); keys are still checked loadable at the end. Pending reads
-of every lookup add up in ``ComputedBlocks.lower.num_pending_blocks``, so the scheduler waits for
-them as for a one-group hit.
+uses the device for any window position the lower tiers were not asked about. Before any read
+starts, every host block of the prompt a hit could use is pinned until the search ends, so no
+group's reads evict another group's hits of the same prompt (on a host tier not much larger than one
+prompt's blocks they did: the reads of one returning prompt went round in circles, or a window's
+blocks were pushed down to disk by the full group's reads); keys are still checked loadable at the
+end. Pending reads of every lookup add up in ``ComputedBlocks.lower.num_pending_blocks``, so the
+scheduler waits for them as for a one-group hit.
 """
 
 from __future__ import annotations
@@ -135,6 +136,29 @@ class _GroupSearch:
             for j, i in enumerate(missing[: len(hit.host_keys)]):
                 self.below[(g, i)] = (hit.host_keys[j], hit.source_of(j))
 
+    def pin_host_hits(self, max_blocks: int) -> None:
+        """Before any read starts, pin every host block of this prompt a hit could use: each full
+        group's after the device, each sliding group's from the window at the shortest prefix the full
+        groups hold without a read (the final window starts there or later). A read reserves its host
+        block by evicting the least recently used one, which would otherwise be one of these."""
+        tiers = self.tiers
+        assert tiers is not None
+        full = [g for g, spec in enumerate(self.layout.groups) if spec.window is None]
+        held = self._on_device_or_host
+        n_min = min(next((i for i in range(max_blocks) if not held(g, i)), max_blocks) for g in full)
+        keys = [
+            self.key(g, i)
+            for g, spec in enumerate(self.layout.groups)
+            for i in range(0 if spec.window is None else self.first(g, n_min), max_blocks)
+            if self.device(g, i) is None and tiers.can_load([self.key(g, i)])
+        ]
+        tiers.hold(keys)
+        self.held.extend(keys)
+
+    def _on_device_or_host(self, g: int, i: int) -> bool:
+        assert self.tiers is not None
+        return self.device(g, i) is not None or self.tiers.can_load([self.key(g, i)])
+
     def release(self) -> None:
         """Drop the search's pins on its host hits (adopting the hit pins them again: ``hold``)."""
         if self.tiers is not None and self.held:
@@ -212,6 +236,8 @@ def find_group_hit(
     chain = hash_full_blocks(token_ids, bs, root_hash(extra_keys), 0, max_blocks * bs)
     search = _GroupSearch(pool, layout, bs, token_ids, chain, tiers)
     try:
+        if tiers is not None and layout.has_sliding:
+            search.pin_host_hits(max_blocks)
         n = search.full_groups(max_blocks)
         if layout.has_sliding:
             search.ask_below_for_windows(max(n, search.reach))

@@ -333,12 +333,23 @@ class TierCoordinator:
             self.on_offered(Medium.HOST, [key])
         if self.host.host_block_of(key) is not None:
             return False
+        if self.host.num_used_blocks >= self.host.capacity_blocks and self._safe_below(key, group):
+            return False  # a full host tier's room goes to blocks no tier holds (a step's loads pin it)
         spec = self.host.prepare_store([key], [group], cold=cold)
         if not spec.keys:
             return False  # the host tier is full of pinned blocks: the block is dropped
         self._plan.stores.append((block_id, int(spec.addresses[0])))  # type: ignore[call-overload]
         self._plan.store_keys.append(key)
         return True
+
+    def _safe_below(self, key: BlockKey, group: int) -> bool:
+        """Whether an external tier in use holds ``key`` (or is writing it)."""
+        return any(
+            level.active
+            and level.tier.medium not in self.quarantined
+            and (key in level.storing or level.tier.contains(key, group))
+            for level in self.external
+        )
 
     def on_device_evict(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> None:
         """Write-back: a cached device block is about to be reused; keep its KV in the host tier (a
