@@ -242,6 +242,32 @@ def test_story_a_full_host_tier_keeps_its_room_for_blocks_no_tier_holds(tmp_path
     assert len(rig.tiers.take_plan().stores) == 1
 
 
+def test_story_blocks_evicted_while_the_host_tier_is_all_pinned_go_straight_to_disk(tmp_path: Path) -> None:
+    """A step whose loads pin the whole host tier also evicts device blocks: with no host room they
+    were dropped; now each is snapshotted from the device and written straight to disk, and comes
+    back byte-identical."""
+    rig = Rig(tmp_path, host_blocks=3)
+    a_keys = hash_full_blocks(A, BS, root_hash(KEYS))
+    rig.prefill("A", A)
+    original = rig.blocks_of("A", 3)
+    rig.kv.free("A")
+    busy = [bytes([i]) * 32 for i in range(3)]
+    rig.host.prepare_store(busy)  # every host block reserved (bytes on their way): no room
+    rig.prefill("B", B)  # evicts A's 3 blocks
+    assert rig.host.counters.blocks_stored == 0 and {d.key for d in rig.last_plan.demotes} == set(a_keys)
+    rig.wait_for_disk()
+    assert rig.disk is not None and set(rig.disk.keys()) == set(a_keys)
+    rig.host.complete_store(busy, ok=False)
+    rig.kv.free("B")
+
+    assert rig.kv.get_computed_blocks(A, KEYS).lower.num_pending_blocks == 3
+    rig.wait_for_disk()
+    assert rig.prefill("A2", A)["disk"] == 12
+    for got, want in zip(rig.blocks_of("A2", 3), original, strict=True):
+        assert same_bytes(got, want)
+    rig.kv.check_integrity()
+
+
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     """A running sequence with 13 computed tokens (3 full blocks + 1 slot) is swapped out: all 4
     blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes."""

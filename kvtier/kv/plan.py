@@ -3,6 +3,8 @@
 The KV manager's lower tiers accumulate the plan while the scheduler allocates; it travels in
 ``SchedulerOutput.swap`` and is executed before the forward::
 
+    0. demotes  device block → bytes        (an evicted block the host tier has no room for: the
+                                             bytes go straight down to an external tier)
     1. stores   device block → host block   (evicted cached blocks, write-through blocks, swap-out)
     2. loads    host block → device block   (prefix hits in the host tier, swap-in)
     3. copy-on-write copies, then the forward
@@ -23,6 +25,19 @@ from kvtier.kv.hashing import BlockHash
 
 
 @dataclass
+class Demote:
+    """A device block written straight to external tier ``level`` (its index below the host tier) at
+    ``address``, reserved there; the mover snapshots its bytes into ``data`` before any copy runs."""
+
+    device_block_id: int
+    key: BlockHash
+    group: int
+    level: int
+    address: object
+    data: memoryview | None = None
+
+
+@dataclass
 class SwapPlan:
     stores: list[tuple[int, int]] = field(default_factory=list)  # (device_block_id, host_block_id)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host_block_id, device_block_id)
@@ -30,10 +45,11 @@ class SwapPlan:
     load_keys: list[BlockHash] = field(default_factory=list)  # one per load, same order
     # Private blocks of swapped-in sequences: dropped from the host tier once loaded.
     discard_keys: list[BlockHash] = field(default_factory=list)
+    demotes: list[Demote] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.stores and not self.loads and not self.discard_keys
+        return not self.stores and not self.loads and not self.discard_keys and not self.demotes
 
     def __len__(self) -> int:
         return len(self.stores) + len(self.loads)

@@ -14,6 +14,9 @@ work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of 
 
     host eviction ──► demote to each external tier (disk, ...) that lacks the block: the host bytes
                       are snapshotted at once and the tier's background worker writes them
+    no host room  ──► demote: a device block evicted while the host tier is all pinned or reserved (a
+                      step loading a long prompt) is snapshotted from the device by the mover and
+                      written straight to the first external tier that takes it, not dropped
     external hit  ──► promote: a background read into a reserved host block; the block becomes a host
                       hit when the read completes (poll), and the scheduler holds the request back
                       until then or until its deadline, after which the rest is computed instead
@@ -37,74 +40,23 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from kvtier.config import StorePolicy, check_choice
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, KeyGroups, LowerHit, SwappedOut
-from kvtier.kv.plan import SwapPlan
+from kvtier.kv.plan import Demote, SwapPlan
 from kvtier.stats import Medium
-from kvtier.tiers.base import BlockKey, ExternalTier, KVTier
+from kvtier.tiers.base import BlockKey, KVTier
+from kvtier.tiers.external_level import ExternalLevel, HostBytes, IOResultLike, IOWorker
 from kvtier.tiers.host import HostTier
+
+__all__ = ["ExternalLevel", "HostBytes", "IOResultLike", "IOWorker", "SharedProgress", "TierCoordinator"]
 
 REPUBLISH_IN_FLIGHT = 32  # host blocks written again after an outage at once (each a copy in memory)
 IO_STALL_S = 5.0
 """At shutdown (``flush``, ``close``), a tier whose worker finishes no read or write for this long is
 stuck (a hung disk, a mount gone away): it is turned off with one log line and its daemon thread left
 behind, so shutdown never waits on it."""
-
-
-class IOResultLike(Protocol):
-    kind: str  # "load" | "store"
-    key: BlockKey
-    ok: bool
-    error: str | None
-    fatal: bool
-    seconds: float
-
-
-class IOWorker(Protocol):
-    """The background worker of an external tier (``kvtier.transfer.io_worker.BlockIOWorker``)."""
-
-    def submit_load(self, key: BlockKey, address: object, out: memoryview, group: int = 0) -> None: ...
-    def submit_store(self, key: BlockKey, address: object, data: memoryview, group: int = 0) -> None: ...
-    def poll(self) -> Sequence[IOResultLike]: ...
-    def wait(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
-    def drain(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
-    def close(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
-    @property
-    def pending(self) -> int: ...
-
-
-class HostBytes(Protocol):
-    """The host tier's bytes (``kvtier.transfer.mover.TierMover``)."""
-
-    def host_view(self, host_block_id: int) -> memoryview:
-        """The host block's bytes, to read an external block into."""
-
-    def host_snapshot(self, host_block_id: int) -> memoryview:
-        """A copy of the host block's bytes (after any copy in flight into it), to write down."""
-
-
-@dataclass
-class ExternalLevel:
-    """One external tier under the host tier, with its worker and its in-flight keys."""
-
-    tier: ExternalTier
-    worker: IOWorker
-    policy: StorePolicy = "write_back"
-    promoting: set[BlockKey] = field(default_factory=set)  # reads into the host tier in flight
-    storing: set[BlockKey] = field(default_factory=set)  # writes from the host tier in flight
-    generation: int | None = None  # the tier's outage generation its host blocks were last written at
-    republish: list[BlockKey] = field(default_factory=list)  # host blocks to write again, newest last
-    stalled: bool = False  # its worker finished nothing for IO_STALL_S at shutdown: never waited on again
-
-    @property
-    def active(self) -> bool:
-        return not self.tier.disabled
-
-    def in_flight(self, key: BlockKey) -> bool:
-        return key in self.promoting or key in self.storing
 
 
 @dataclass(frozen=True)
@@ -337,10 +289,24 @@ class TierCoordinator:
             return False  # a full host tier's room goes to blocks no tier holds (a step's loads pin it)
         spec = self.host.prepare_store([key], [group], cold=cold)
         if not spec.keys:
-            return False  # the host tier is full of pinned blocks: the block is dropped
+            return not cold and self._demote(block_id, key, group)  # the host tier is full of pinned blocks
         self._plan.stores.append((block_id, int(spec.addresses[0])))  # type: ignore[call-overload]
         self._plan.store_keys.append(key)
         return True
+
+    def _demote(self, block_id: int, key: BlockKey, group: int) -> bool:
+        """Plan device block ``block_id`` straight down to the first external tier that takes it (the
+        mover snapshots its bytes this step, ``complete_plan`` hands them to the tier's worker); False
+        when none does: the block is dropped."""
+        for index, level in enumerate(self.external):
+            if not level.active or level.tier.medium in self.quarantined or key in level.storing:
+                continue
+            spec = level.tier.prepare_store([key], [group])
+            if spec.keys:
+                level.storing.add(key)
+                self._plan.demotes.append(Demote(block_id, key, group, index, spec.addresses[0]))
+                return True
+        return False
 
     def _safe_below(self, key: BlockKey, group: int) -> bool:
         """Whether an external tier in use holds ``key`` (or is writing it)."""
@@ -382,6 +348,20 @@ class TierCoordinator:
         for level in self.external:
             if level.policy == "write_through" and level.active:
                 self._store_down(level, shared)
+        self._submit_demotes(plan.demotes)
+
+    def _submit_demotes(self, demotes: Sequence[Demote]) -> None:
+        """Hand the demoted blocks' bytes to their tiers' workers (none: the plan ran without a mover,
+        the reservation is given back)."""
+        for d in demotes:
+            level = self.external[d.level]
+            if d.data is None:
+                level.storing.discard(d.key)
+                level.tier.complete_store([d.key], ok=False)
+            else:
+                if self.on_offered is not None:
+                    self.on_offered(level.tier.medium, [d.key])
+                level.worker.submit_store(d.key, d.address, d.data, d.group)
 
     # ------------------------------------------------------------------------------ swap
     def swap_out(

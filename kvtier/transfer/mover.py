@@ -101,6 +101,8 @@ class TierMover:
     def execute(self, plan: SwapPlan) -> Moved:
         """Run the plan's stores, then its loads, and record them in the host tier's counters. On
         CUDA the compute stream waits for them."""
+        for demote in plan.demotes:  # before any copy: a load may overwrite the block this step
+            demote.data = self.device_snapshot(demote.device_block_id)
         if not plan.stores and not plan.loads:
             return Moved(0, 0.0)
         if self._stream is not None:
@@ -149,6 +151,12 @@ class TierMover:
     def host_view(self, host_block_id: int) -> memoryview:
         """Host block ``host_block_id``'s bytes (a block is read into it from an external tier)."""
         return byte_view(self.host.block(host_block_id))
+
+    def device_snapshot(self, block_id: int) -> memoryview:
+        """A host copy of a device block's bytes (a demote: the host tier had no room for it)."""
+        if self._stream is not None:
+            torch.cuda.current_stream().synchronize()  # written by earlier forwards
+        return byte_view(self.device_kv[block_id].to("cpu", copy=True))
 
     def host_snapshot(self, host_block_id: int) -> memoryview:
         """A copy of the host block's bytes, to be written to an external tier in the background."""

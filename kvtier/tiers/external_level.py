@@ -1,0 +1,64 @@
+"""An external tier as the coordinator drives it: the tier, its background worker and the keys in
+flight, and the protocols of the worker and of the host tier's bytes (kept torch-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtier.config import StorePolicy
+from kvtier.tiers.base import BlockKey, ExternalTier
+
+
+class IOResultLike(Protocol):
+    kind: str  # "load" | "store"
+    key: BlockKey
+    ok: bool
+    error: str | None
+    fatal: bool
+    seconds: float
+
+
+class IOWorker(Protocol):
+    """The background worker of an external tier (``kvtier.transfer.io_worker.BlockIOWorker``)."""
+
+    def submit_load(self, key: BlockKey, address: object, out: memoryview, group: int = 0) -> None: ...
+    def submit_store(self, key: BlockKey, address: object, data: memoryview, group: int = 0) -> None: ...
+    def poll(self) -> Sequence[IOResultLike]: ...
+    def wait(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    def drain(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    def close(self, timeout: float | None = None) -> Sequence[IOResultLike]: ...
+    @property
+    def pending(self) -> int: ...
+
+
+class HostBytes(Protocol):
+    """The host tier's bytes (``kvtier.transfer.mover.TierMover``)."""
+
+    def host_view(self, host_block_id: int) -> memoryview:
+        """The host block's bytes, to read an external block into."""
+
+    def host_snapshot(self, host_block_id: int) -> memoryview:
+        """A copy of the host block's bytes (after any copy in flight into it), to write down."""
+
+
+@dataclass
+class ExternalLevel:
+    """One external tier under the host tier, with its worker and its in-flight keys."""
+
+    tier: ExternalTier
+    worker: IOWorker
+    policy: StorePolicy = "write_back"
+    promoting: set[BlockKey] = field(default_factory=set)  # reads into the host tier in flight
+    storing: set[BlockKey] = field(default_factory=set)  # writes from the host tier in flight
+    generation: int | None = None  # the tier's outage generation its host blocks were last written at
+    republish: list[BlockKey] = field(default_factory=list)  # host blocks to write again, newest last
+    stalled: bool = False  # its worker finished nothing for IO_STALL_S at shutdown: never waited on again
+
+    @property
+    def active(self) -> bool:
+        return not self.tier.disabled
+
+    def in_flight(self, key: BlockKey) -> bool:
+        return key in self.promoting or key in self.storing
