@@ -33,6 +33,19 @@ def test_story_capacity_three_store_abc_load_a_store_d_evicts_b() -> None:
     tier.check_integrity()
 
 
+def test_story_a_block_a_window_passed_is_evicted_first() -> None:
+    """A returning Gemma turn loads its window's blocks from the host tier; once the turn's own window
+    moved past them, nobody reads those copies again, yet they were the most recently used: the next
+    evictions took a full-attention block a later turn needed. ``cool`` puts them first in line."""
+    evicted: list[BlockKey] = []
+    tier = HostTier(3, on_evict=lambda key, slot: evicted.append(key))
+    store(tier, "full", "window-1", "window-2")
+    tier.cool([k("window-2"), k("not-held")])  # keys it does not hold are ignored
+    store(tier, "D")
+    assert evicted == [k("window-2")]
+    tier.check_integrity()
+
+
 def test_reserved_keys_are_invisible_and_never_evicted() -> None:
     tier = HostTier(2)
     spec = tier.prepare_store([k("A"), k("B")])

@@ -117,6 +117,10 @@ class LowerTiers(Protocol):
         """A cached device block (of KV group ``group``) is about to be reused for other KV; ``cold``: a
         sliding group's block out of its sequence's window (kept below only where it displaces nothing)."""
 
+    def on_window_passed(self, keys: Sequence[BlockHash]) -> None:
+        """A sequence's sliding window moved past these blocks: copies below (loaded for an earlier turn)
+        are as cold as the device's, first in line for eviction."""
+
     def on_block_full(self, block_id: int, key: BlockHash, group: int = 0) -> None:
         """A device block of KV group ``group`` became full and computed (and entered the hash map)."""
 

@@ -389,8 +389,7 @@ class KVCacheManager:
         return keys
 
     def retain(self, seq_id: str, spans: Sequence[RetentionSpan]) -> int:
-        """Retain the keys of the full cached blocks before each span's end for its TTL; returns the
-        prompt tokens retained (``retain_spans``)."""
+        """Retain the full cached blocks before each span's end for its TTL; the tokens retained."""
         retention, seq = self.pool.retention, self._seq(seq_id)
         if retention is None:
             return 0
@@ -403,7 +402,10 @@ class KVCacheManager:
         if num_computed_tokens > seq.num_computed_tokens:
             seq.num_computed_tokens = num_computed_tokens
         if self.layout.has_sliding:
-            seq.release(self.pool, seq.unreachable(self.layout, self.block_size, seq.num_computed_tokens))
+            passed = seq.unreachable(self.layout, self.block_size, seq.num_computed_tokens)
+            if self.tiers is not None and passed:  # their copies below (an earlier turn's) go cold too
+                self.tiers.on_window_passed([b.block_hash for _, _, b in passed if b.block_hash is not None])
+            seq.release(self.pool, passed)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` shares ``parent_id``'s tables (each block one more reference; null entries stay

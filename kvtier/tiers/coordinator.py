@@ -322,6 +322,9 @@ class TierCoordinator:
         ``cold`` one, out of a sliding window, only where it displaces nothing)."""
         self.store(block_id, key, group, cold)
 
+    def on_window_passed(self, keys: Sequence[BlockKey]) -> None:
+        self.host.cool(keys)
+
     def on_block_full(self, block_id: int, key: BlockKey, group: int = 0) -> None:
         """Write-through: store a block as soon as it is full, if the host tier's policy or an active
         external tier's asks for it (an external tier is written from the host tier, so a write-through

@@ -162,6 +162,12 @@ class HostTier(KVTier):
                 raise KeyError(f"host tier: pin of a key it does not hold ({key.hex()[:12]})")
             self._pins[key] += 1
 
+    def cool(self, keys: Iterable[BlockKey]) -> None:
+        """Move held ``keys`` to the eviction end: blocks no running sequence's window reaches any more."""
+        for key in keys:
+            if key in self._held:
+                self._held.move_to_end(key, last=False)
+
     def unpin(self, keys: Iterable[BlockKey]) -> None:
         for key in keys:
             if self._pins[key] <= 0:
