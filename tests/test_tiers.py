@@ -268,6 +268,30 @@ def test_story_blocks_evicted_while_the_host_tier_is_all_pinned_go_straight_to_d
     rig.kv.check_integrity()
 
 
+def test_story_a_cold_block_without_host_room_goes_to_free_disk_room_only(tmp_path: Path) -> None:
+    """A sliding window's block released out of the window (cold) takes only free host room; with none
+    it goes straight to a disk tier that has free room (it displaces nothing there), so an earlier turn
+    of a conversation stays loadable after a restart. A cold block is never demoted into a full disk
+    tier, nor without one."""
+    rig = Rig(tmp_path, host_blocks=1)
+    assert rig.tiers.store(0, b"\x01" * 32)  # warm: the host tier's only block
+    rig.run_plan()
+    cold = b"\x02" * 32
+    rig.device_kv[1] = rig.random_block()
+    assert rig.tiers.store(1, cold, cold=True)  # no free host room: demoted to disk
+    plan = rig.tiers.take_plan()
+    assert plan.stores == [] and [d.key for d in plan.demotes] == [cold]
+    rig.mover.execute(plan)
+    rig.tiers.complete_plan(plan)
+    rig.wait_for_disk()
+    assert rig.disk is not None and rig.disk.keys() == [cold] and rig.host.held_keys() == [b"\x01" * 32]
+
+    no_disk = Rig(None, host_blocks=1)
+    assert no_disk.tiers.store(0, b"\x01" * 32)
+    no_disk.run_plan()
+    assert not no_disk.tiers.store(1, cold, cold=True)  # nowhere to put it: dropped
+
+
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     """A running sequence with 13 computed tokens (3 full blocks + 1 slot) is swapped out: all 4
     blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes."""

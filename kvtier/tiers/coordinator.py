@@ -16,7 +16,8 @@ work (it implements ``kvtier.kv.lower.LowerTiers``, what the KV manager asks of 
                       are snapshotted at once and the tier's background worker writes them
     no host room  ──► demote: a device block evicted while the host tier is all pinned or reserved (a
                       step loading a long prompt) is snapshotted from the device by the mover and
-                      written straight to the first external tier that takes it, not dropped
+                      written straight to the first external tier that takes it, not dropped (a
+                      cold block, out of a sliding window, only to a disk tier with free room)
     external hit  ──► promote: a background read into a reserved host block; the block becomes a host
                       hit when the read completes (poll), and the scheduler holds the request back
                       until then or until its deadline, after which the rest is computed instead
@@ -280,7 +281,8 @@ class TierCoordinator:
 
     def store(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> bool:
         """Plan a device → host store of one block (of KV group ``group``) unless the host tier has (or
-        is getting) it; a ``cold`` block only into free room, first in line for eviction."""
+        is getting) it; a ``cold`` block only into free room, first in line for eviction. A block the
+        host tier has no room for is demoted straight down (``_demote``)."""
         if self.on_offered is not None:
             self.on_offered(Medium.HOST, [key])
         if self.host.host_block_of(key) is not None:
@@ -289,17 +291,26 @@ class TierCoordinator:
             return False  # a full host tier's room goes to blocks no tier holds (a step's loads pin it)
         spec = self.host.prepare_store([key], [group], cold=cold)
         if not spec.keys:
-            return not cold and self._demote(block_id, key, group)  # the host tier is full of pinned blocks
+            return self._demote(block_id, key, group, cold)
         self._plan.stores.append((block_id, int(spec.addresses[0])))  # type: ignore[call-overload]
         self._plan.store_keys.append(key)
         return True
 
-    def _demote(self, block_id: int, key: BlockKey, group: int) -> bool:
+    def _demote(self, block_id: int, key: BlockKey, group: int, cold: bool) -> bool:
         """Plan device block ``block_id`` straight down to the first external tier that takes it (the
         mover snapshots its bytes this step, ``complete_plan`` hands them to the tier's worker); False
-        when none does: the block is dropped."""
+        when none does: the block is dropped. A warm block got no host room because the host tier is
+        all pinned (a step loading a long prompt); a ``cold`` one (out of a sliding window) goes only
+        to a disk tier with free room, where it displaces nothing: a conversation's earlier windows
+        stay loadable after a restart (an edited or replayed earlier turn)."""
         for index, level in enumerate(self.external):
             if not level.active or level.tier.medium in self.quarantined or key in level.storing:
+                continue
+            if cold and (
+                level.tier.medium is not Medium.DISK
+                or level.tier.num_used_blocks >= level.tier.capacity_blocks
+                or level.tier.contains(key, group)
+            ):
                 continue
             spec = level.tier.prepare_store([key], [group])
             if spec.keys:
