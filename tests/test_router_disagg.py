@@ -205,6 +205,7 @@ def test_story_a_long_prompt_is_prefilled_published_then_answered_by_a_decode_re
     assert metric(r, "handoff_blocks_total") == len(published["block_hashes"])
     assert metric(r, "handoff_bytes_total") == 1000 * len(published["block_hashes"])
     assert metric(r, "handoff_seconds_count") == 1
+    assert metric(r, "handoff_overhead_seconds_count") == 1  # prefill answered -> the decode answer
 
 
 def test_a_streamed_answer_comes_back_intact(cluster: Callable[..., Any]) -> None:
@@ -217,6 +218,7 @@ def test_a_streamed_answer_comes_back_intact(cluster: Callable[..., Any]) -> Non
     prefilled = fakes[0].log[0][2]
     assert prefilled["stream"] is False and "stream_options" not in prefilled
     assert fakes[1].log[-1][2] == body
+    assert metric(r, "handoff_overhead_seconds_count") == 1  # at the decode stream's first token
 
 
 def test_completions_and_messages_are_handed_off_too(cluster: Callable[..., Any]) -> None:

@@ -38,16 +38,17 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from kvtier.router.core import INLINE_BODY_BYTES, NoReplica, Route, Router
 from kvtier.router.prompt import Prompt
-from kvtier.router.proxy import RETRY_STATUSES, Hold, forward, until_disconnected
+from kvtier.router.proxy import RETRY_STATUSES, Hold, forward, opens_chat, until_disconnected
 from kvtier.router.replicas import Replica
 
 PREFILL_REASON = "prefill"  # requests_routed's reason of a prefill (its retry: "retry")
@@ -69,6 +70,7 @@ class Prefilled:
     replica: Replica
     num_published: int
     seconds: float
+    answered_at: float  # perf_counter when its answer came back (publishing follows)
 
 
 def is_prefill(r: Replica) -> bool:
@@ -135,7 +137,28 @@ async def route(
     answer = await forward(router, request, decode, path, body)
     if prefilled is not None:
         answer.headers[PREFILL_HEADER] = prefilled.replica.url
+        _time_first_byte(router, answer, prefilled.answered_at)
     return answer
+
+
+def _time_first_byte(router: Router, answer: Response, since: float) -> None:
+    """Observe ``handoff_overhead_seconds`` when the decode replica's first token goes to the client
+    (its first chunk that is not a chat stream's role event; a whole answer: now)."""
+    observe = router.metrics.handoff_overhead_seconds.observe
+    if not isinstance(answer, StreamingResponse):
+        observe(time.perf_counter() - since)
+        return
+    chunks = answer.body_iterator
+
+    async def timed() -> AsyncIterator[Any]:
+        first = True
+        async for chunk in chunks:
+            if first and not opens_chat(chunk):
+                observe(time.perf_counter() - since)
+                first = False
+            yield chunk
+
+    answer.body_iterator = timed()
 
 
 async def _watched(request: Request, work: Any) -> Prefilled | None | Response:
@@ -173,10 +196,11 @@ async def _prefill(
         work = prefill.work[i] if i < len(prefill.work) else 0
         status = await _compute(router, replica, path, content, headers, work)
         if status == "ok":
+            answered_at = time.perf_counter()
             num_published = await _publish(router, replica, prompt)
             seconds = time.perf_counter() - start
             router.metrics.handoff_seconds.observe(seconds)
-            return Prefilled(replica, num_published, seconds)
+            return Prefilled(replica, num_published, seconds, answered_at)
         if status == "refused":
             break  # the request itself (a 4xx): the decode replica gives the client its own answer
     return None

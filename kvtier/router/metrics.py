@@ -11,6 +11,8 @@
                                                              no_decode; reasons prefill and handoff above
     kvtier_router:handoff_seconds                            histogram: prefill sent -> its blocks in the
                                                              remote tier (what a handoff adds)
+    kvtier_router:handoff_overhead_seconds                   histogram: prefill answered -> the decode
+                                                             replica's first token to the client
     kvtier_router:handoff_blocks_total, _bytes_total         blocks (bytes) prefill replicas published
     kvtier_router:estimated_cached_tokens                    histogram: the winner's cached tokens per
                                                              cache-aware decision
@@ -119,6 +121,14 @@ class RouterMetrics:
             PREFIX + "handoff_seconds",
             "Seconds from sending a prompt to a prefill replica to its blocks being in the remote tier.",
             buckets=_HANDOFF_BUCKETS,
+            registry=self.registry,
+        )
+        self.handoff_overhead_seconds = Histogram(
+            PREFIX + "handoff_overhead_seconds",
+            "Seconds from a prefill replica's answer to the decode replica's first token to the client "
+            "(publishing the blocks, the decode replica loading them and computing the rest): what a "
+            "handoff adds to the prefill.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry,
         )
         self.handoff_blocks = Counter(

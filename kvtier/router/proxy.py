@@ -67,12 +67,17 @@ class RelayResponse(StreamingResponse):
 _ROLE_CHUNKS = (b'"role":"assistant"', b'"role": "assistant"')
 
 
+def opens_chat(chunk: bytes) -> bool:
+    """Whether ``chunk`` is a chat stream's role event (sent before the replica's prefill ends)."""
+    return any(role in chunk for role in _ROLE_CHUNKS)
+
+
 async def _relay(upstream: httpx.Response, first_token: Callable[[], None]) -> AsyncIterator[bytes]:
     """The replica's bytes as they come; ``first_token`` called at the first chunk that is not the
     chat role event (the replica's prefill is then done)."""
     try:
         async for chunk in upstream.aiter_raw():
-            if not any(role in chunk for role in _ROLE_CHUNKS):
+            if not opens_chat(chunk):
                 first_token()
             yield chunk
     except httpx.TransportError as exc:
