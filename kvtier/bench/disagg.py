@@ -186,6 +186,10 @@ def _f(x: float, scale: float = 1.0, unit: str = "") -> str:
     return "-" if x != x else f"{x * scale:.1f}{unit}"  # nan: not measured
 
 
+def _f3(x: float) -> str:
+    return "-" if x != x else f"{x:.3f}"
+
+
 def print_report(results: list[SplitResult]) -> None:
     print(
         f"{'split':<14} {'ITL p50':>8} {'ITL p99':>8} {'p99/p50':>7} {'long TTFT p90':>13} {'tok/s':>7} "
@@ -196,7 +200,7 @@ def print_report(results: list[SplitResult]) -> None:
             f"{r.split:<14} {_f(r.itl_p50, 1e3, 'ms'):>8} {_f(r.itl_p99, 1e3, 'ms'):>8} {_f(r.itl_ratio):>7} "
             f"{_f(r.long_ttft_p90, 1, 's'):>13} {r.output_tok_s:>7.1f} {r.handoffs:>8} "
             f"{_f(r.handoff_overhead_s, 1e3, 'ms'):>11} {_f(r.bytes_per_handoff, 1e-6):>10} "
-            f"{_f(r.shared_tier_gb_s):>6} {r.errors:>6}"
+            f"{_f3(r.shared_tier_gb_s):>6} {r.errors:>6}"
         )
         for note in r.notes:
             print(f"  {r.split}: {note}")
