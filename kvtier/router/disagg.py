@@ -34,7 +34,6 @@ so a failure in steps 1-2 costs time, never the answer; a client that leaves mea
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -48,7 +47,7 @@ from starlette.responses import Response, StreamingResponse
 
 from kvtier.router.core import INLINE_BODY_BYTES, NoReplica, Route, Router
 from kvtier.router.prompt import Prompt
-from kvtier.router.proxy import RETRY_STATUSES, Hold, forward, opens_chat, until_disconnected
+from kvtier.router.proxy import RETRY_STATUSES, Hold, forward, opens_chat, unless, until_disconnected
 from kvtier.router.replicas import Replica
 
 PREFILL_REASON = "prefill"  # requests_routed's reason of a prefill (its retry: "retry")
@@ -163,15 +162,7 @@ def _time_first_byte(router: Router, answer: Response, since: float) -> None:
 
 async def _watched(request: Request, work: Any) -> Prefilled | None | Response:
     """``work``'s result, or a 499 (``work`` cancelled) when the client leaves first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+    task, _ = await unless(work, until_disconnected(request))
     if task.cancelled():
         return Response(status_code=499)
     return task.result()
@@ -235,17 +226,8 @@ async def _post(
 ) -> httpx.Response:
     """The replica's whole answer; httpx.TransportError when it could not be reached or broke off, a
     ReadTimeout when it was marked down (hung: its health checks timed out) before answering."""
-    call = asyncio.ensure_future(
-        router.client.post(replica.url + path, content=content, headers=headers, timeout=timeout)
-    )
-    gone = asyncio.ensure_future(replica.down.wait())
-    try:
-        await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not call.done():
-            call.cancel()
-        await asyncio.gather(call, gone, return_exceptions=True)
+    posting = router.client.post(replica.url + path, content=content, headers=headers, timeout=timeout)
+    call, _ = await unless(posting, replica.down.wait())
     if call.cancelled():
         raise httpx.ReadTimeout(f"{replica.url} was marked down before it answered")
     return call.result()

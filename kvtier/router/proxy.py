@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 import httpx
@@ -98,24 +99,37 @@ def _headers(request: Request) -> dict[str, str]:
     return {k: v for k in _REQUEST_HEADERS if (v := request.headers.get(k)) is not None}
 
 
+T = TypeVar("T")
+
+
+async def unless(
+    work: Awaitable[T], *stops: Awaitable[object]
+) -> tuple[asyncio.Future[T], list[asyncio.Future[object]]]:
+    """Run ``work`` until it ends or one of ``stops`` does (``work`` is then cancelled), leaving no task
+    behind (nor when the caller is cancelled); ``work``'s task (``cancelled()``: a stop came first) and
+    the stops'."""
+    task = asyncio.ensure_future(work)
+    watches = [asyncio.ensure_future(stop) for stop in stops]
+    try:
+        await asyncio.wait({task, *watches}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for watch in watches:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, *watches, return_exceptions=True)
+    return task, watches
+
+
 async def _send(router: Router, request: Request, replica: Replica, method: str, path: str, body: bytes):  # noqa: ANN202
     """The replica's response (its status line and headers read), or None when the client left first.
     Raises httpx.TransportError when the replica could not be reached or broke off before answering."""
     upstream = router.client.build_request(
         method, replica.url + path, content=body, headers=_headers(request), timeout=_TIMEOUT
     )
-    send = asyncio.ensure_future(router.client.send(upstream, stream=True))
-    watch = asyncio.ensure_future(until_disconnected(request))
-    gone = asyncio.ensure_future(replica.down.wait())
-    try:
-        await asyncio.wait({send, watch, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (watch, gone):
-            task.cancel()
-        if not send.done():
-            send.cancel()  # the client left, the replica was marked down, or we are cancelled
-        await asyncio.gather(watch, gone, send, return_exceptions=True)
-    if send.cancelled():
+    sending = router.client.send(upstream, stream=True)
+    send, (watch, _) = await unless(sending, until_disconnected(request), replica.down.wait())
+    if send.cancelled():  # the client left, or the replica was marked down
         if watch.done() and not watch.cancelled():
             return None
         # a hung replica (its health checks timed out): nothing reached the client, so try the next
