@@ -179,6 +179,11 @@ def test_a_big_body_naming_far_too_many_messages_is_refused_before_it_is_parsed(
     raw = json.dumps({"model": MODEL, "messages": quoting}).encode()
     assert len(raw) > bodies.INLINE_BYTES and raw.count(b'"role"') == 3000 > bodies.MAX_MESSAGES
     assert len(bodies.validate(ChatCompletionRequest, raw).messages) == 1500
+    from kvtier.server.protocol import CompletionRequest
+
+    prompts = json.dumps({"model": MODEL, "prompt": ['ends with "role'] * 9000}).encode()
+    with pytest.raises(bodies.APIError, match="prompt holds at most 2048"):  # no messages: no pre-count
+        bodies.validate(CompletionRequest, prompts)
 
 
 def test_many_empty_messages_are_a_400_before_validation() -> None:

@@ -120,7 +120,7 @@ def precount(raw: bytes) -> None:
 
 def validate(model: type[M], raw: bytes) -> M:
     """``raw`` as ``model``: parsed, counted, validated (any thread)."""
-    if len(raw) > INLINE_BYTES:
+    if len(raw) > INLINE_BYTES and "messages" in model.model_fields:
         precount(raw)
     data = parse_json(raw)
     check_counts(data)
