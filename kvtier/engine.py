@@ -407,7 +407,20 @@ class LLMEngine:
             banned |= set(self.eos_token_ids)
         return tuple(sorted(banned))
 
-    # ------------------------------------------------------------------------------ idle work: the canary
+    # ------------------------------------------------------------------------------ idle work
+    @property
+    def has_tier_work(self) -> bool:
+        """Copies the last step planned, or tier reads and writes in flight (``settle_tiers``)."""
+        return self.tiers is not None and self.tiers.has_pending_work
+
+    def settle_tiers(self) -> None:
+        """With no request to step: run the copies the last step planned and apply finished reads and
+        writes. A finished prompt's last blocks become full in its last step; their copies to the host
+        tier, and from there to the disk and remote tiers, would otherwise wait for this replica's next
+        request, and other replicas (and a router) would not see them meanwhile."""
+        if not self.has_unfinished_requests():
+            self.step()  # nothing to schedule: the step runs the planned copies and polls the tiers
+
     @property
     def has_idle_work(self) -> bool:
         """Canary checks wait for a moment with no request to step (``run_idle_work``)."""

@@ -29,6 +29,7 @@ class FakeEngine:
         self.block_size = 16
         self.grammars = None  # no structured output
         self.has_idle_work = False  # no canary checks waiting (kvtier/insight)
+        self.has_tier_work = False  # no KV tier copies or writes pending
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)

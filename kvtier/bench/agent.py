@@ -63,6 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
             "scheduling_policy",
             "max_step_ms",
             "max_model_len",
+            "kv_retain_max_fraction",
         ],
         defaults={"kv_device_blocks": 192, "kv_host_gb": 0.2, "max_num_batched_tokens": 512},
     )

@@ -7,7 +7,9 @@
     await add(prompt, params) ──► commands ──► add_request / abort_request / call(fn)
                                   (SimpleQueue) while work: step() → outputs, stats()
     RequestStream (asyncio.Queue) ◄── loop.call_soon_threadsafe(dispatch, outputs)
-                                               idle: block on the command queue
+                                               idle: a canary check, the KV tiers' copies and
+                                               finished writes (settle_tiers), else block on the
+                                               command queue
 
 Only the engine thread touches the engine: requests, aborts and inspection calls (``call(fn)``) go
 through the command queue and run between two steps. After every step the thread takes one
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.server")
 T = TypeVar("T")
+TIER_SETTLE_S = 0.02  # an idle engine with KV tier work looks at it this often (writes finishing)
 
 
 class EngineNotReady(RuntimeError):
@@ -385,13 +388,7 @@ class AsyncEngine:
 
     def _serve(self, engine: LLMEngine) -> None:
         while True:
-            busy = engine.has_unfinished_requests() or engine.has_idle_work
-            commands = [self._commands.get()] if not busy else []
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            commands = self._next_commands(engine)
             for cmd in commands:
                 if cmd is _STOP:
                     self._stop_all(EngineNotReady("the engine has stopped"))
@@ -412,6 +409,11 @@ class AsyncEngine:
                     engine.run_idle_work()
                 except Exception:
                     logger.exception("canary check failed")
+            elif engine.has_tier_work:  # the last step's copies, tier writes finishing
+                try:
+                    engine.settle_tiers()
+                except Exception:
+                    logger.exception("settling the KV tiers failed")
             now = time.monotonic()
             stats = engine.stats()
             if self._observer is not None:
@@ -421,6 +423,21 @@ class AsyncEngine:
                 self._post(self._dispatch, outputs)
             elif stats.num_requests_running == 0 and engine.has_unfinished_requests():
                 time.sleep(0.001)  # nothing schedulable this step: don't spin at full speed
+
+    def _next_commands(self, engine: LLMEngine) -> list[Any]:
+        """The commands waiting now; with nothing to step, block for the next one (at most
+        ``TIER_SETTLE_S`` while the KV tiers have work: ``LLMEngine.settle_tiers``)."""
+        commands = []
+        if not (engine.has_unfinished_requests() or engine.has_idle_work):
+            try:
+                commands.append(self._commands.get(timeout=TIER_SETTLE_S if engine.has_tier_work else None))
+            except queue.Empty:
+                return []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
 
     def _stop_all(self, stopped: BaseException) -> None:
         self._post(self._fail, None, stopped)

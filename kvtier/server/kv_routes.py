@@ -40,10 +40,10 @@
 learns which replicas compute prompts and which stream answers.
 
 A prompt's last blocks become full in the step that computes them; their copies to the host tier (and
-from there the writes to the remote tier) are planned then and run at the start of the next step, so on
-a replica with nothing more to step they would wait for the next request. ``/v1/kv/publish`` steps an
-idle engine once (a step without requests runs just those copies and applies finished writes), then
-waits for the writes (``TierCoordinator.publish``); a busy engine's own steps do the same meanwhile.
+from there the writes to the remote tier) are planned then and run at the start of the next step, which
+an idle replica takes on its own (``LLMEngine.settle_tiers``). ``/v1/kv/publish`` says when the writes
+have landed (``TierCoordinator.publish``): it steps an idle engine once at each look (so it need not
+wait for the idle settling's next round) and waits until every block is in the shared tier.
 
 ``kv_groups`` is the KV layout (``kvtier/kv/groups.py``): one full group for a dense model; a hybrid
 model's groups, full-attention first. Group ``g``'s blocks are announced and listed under

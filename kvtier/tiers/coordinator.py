@@ -132,6 +132,12 @@ class TierCoordinator:
     def has_pending_io(self) -> bool:
         return any(level.promoting or level.storing for level in self.external)
 
+    @property
+    def has_pending_work(self) -> bool:
+        """Copies planned for the next step, or reads and writes in flight: an idle engine still has
+        tier work (``LLMEngine.settle_tiers``)."""
+        return not self._plan.is_empty or self.has_pending_io
+
     def check_integrity(self) -> None:
         self.host.check_integrity()
 
