@@ -3,7 +3,7 @@ a ``kvtier serve --role decode`` replica (a tiny random model, block size 4) beh
 each its own process on loopback, and a lone ``kvtier serve`` (role both, no Redis) as the reference.
 
     exact      greedy answers through the handoff equal the lone server's: chat and completions,
-               streamed and not, n > 1, stop strings, logprobs
+               streamed and not, n > 1, stop strings, logprobs, a JSON schema, a choice
     served     the decode replica's usage and /metrics show the prompt's blocks loaded from Redis
     faults     Redis killed: the next handoffs fail nothing (the decode replica computes the prompt);
                the prefill replica killed: neither (the router sends the request straight to decode)
@@ -140,6 +140,41 @@ def test_streams_and_completions_through_a_handoff_equal_the_lone_server(cluster
         ):
             assert a == pytest.approx(b, abs=1e-4)
     assert remote_tokens(got.json()) > 0
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 10}, "count": {"type": "integer"}},
+    "required": ["answer", "count"],
+}
+
+
+def test_structured_output_through_a_handoff_equals_the_lone_server(cluster: dict[str, Any]) -> None:
+    """A JSON-schema answer and a choice, streamed and not: the decode replica constrains the whole
+    answer itself, from the prefill's blocks, and answers as the lone server does."""
+    router, reference = cluster["router"], cluster["reference"]
+    response_format = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA}}
+    bodies = [
+        chat("schema", response_format=response_format, max_tokens=24, ignore_eos=False),
+        chat("choice", guided_choice=["block 3", "block 5", "no block"], ignore_eos=False),
+    ]
+    for body in bodies:
+        r = post(router.url, body)
+        assert r.headers[PREFILL_HEADER] == cluster["prefill"].url, body
+        got, want = r.json(), post(reference.url, body).json()
+        assert got["choices"] == want["choices"] and remote_tokens(got) > 0
+    assert got["choices"][0]["message"]["content"] in ("block 3", "block 5", "no block")
+
+    # a new prompt: the decode replica now holds the last one's blocks, and gets it without a handoff
+    body = chat("schema streamed", response_format=response_format, max_tokens=24, ignore_eos=False)
+    body["stream"] = True
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200 and r.headers[PREFILL_HEADER] == cluster["prefill"].url
+        through = sse_events(r.read().decode())
+    direct = sse_events(post(reference.url, body).text)
+    assert [e["choices"] for e in through[:-1]] == [e["choices"] for e in direct[:-1]]
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in through[:-1] if e["choices"])
+    assert text.startswith("{"), text  # constrained from the first token (the prefill's is not kept)
 
 
 def test_a_short_prompt_skips_the_prefill_replica(cluster: dict[str, Any]) -> None:
