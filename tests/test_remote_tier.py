@@ -11,6 +11,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,24 @@ def test_lookup_counts_leading_keys_known_or_found_in_one_round_trip(
         assert client.info("commandstats")["cmdstat_exists"]["calls"] == before + 4  # one pipeline
         assert other.tier.contains(K("A")) and not other.tier.contains(K("C"))
         assert other.tier.lookup([K("A"), K("B")]) == 2
+    finally:
+        other.close()
+
+
+def test_presence_counts_every_held_key_from_another_thread_and_knows_nothing_new(
+    server: RedisServer, replica: Replica
+) -> None:
+    """``/v1/kv/publish`` polls the store off the engine thread: all held keys count, not only leading
+    ones, and the tier's own bookkeeping (what lookups announce) is left alone."""
+    replica.put("AB")
+    other = Replica(server.url)
+    try:
+        count = other.tier.presence()
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(count, [K("X"), K("A"), K("B")]).result() == 2
+        assert not other.tier.contains(K("A"))  # nothing announced: a lookup would
+        server.kill()
+        assert count([K("A")]) is None  # no answer is not "none held"
     finally:
         other.close()
 

@@ -42,8 +42,11 @@ learns which replicas compute prompts and which stream answers.
 A prompt's last blocks become full in the step that computes them; their copies to the host tier (and
 from there the writes to the remote tier) are planned then and run at the start of the next step, which
 an idle replica takes on its own (``LLMEngine.settle_tiers``). ``/v1/kv/publish`` says when the writes
-have landed (``TierCoordinator.publish``): it steps an idle engine once at each look (so it need not
-wait for the idle settling's next round) and waits until every block is in the shared tier.
+have landed: it asks the shared tier itself (pipelined ``EXISTS``, off the engine thread) until every
+block is there, and the engine (``TierCoordinator.publish``, between two steps) only when the tier shows
+no progress for a moment: the engine then writes down host blocks the tier lacks, and knows which blocks
+will never come. A look through the engine waits for the step in progress, and on a prefill replica
+computing the next long prompt that step lasts seconds.
 
 ``kv_groups`` is the KV layout (``kvtier/kv/groups.py``): one full group for a dense model; a hybrid
 model's groups, full-attention first. Group ``g``'s blocks are announced and listed under
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -84,7 +88,8 @@ from kvtier.tiers.coordinator import SharedProgress
 PUBLISH_MAX_BLOCKS = 1 << 16  # block hashes one /v1/kv/publish may name (a 1M-token prompt at 16)
 PUBLISH_MAX_WAIT_S = 30.0
 PUBLISH_DEFAULT_WAIT_S = 5.0
-PUBLISH_POLL_S = 0.005  # between two looks at the writes (each a call between two engine steps)
+PUBLISH_POLL_S = 0.01  # between two looks at the writes
+PUBLISH_ENGINE_LOOK_S = 0.25  # no new block in the shared tier this long: ask the engine
 
 
 def _media(requested: list[str] | None) -> set[Medium] | None:
@@ -182,6 +187,38 @@ def _publish_request(body: Any) -> tuple[list[BlockHash], float]:
     return keys, float(wait)
 
 
+def _presence(e: LLMEngine) -> Callable[[Sequence[BlockHash]], int | None] | None:
+    return e.tiers.shared_presence() if e.tiers is not None else None
+
+
+async def _publish_wait(
+    engine: AsyncEngine, presence: Callable[..., int | None] | None, keys: list[BlockHash], wait: float
+) -> SharedProgress | None:
+    """Until every key is in the shared tier, or will never be, or ``wait`` passed. The tier itself is
+    asked (``presence``, off the engine thread: a look through the engine waits for its step in
+    progress, seconds on a prefill replica computing the next long prompt); the engine is asked only
+    when the tier shows no progress for ``PUBLISH_ENGINE_LOOK_S`` (it writes down host blocks the tier
+    lacks, and knows which will never come)."""
+    start = time.monotonic()
+    names = list(dict.fromkeys(keys))
+    held, progress_at, progress = -1, start, None
+    while True:
+        if presence is not None:
+            found = await asyncio.to_thread(presence, names)
+            if found is not None and found > held:
+                held, progress_at = found, time.monotonic()
+            if held == len(names):
+                return SharedProgress(held, 0, 0, active=True)
+        if presence is None or time.monotonic() - progress_at >= PUBLISH_ENGINE_LOOK_S:
+            progress = await engine.call(lambda e: publish_round(e, keys))
+            progress_at = time.monotonic()
+            if progress is None or progress.settled:
+                return progress
+        if time.monotonic() - start >= wait:
+            return progress
+        await asyncio.sleep(PUBLISH_POLL_S)
+
+
 def publish_round(e: LLMEngine, keys: list[BlockHash]) -> SharedProgress | None:
     """One look at ``keys`` in the shared tier, on the engine thread between two steps (None: no tiers).
     An idle engine is stepped once first: the copies its last step planned run, finished writes apply."""
@@ -198,11 +235,10 @@ def _publish_route(router: APIRouter) -> None:
         keys, wait = _publish_request(parse_json(await request.body()))
         engine: AsyncEngine = request.app.state.engine
         start = time.monotonic()
-        while True:
-            progress = await engine.call(lambda e: publish_round(e, keys))
-            if progress is None or progress.settled or time.monotonic() - start >= wait:
-                break
-            await asyncio.sleep(PUBLISH_POLL_S)
+        state = request.app.state
+        if not hasattr(state, "kv_presence"):  # the shared tier's own counter, fetched once
+            state.kv_presence = await engine.call(_presence)
+        progress = await _publish_wait(engine, state.kv_presence, keys, wait)
         progress = progress or SharedProgress(0, 0, len(set(keys)), active=False)
         return {
             "object": "kv.publish",

@@ -458,6 +458,15 @@ class TierCoordinator:
             snapshot = self.host_bytes.host_snapshot(host_block_id)
             level.worker.submit_store(key, address, snapshot, group_of(key))
 
+    def shared_presence(self) -> Callable[[Sequence[BlockKey]], int | None] | None:
+        """The write-through shared tier's own count of how many of a prompt's keys it holds, safe to
+        call from any thread (``RemoteTier.presence``); None without such a tier."""
+        level = next((lv for lv in self.external if lv.tier.medium == Medium.REMOTE), None)
+        if level is None or level.policy != "write_through":
+            return None
+        presence = getattr(level.tier, "presence", None)
+        return presence() if presence is not None else None
+
     def publish(self, keys: Sequence[BlockKey]) -> SharedProgress:
         """Disaggregated prefill: where ``keys`` (a prompt's full blocks, KV group 0's keys) stand in the
         write-through shared tier, writing down the host blocks it lacks and is not getting (evicted from

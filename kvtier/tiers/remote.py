@@ -45,7 +45,7 @@ import threading
 import time
 import urllib.parse
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -255,6 +255,17 @@ class RemoteStore:
         while n < len(found) and found[n]:
             n += 1
         return n
+
+    def count_present(self, names: Sequence[bytes]) -> int | None:
+        """How many of ``names`` exist, in one pipelined round trip, from any thread: it touches nothing
+        of this object but its connection pool (None when the store does not answer)."""
+        pipe = self.lookup.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(name)
+        try:
+            return sum(1 for found in pipe.execute() if found)
+        except Exception:  # noqa: BLE001 (a look from a route; the engine's own calls count failures)
+            return None
 
     def delete_if_same(self, name: bytes, value: ByteBuffer, sizes: tuple[int, int] = ANY_SIZE) -> None:
         """Delete ``name`` if it still holds a value starting with ``value``'s header whose size is
@@ -515,6 +526,13 @@ class RemoteTier(ExternalTier):
         for key in rest[:found]:
             self._remember(key)
         return n + found
+
+    def presence(self) -> Callable[[Sequence[BlockKey]], int | None]:
+        """A count of how many of ``keys`` (KV group 0's names) the store holds now, callable from any
+        thread (``RemoteStore.count_present``; None: no answer): ``/v1/kv/publish`` polls with it
+        without waiting for the engine's steps."""
+        store = self.store
+        return lambda keys: store.count_present([redis_key(k) for k in keys])
 
     def held_keys(self) -> list[BlockKey]:
         """The keys known to be in the store (announced as KV events), oldest first."""
