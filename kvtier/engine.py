@@ -288,10 +288,13 @@ class LLMEngine:
         return result
 
     def _retain(self, out: SchedulerOutput) -> None:
-        """Prompts computed this step keep their retention spans' blocks (a hit refreshes them)."""
-        for s in out.prefills:
+        """Prompts computed this step keep their retention spans' blocks (a hit refreshes them). Every
+        scheduled sequence is looked at: a prompt cached but for its last token computes a 1-token
+        chunk, which the step runs among the decodes."""
+        for s in out.scheduled:
             request = self.requests.get(s.seq.request_id)
-            done = s.num_computed_tokens + s.num_new_tokens >= s.seq.num_prompt_tokens
+            prompt = s.num_computed_tokens < s.seq.num_prompt_tokens  # this chunk holds prompt tokens
+            done = prompt and s.num_computed_tokens + s.num_new_tokens >= s.seq.num_prompt_tokens
             if request is not None and request.retention and done and s.seq.seq_id in self.kv:
                 request.num_retained_tokens = retained = self.kv.retain(s.seq.seq_id, request.retention)
                 self._num_retained_hit_tokens += min(s.seq.num_cached_tokens or 0, retained)

@@ -319,3 +319,24 @@ def test_a_span_past_the_cap_reports_the_blocks_it_retained(tiny_llama_dir) -> N
         retention.max_blocks = 4  # the cap: 4 of the system prompt's 6 blocks
         out = _step(llm, 0, (RetentionSpan(len(SYSTEM), 300.0),))
         assert out.num_retained_tokens == 4 * 16 and retention.num_refused == 2
+
+
+def test_a_repeated_prompt_cached_but_for_its_last_token_still_retains_and_refreshes(tiny_llama_dir) -> None:
+    """Sent again, a prompt of 6 blocks and one token computes that one token, a chunk the step runs
+    among the decodes: its retention is still taken (and refreshed), as for any other prompt."""
+    with LLM(str(tiny_llama_dir()), kv_device_blocks=24) as llm:
+        clock = Clock()
+        retention = llm.engine.kv.pool.retention
+        assert retention is not None
+        retention.clock = clock
+        prompt = [*SYSTEM, 450]  # 6 full blocks + 1 token
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        span = (RetentionSpan(len(prompt), 300.0),)
+        first = llm.generate([prompt], params, retention=span)[0]
+        assert first.num_retained_tokens == len(SYSTEM)
+        clock.now += 200
+        again = llm.generate([prompt], params, retention=span)[0]
+        assert again.num_cached_tokens == len(SYSTEM)  # one token left to compute
+        assert again.num_retained_tokens == len(SYSTEM)
+        clock.now += 200  # 400 s after the first request: retained only because the second refreshed it
+        assert len(retention) == 6  # the first request's expiry (300 s) is past: the second refreshed it
