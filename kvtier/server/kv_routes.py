@@ -222,8 +222,7 @@ async def _publish_wait(
 def publish_round(e: LLMEngine, keys: list[BlockHash]) -> SharedProgress | None:
     """One look at ``keys`` in the shared tier, on the engine thread between two steps (None: no tiers).
     An idle engine is stepped once first: the copies its last step planned run, finished writes apply."""
-    if not e.has_unfinished_requests():
-        e.step()  # no request: nothing is scheduled, so this returns [] (module docstring)
+    e.settle_tiers()  # an idle engine runs its planned copies now, not at the next settling round
     return e.tiers.publish(keys) if e.tiers is not None else None
 
 
