@@ -465,9 +465,10 @@ class EngineArgs:
     max_queue_wait_s: float = field(
         default=0.0,
         metadata={
-            "help": "the server answers 503 (Retry-After) at once when a new request's predicted wait "
-            "to start (the queue ahead / the measured start rate) is longer than this (0: off; "
-            "default 10 for kvtier serve)"
+            "help": "the server answers 503 (Retry-After) at once when a new request would queue and "
+            "its predicted first token (the wait to start, from the running answers' expected ends and "
+            "the measured start rate, plus its prompt's measured time) is later than this; a request "
+            "that would start at once is never refused (0: off; default 10 for kvtier serve)"
         },
     )
     seed: int = field(default=0, metadata={"help": "engine seed (unseeded requests draw from it)"})

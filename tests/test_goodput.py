@@ -12,10 +12,22 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import pytest
+
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sampling_params import SamplingParams
-from kvtier.scheduler.goodput import INITIAL_CAP, WARMUP_STEPS, RunningCap, StartMeter, StepTimes
+from kvtier.scheduler.admission import Admission, QueueWaitExceeded
+from kvtier.scheduler.goodput import (
+    INITIAL_CAP,
+    WARMUP_STEPS,
+    FirstTokenTimes,
+    OutputLengths,
+    RunningCap,
+    StartMeter,
+    StepTimes,
+    simulated_wait_s,
+)
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler
 from kvtier.sequence import Sequence
@@ -73,12 +85,70 @@ def test_the_start_rate_counts_backlogged_time_only() -> None:
     assert meter.rate() is None
 
 
+def test_a_slot_frees_only_when_the_batch_is_under_the_cap() -> None:
+    # Four running sequences with 10, 20, 30 and 40 tokens to go, one step a second. With two slots
+    # (the cap shrank under them), the first slot frees at the third finish, not the first.
+    assert simulated_wait_s([40, 10, 30, 20], [], cap=2, step_s=1.0, prefill_tokens_per_s=100.0) == 30.0
+    assert simulated_wait_s([40, 10, 30, 20], [], cap=5, step_s=1.0, prefill_tokens_per_s=100.0) == 0.0
+    # one waiting ahead (a 100-token prompt, 5 tokens out) takes the slot at 30 and gives it back at 36;
+    # a request with n = 2 needs the second slot too (at 40)
+    ahead = [(100, 5)]
+    assert simulated_wait_s([40, 10, 30, 20], ahead, cap=2, step_s=1.0, prefill_tokens_per_s=100.0) == 36.0
+    assert simulated_wait_s([40, 10, 30, 20], [], 2, 1.0, 100.0, num_new=2) == 40.0
+
+
+def test_expected_output_and_prompt_times_come_from_what_finished() -> None:
+    lengths = OutputLengths()
+    assert lengths.left(produced=5, max_left=500) == 500  # nothing finished yet: its max_tokens
+    lengths.observe(64)
+    assert lengths.left(produced=5, max_left=500) == 59  # like the ones before it
+    assert lengths.left(produced=5, max_left=20) == 20  # never past its max_tokens
+    assert lengths.left(produced=90, max_left=500) == 1  # longer than usual: at least one more
+    first = FirstTokenTimes()
+    assert first.predict(256, floor_s=0.2) == 0.0  # nothing measured: no guess
+    first.observe(seconds=0.8, tokens=256)
+    assert first.predict(512, floor_s=0.2) == 1.6  # twice the prompt, twice the time
+    assert first.predict(3, floor_s=0.2) == 0.2  # a cached prompt still waits for the step it joins
+
+
+def test_a_queued_request_is_refused_by_when_its_first_token_would_come() -> None:
+    # One slot, taken by an answer expected to run 1.2 s more (answers have been 12 tokens, a step is
+    # 0.1 s), and a 256-token prompt has been taking 0.8 s from its start to its first token. With a
+    # 1.5 s limit, a request that would wait 1.2 s to start and then compute 256 tokens (first token
+    # at 2.0 s) is refused; one whose prompt is mostly cached (first token at 1.3 s) is not. With the
+    # slot free, even a long prompt starts.
+    m = machine(goodput=True, max_queue_wait_s=1.5)
+    s = m.scheduler
+    s.running_cap._cap = 1
+    s.first_tokens.observe(seconds=0.8, tokens=256)
+    s.output_lengths.observe(12)
+    s.step_times.recent = 0.1
+    m.arrive("r0")
+    s.advance(s.schedule())  # its prompt computed (its blocks cached), its first token not sampled yet
+    assert abs(s.predicted_wait_s(1) - 1.2) < 1e-9
+    m.arrive("r1")
+    assert m.refused == 1
+    with pytest.raises(QueueWaitExceeded, match=r"2.0 s for its first token \(1.2 s to start"):
+        m.admission.check(list(range(256)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
+    cached = s.running[0].token_ids[:240] + list(range(16))  # 15 of its 16 blocks cached
+    m.admission.check(cached, ("m", ""), SamplingParams(max_tokens=OUTPUT))
+    s.running_cap._cap = 2
+    m.admission.check(list(range(4000)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
+    # a start rate that says the queue moves slower than the answers' expected ends wins
+    s.running_cap._cap = 1
+    for t in range(1, 11):  # ten seconds of backlog: r0's start and one more
+        if t == 5:
+            s.starts.on_start()
+        s.starts.tick(float(t), backlogged=True)
+    assert s.starts.rate() == 0.2 and s.predicted_wait_s(1) == 5.0
+
+
 @dataclass
 class Machine:
     """A scheduler on a simulated machine, requests arriving at ``rate`` per second."""
 
     scheduler: Scheduler
-    max_queue_wait_s: float
+    admission: Admission
     now: float = 0.0
     arrivals: dict[str, float] = field(default_factory=dict)
     first_token: dict[str, float] = field(default_factory=dict)
@@ -88,12 +158,13 @@ class Machine:
 
     def arrive(self, rid: str) -> None:
         """What the server does with a new request: refuse it (503) or queue it."""
-        wait = self.scheduler.predicted_wait_s(1)
-        if self.max_queue_wait_s > 0 and wait is not None and wait > self.max_queue_wait_s:
-            self.refused += 1
-            return
         tokens = [self._rng.randrange(100, 30000) for _ in range(PROMPT)]
         params = SamplingParams(temperature=0.0, max_tokens=OUTPUT)
+        try:
+            self.admission.check(tokens, ("m", ""), params)
+        except QueueWaitExceeded:
+            self.refused += 1
+            return
         seq = Sequence(f"{rid}-0", rid, 0, tokens, PROMPT, params, ("m", ""), PROMPT + OUTPUT)
         seq.arrival_time = self.now
         self.arrivals[rid] = self.now
@@ -133,7 +204,7 @@ class Machine:
         return ttfts[int(0.9 * (len(ttfts) - 1))]
 
 
-def machine(goodput: bool) -> Machine:
+def machine(goodput: bool, max_queue_wait_s: float = 0.5) -> Machine:
     cost = CostModel(block_bytes=1, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_s=STEP_BASE_S)
     cfg = SchedulerConfig(
         max_num_seqs=64,
@@ -141,10 +212,12 @@ def machine(goodput: bool) -> Machine:
         max_model_len=4096,
         scheduling_policy="legacy",
         itl_factor=3.0 if goodput else 0.0,
+        max_queue_wait_s=max_queue_wait_s if goodput else 0.0,
+        kv_admission_factor=0.0,
     )
     kv = KVCacheManager(num_blocks=4096, block_size=BLOCK, enable_caching=True)
     scheduler = Scheduler(cfg, kv, eos_token_ids=[0], cost_model=cost)
-    m = Machine(scheduler, max_queue_wait_s=0.5 if goodput else 0.0)
+    m = Machine(scheduler, Admission(cfg, scheduler, kv.pool.num_blocks, cfg.max_model_len))
     scheduler.clock = lambda: m.now
     return m
 

@@ -189,6 +189,7 @@ async def _prefill(
         if status == "ok":
             answered_at = time.perf_counter()
             num_published = await _publish(router, replica, prompt)
+            router.metrics.handoff_publish_seconds.observe(time.perf_counter() - answered_at)
             seconds = time.perf_counter() - start
             router.metrics.handoff_seconds.observe(seconds)
             return Prefilled(replica, num_published, seconds, answered_at)

@@ -13,6 +13,8 @@
                                                              remote tier (what a handoff adds)
     kvtier_router:handoff_overhead_seconds                   histogram: prefill answered -> the decode
                                                              replica's first token to the client
+    kvtier_router:handoff_publish_seconds                    histogram: the part of it spent waiting for
+                                                             the blocks to reach the remote tier
     kvtier_router:handoff_blocks_total, _bytes_total         blocks (bytes) prefill replicas published
     kvtier_router:estimated_cached_tokens                    histogram: the winner's cached tokens per
                                                              cache-aware decision
@@ -128,6 +130,13 @@ class RouterMetrics:
             "Seconds from a prefill replica's answer to the decode replica's first token to the client "
             "(publishing the blocks, the decode replica loading them and computing the rest): what a "
             "handoff adds to the prefill.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
+        self.handoff_publish_seconds = Histogram(
+            PREFIX + "handoff_publish_seconds",
+            "Seconds from a prefill replica's answer to its blocks being in the remote tier (the part of "
+            "the handoff overhead before the decode replica is asked).",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=self.registry,
         )

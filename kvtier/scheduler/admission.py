@@ -6,7 +6,8 @@
         └─► Admission.check(token_ids, extra_keys, params)
               KV capacity: demand (running + waiting, blocks) + this request's need
                            > kv_admission_factor x the device pool        -> KVCapacityExceeded
-              queue wait:  predicted wait to join the running batch
+              queue wait:  it would queue, and its predicted first token (the wait to join the
+                           running batch + its prompt's own time)
                            > max_queue_wait_s (kvtier/scheduler/goodput.py) -> QueueWaitExceeded
     a request finishes  ─► Admission.on_finished(blocks it held): the drain rate behind Retry-After
 
@@ -68,14 +69,17 @@ class KVCapacityExceeded(RuntimeError):
 
 
 class QueueWaitExceeded(RuntimeError):
-    """The request would wait longer than ``--max-queue-wait-s`` to start (a 503 with ``Retry-After``)."""
+    """The request would queue and wait longer than ``--max-queue-wait-s`` for its first token (a 503
+    with ``Retry-After``)."""
 
-    def __init__(self, wait_s: float, limit_s: float):
+    def __init__(self, wait_s: float, limit_s: float, start_s: float | None = None):
         self.wait_s, self.limit_s = wait_s, limit_s
+        self.start_s = wait_s if start_s is None else start_s
         self.retry_after_s = max(1, min(MAX_RETRY_S, math.ceil(wait_s - limit_s)))
         super().__init__(
-            f"the server is past its capacity: this request would wait about {wait_s:.0f} s to start "
-            f"(--max-queue-wait-s {limit_s:g}); retry in {self.retry_after_s} s"
+            f"the server is past its capacity: this request would wait about {wait_s:.1f} s for its first "
+            f"token ({self.start_s:.1f} s to start; --max-queue-wait-s {limit_s:g}); retry in "
+            f"{self.retry_after_s} s"
         )
 
 
@@ -143,9 +147,20 @@ class Admission:
             if not verdict.admit:
                 raise KVCapacityExceeded(verdict)
         if self.max_queue_wait_s > 0:
-            wait = scheduler.predicted_wait_s(params.n)
-            if wait is not None and wait > self.max_queue_wait_s:
-                raise QueueWaitExceeded(wait, self.max_queue_wait_s)
+            self._check_wait(token_ids, extra_keys, params.n)
+
+    def _check_wait(self, token_ids: list[int], extra_keys: tuple[str, ...], n: int) -> None:
+        """Refuse a request that would queue when its predicted first token is past the limit."""
+        scheduler = self.scheduler
+        start = scheduler.predicted_wait_s(n)
+        if start <= 0:
+            return  # it starts at once: never refused, however long its prompt
+        if start > self.max_queue_wait_s:
+            raise QueueWaitExceeded(start, self.max_queue_wait_s)
+        cached = scheduler.num_cached_device_blocks(token_ids, extra_keys) * scheduler.kv.block_size
+        first_token = start + scheduler.predicted_prompt_s(len(token_ids) - cached)
+        if first_token > self.max_queue_wait_s:
+            raise QueueWaitExceeded(first_token, self.max_queue_wait_s, start)
 
     def on_finished(self, num_blocks: int) -> None:
         """A request finished and its sequences gave ``num_blocks`` device blocks back."""

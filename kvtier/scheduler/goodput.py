@@ -23,15 +23,28 @@ latency target, the rest waits in order, and a request that would wait too long 
 
     start rate                StartMeter: sequences that left the waiting queue per second of
                               backlog (time with someone waiting), over the last WINDOW_S
-    predicted wait            (sequences waiting + the new one's) / start rate once the meter has
-                              MIN_BACKLOG_S of backlog and MIN_STARTS starts; before that
-                              (a cold start's burst) simulated_wait_s: the running sequences' and
-                              the queue's remaining tokens played out on the cap's slots at the
-                              measured step (an upper bound: it assumes no early stop)
-                              0 when the new one would start at once
+    output lengths            OutputLengths: an EMA of finished sequences' output tokens; a
+                              sequence is expected to decode up to that (at least 1 more), never
+                              past its max_tokens
+    predicted wait            0 when the new one would start at once; else simulated_wait_s: the
+                              running sequences' and the queue's expected tokens played out on the
+                              cap's slots at the recent step (with more running than the cap, only
+                              the last finishes free a slot); once the meter has MIN_BACKLOG_S of
+                              backlog and MIN_STARTS starts, at least (sequences waiting + the new
+                              one's + those running above the cap) / start rate. The rate alone
+                              ran short: finishes come in bunches (sequences that started together
+                              end together), so a request arriving after a bunch waits for the next
+    its prompt's own time     FirstTokenTimes: seconds from a sequence's start to its first token
+                              per prompt token it computed (the ratio of two EMAs over the last
+                              ~1/SMOOTHING first tokens), times the new prompt's uncached tokens; at
+                              least the recent step (a cached prompt still waits for one)
+    predicted first token     the predicted wait + its prompt's own time
 
-The server (``kvtier.server.async_engine``) refuses a request whose predicted wait is above
-``--max-queue-wait-s`` with a 503 and ``Retry-After``. ``--itl-factor 0`` (with no ``--max-itl-ms``)
+The server (``kvtier.server.async_engine``) refuses a request that would queue (predicted wait > 0)
+and whose predicted first token is later than ``--max-queue-wait-s`` with a 503 and ``Retry-After``:
+a started request still computes its prompt in steps it shares with the running batch, so the wait
+to *start* alone let first tokens run seconds past the limit (benchmarks/overload.py). A request that
+would start at once is never refused, however long its prompt. ``--itl-factor 0`` (with no ``--max-itl-ms``)
 turns the cap off. Torch-free.
 """
 
@@ -83,6 +96,50 @@ class StepTimes:
         n2, s2 = sizes[1], self.best[sizes[1]]
         slope = (s2 - s1) / (n2 - n1)
         return min(s1, max(s1 - slope * (n1 - 1), s1 / n1))
+
+
+@dataclass
+class OutputLengths:
+    """Output tokens of finished sequences (an EMA): how much longer a running one is expected to
+    decode. Fed by ``Scheduler.finish``."""
+
+    mean: float | None = None
+
+    def observe(self, num_output_tokens: int) -> None:
+        old = self.mean
+        self.mean = num_output_tokens if old is None else old + SMOOTHING * (num_output_tokens - old)
+
+    def left(self, produced: int, max_left: int) -> int:
+        """Tokens a sequence that has ``produced`` tokens and may decode ``max_left`` more is expected
+        to decode: ``max_left`` until a sequence has finished."""
+        if self.mean is None:
+            return max_left
+        return min(max_left, max(1, round(self.mean) - produced))
+
+
+@dataclass
+class FirstTokenTimes:
+    """Seconds from a sequence's start to its first token against the prompt tokens it computed in
+    between: ``predict`` scales their ratio (two EMAs, so long prompts weigh by their tokens) to a new
+    prompt. Fed by ``Scheduler.append_token``."""
+
+    seconds: float | None = None
+    tokens: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        tokens = max(1, tokens)
+        if self.seconds is None or self.tokens is None:
+            self.seconds, self.tokens = seconds, float(tokens)
+            return
+        self.seconds += SMOOTHING * (seconds - self.seconds)
+        self.tokens += SMOOTHING * (tokens - self.tokens)
+
+    def predict(self, tokens: int, floor_s: float) -> float:
+        """Seconds a prompt of ``tokens`` uncached tokens would take from its start to its first token:
+        at least ``floor_s`` (the step it joins); 0 before any first token was measured."""
+        if self.seconds is None or self.tokens is None:
+            return 0.0
+        return max(floor_s, self.seconds * max(1, tokens) / self.tokens)
 
 
 class RunningCap:
@@ -167,14 +224,17 @@ def simulated_wait_s(
     cap: int,
     step_s: float,
     prefill_tokens_per_s: float,
+    num_new: int = 1,
 ) -> float:
-    """When a new sequence would start: ``running_left`` tokens each running sequence has yet to
-    decode, ``waiting`` (prompt tokens, output tokens) of each waiting one in order, ``cap`` slots,
-    every decode step ``step_s``."""
-    free_at = sorted(left * step_s for left in running_left)[: max(cap, 1)]
-    free_at += [0.0] * max(0, cap - len(free_at))
+    """When ``num_new`` new sequences would start: ``running_left`` tokens each running sequence has
+    yet to decode, ``waiting`` (prompt tokens, output tokens) of each waiting one in order, ``cap``
+    slots, every decode step ``step_s``."""
+    cap = max(cap, 1)
+    # a slot frees when the running batch is under the cap: with more running than the cap (it shrank),
+    # only the last ``cap`` finishes free one
+    free_at = ([0.0] * cap + sorted(left * step_s for left in running_left))[-cap:]
     heapq.heapify(free_at)
     for prompt, output in waiting:
         start = heapq.heappop(free_at)
         heapq.heappush(free_at, start + prompt / prefill_tokens_per_s + output * step_s)
-    return free_at[0]
+    return heapq.nsmallest(min(num_new, cap), free_at)[-1]

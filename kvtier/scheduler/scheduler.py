@@ -53,7 +53,14 @@ from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
-from kvtier.scheduler.goodput import RunningCap, StartMeter, StepTimes, simulated_wait_s
+from kvtier.scheduler.goodput import (
+    FirstTokenTimes,
+    OutputLengths,
+    RunningCap,
+    StartMeter,
+    StepTimes,
+    simulated_wait_s,
+)
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
 
@@ -120,6 +127,8 @@ class Scheduler:
         self.step_times = StepTimes()
         self.running_cap = RunningCap(config, self.step_times)
         self.starts = StartMeter()
+        self.first_tokens = FirstTokenTimes()
+        self.output_lengths = OutputLengths()
         self._last_step: tuple[float, int] | None = None  # (when the last step began, its batch size)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
@@ -149,6 +158,8 @@ class Scheduler:
         self.kv.free(seq.seq_id)  # device blocks, or the host blocks of a swapped-out sequence
         seq.status = status
         seq.stop_reason = stop_reason
+        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            self.output_lengths.observe(seq.num_output_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` sharing every block of ``parent`` (n > 1 sampling after the prompt)."""
@@ -234,22 +245,28 @@ class Scheduler:
         join the running batch at once."""
         if not self.waiting and len(self.running) + num_new <= self.running_cap.cap():
             return 0.0
-        rate = self.starts.rate()
-        if rate is not None:
-            return (len(self.waiting) + num_new) / rate
         cap = self.running_cap.cap()
         step_s = self.step_times.recent or self.cost_model.decode_step_s
         running = [self._output_left(s) for s in self.running]
         waiting = [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting]
-        return simulated_wait_s(running, waiting, cap, step_s, self.cost_model.prefill_tokens_per_s)
+        wait = simulated_wait_s(running, waiting, cap, step_s, self.cost_model.prefill_tokens_per_s, num_new)
+        rate = self.starts.rate()
+        if rate is not None:  # starts needed: the queue ahead, its own, and what runs above the cap
+            wait = max(wait, (len(self.waiting) + num_new + max(0, len(self.running) - cap)) / rate)
+        return wait
 
-    @staticmethod
-    def _output_left(seq: Sequence) -> int:
-        """Tokens ``seq`` may still decode (``UNSPECIFIED_OUTPUT_TOKENS`` stands in for no max_tokens)."""
+    def predicted_prompt_s(self, uncached_tokens: int) -> float:
+        """How long a prompt computing ``uncached_tokens`` would take from its start to its first
+        token, at the recent pace (goodput.py); 0 before any first token was measured."""
+        return self.first_tokens.predict(uncached_tokens, self.step_times.recent or 0.0)
+
+    def _output_left(self, seq: Sequence) -> int:
+        """Tokens ``seq`` is expected to decode still: at most what it may (``UNSPECIFIED_OUTPUT_TOKENS``
+        stands in for no max_tokens), at most what finished sequences decoded (goodput.py)."""
         left = seq.max_total_tokens - seq.num_tokens
         if seq.params.max_tokens is None:
             left = min(left, UNSPECIFIED_OUTPUT_TOKENS - seq.num_output_tokens)
-        return max(0, left)
+        return self.output_lengths.left(seq.num_output_tokens, max(0, left))
 
     def oldest_wait_s(self) -> float:
         """How long the oldest waiting (not yet admitted) request has queued; 0 when none."""
@@ -358,6 +375,8 @@ class Scheduler:
         self.waiting.remove(seq)
         self._start(seq)
         self.starts.on_start()
+        if seq.started_time is None:
+            seq.started_time = self.clock()
         return num_new
 
     # ------------------------------------------------------------------- the legacy policy
@@ -473,6 +492,9 @@ class Scheduler:
         seq.last_token_time = self.clock()
         p = seq.params
         num_out = seq.num_output_tokens
+        if num_out == 1 and seq.started_time is not None:  # its first token: how long its prompt took
+            computed = seq.num_prompt_tokens - (seq.num_cached_tokens or 0)
+            self.first_tokens.observe(seq.last_token_time - seq.started_time, computed)
         if num_out > p.min_tokens:  # the sampler masks EOS/stop ids until min_tokens are out
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
