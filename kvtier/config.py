@@ -180,6 +180,7 @@ class SchedulerConfig:
     scheduling_policy: SchedulingPolicy = "stall_free"
     max_step_ms: float = 100.0  # the least target step time; 0: the fixed max_num_batched_tokens budget
     step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
+    step_time_max_factor: float = 0.0  # the most it grows to; 0: MAX_FACTOR_GROWTH x step_time_factor
     max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
     # --- goodput under overload (kvtier/scheduler/goodput.py) ---
@@ -278,6 +279,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             scheduling_policy=args.scheduling_policy,
             max_step_ms=args.max_step_ms,
             step_time_factor=args.step_time_factor,
+            step_time_max_factor=args.step_time_max_factor,
             max_num_partial_prefills=args.max_num_partial_prefills,
             kv_admission_factor=args.kv_admission_factor,
             max_itl_ms=args.max_itl_ms,
@@ -432,6 +434,13 @@ class EngineArgs:
             "steps (widened while the oldest waiting request queues); 2.5 keeps ITL p99/p50 under 3"
         },
     )
+    step_time_max_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "stall_free: the most --step-time-factor widens to while requests queue (0: 8x it; "
+            "equal to it: never wider, streams first however long prompts wait)"
+        },
+    )
     max_num_partial_prefills: int = field(
         default=1,
         metadata={
@@ -556,6 +565,11 @@ class EngineArgs:
             raise ConfigError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
         if self.step_time_factor != 0 and self.step_time_factor < 1:
             raise ConfigError(f"step_time_factor must be 0 or >= 1, got {self.step_time_factor}")
+        if self.step_time_max_factor != 0 and self.step_time_max_factor < self.step_time_factor:
+            raise ConfigError(
+                f"step_time_max_factor must be 0 or >= step_time_factor ({self.step_time_factor}), "
+                f"got {self.step_time_max_factor}"
+            )
         if self.max_num_partial_prefills < 0:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
         if not 0.0 <= self.kv_retain_max_fraction <= 1.0:

@@ -13,7 +13,7 @@ import pytest
 from kvtier.args import add_engine_args, engine_args_from, engine_kwargs
 from kvtier.cli import build_parser
 from kvtier.config import ConfigError, EngineArgs
-from kvtier.server.serve import SERVE_ENGINE_DEFAULTS
+from kvtier.server.serve import ROLE_SCHEDULING, SERVE_ENGINE_DEFAULTS, serve_engine_args
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtier"
 
@@ -27,7 +27,9 @@ def test_every_field_has_help() -> None:
 def test_every_engine_argument_is_a_flag(command: list[str]) -> None:
     ns = build_parser().parse_args(command)
     serve = SERVE_ENGINE_DEFAULTS if command == ["serve"] else {}  # a server's own (documented) defaults
-    assert engine_args_from(ns) == EngineArgs(**serve)  # type: ignore[arg-type]  # every field present
+    read = serve_engine_args if command == ["serve"] else engine_args_from
+    serve = {**serve, **ROLE_SCHEDULING["both"]} if serve else {}  # --role both's
+    assert read(ns) == EngineArgs(**serve)  # type: ignore[arg-type]  # every field present
     flags = [
         "--model", "m", "--dtype", "float32", "--block-size", "8", "--kv-device-blocks", "40",
         "--kv-device-gb", "0.5", "--max-num-seqs", "3", "--max-num-batched-tokens", "100",
@@ -35,7 +37,7 @@ def test_every_engine_argument_is_a_flag(command: list[str]) -> None:
         "--kv-disk-dir", "/tmp/d", "--kv-disk-gb", "2", "--kv-store-policy", "write_through",
         "--preemption-mode", "swap", "--seed", "7", "--num-threads", "2",
     ]  # fmt: skip
-    args = engine_args_from(build_parser().parse_args([*command, *flags]))
+    args = read(build_parser().parse_args([*command, *flags]))
     assert args == EngineArgs(
         model="m",
         dtype="float32",
@@ -55,6 +57,20 @@ def test_every_engine_argument_is_a_flag(command: list[str]) -> None:
         num_threads=2,
         **serve,  # type: ignore[arg-type]
     )
+
+
+def test_a_decode_replica_schedules_for_smooth_streams_unless_told_otherwise() -> None:
+    def policy(*flags: str) -> tuple[str, float, float]:
+        a = serve_engine_args(build_parser().parse_args(["serve", *flags]))
+        return a.scheduling_policy, a.step_time_factor, a.step_time_max_factor
+
+    assert policy() == ("legacy", 2.5, 0.0) == policy("--role", "prefill")
+    assert policy("--role", "decode") == ("stall_free", 1.5, 1.5)  # short steps, never widened
+    assert policy("--role", "decode", "--scheduling-policy", "legacy") == ("legacy", 1.5, 1.5)
+    assert policy("--role", "decode", "--step-time-max-factor", "0") == ("stall_free", 1.5, 0.0)
+    assert policy("--scheduling-policy", "stall_free", "--step-time-factor", "3") == ("stall_free", 3.0, 0.0)
+    with pytest.raises(ConfigError, match="step_time_max_factor must be 0 or >= step_time_factor"):
+        policy("--step-time-factor", "3", "--step-time-max-factor", "2")
 
 
 def test_a_subset_with_its_own_defaults_and_notes() -> None:

@@ -206,6 +206,8 @@ def test_story_a_long_prompt_is_prefilled_published_then_answered_by_a_decode_re
     assert metric(r, "handoff_bytes_total") == 1000 * len(published["block_hashes"])
     assert metric(r, "handoff_seconds_count") == 1
     assert metric(r, "handoff_overhead_seconds_count") == 1  # prefill answered -> the decode answer
+    assert metric(r, "handoff_publish_seconds_count") == 1  # the part of it waiting for the publish
+    assert metric(r, "handoff_publish_seconds_sum") <= metric(r, "handoff_overhead_seconds_sum")
 
 
 def test_a_streamed_answer_comes_back_intact(cluster: Callable[..., Any]) -> None:

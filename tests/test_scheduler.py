@@ -213,6 +213,19 @@ def test_story_a_backed_up_queue_widens_the_step_within_a_bound() -> None:
         assert w.step_seconds[-1] <= 20 * DECODE_STEP_S + 1e-9
 
 
+def test_story_a_decode_replica_never_widens_its_steps() -> None:
+    # kvtier serve --role decode: steps of at most 1.5 decode-only steps, however long prompts queue
+    # (its streams' smoothness is what the replica is for; the prompts wait, or are refused early).
+    w = world(max_step_ms=0.001, step_time_factor=1.5, step_time_max_factor=1.5)
+    _decoding(w, 8)
+    backlog = [w.request(f"q{i}", 250, 4) for i in range(6)]
+    w.clock[0] += 100.0
+    assert w.scheduler.budget.factor(w.scheduler.oldest_wait_s()) == 1.5
+    while any(s.num_output_tokens == 0 for s in backlog):
+        w.step()
+        assert w.step_seconds[-1] <= 1.5 * DECODE_STEP_S + 1e-9
+
+
 def test_cost_model_learns_the_marginal_prefill_rate() -> None:
     # A CPU where every step costs 100 ms of fixed work plus 2 ms per decode and 1 ms per prompt
     # token: beside decodes, a prompt token costs 1 ms (1,000 tokens/s), not its share of the fixed.

@@ -7,8 +7,9 @@
 
     target    = max(max_step_ms, factor * decode_step_s)
     factor    = step_time_factor, grown by AGE_GROWTH per decode step the oldest waiting request
-                has queued beyond AGE_GRACE_STEPS target steps, at most MAX_FACTOR_GROWTH times
-                (so a queue that keeps backing up turns the steps into the fixed token budget's)
+                has queued beyond AGE_GRACE_STEPS target steps, at most step_time_max_factor (0:
+                MAX_FACTOR_GROWTH times step_time_factor; so a queue that keeps backing up turns the
+                steps into the fixed token budget's)
     prefill budget = (target - decode_step_s) * prefill_tokens_per_s
                      capped by max_num_batched_tokens - num_decodes
 
@@ -46,7 +47,8 @@ class StepBudget:
         base = self.config.step_time_factor
         step_s = max(self.cost_model.decode_step_s, 1e-6)
         beyond = oldest_wait_s / step_s - AGE_GRACE_STEPS * base
-        return min(base + AGE_GROWTH * max(0.0, beyond), MAX_FACTOR_GROWTH * base)
+        most = self.config.step_time_max_factor or MAX_FACTOR_GROWTH * base
+        return min(base + AGE_GROWTH * max(0.0, beyond), most)
 
     def target_s(self, oldest_wait_s: float = 0.0) -> float:
         """The step time prefill may fill up to, beside the decodes."""

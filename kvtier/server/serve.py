@@ -32,7 +32,16 @@ if TYPE_CHECKING:
 
 # Engine defaults of a server that differ from the engine's own (an offline batch wants the biggest
 # batch; a server keeps finishing requests past its capacity: kvtier/scheduler/goodput.py).
-SERVE_ENGINE_DEFAULTS = {"itl_factor": 6.0, "max_queue_wait_s": 10.0}
+SCHEDULING_FLAGS = ("scheduling_policy", "step_time_factor", "step_time_max_factor")
+SERVE_ENGINE_DEFAULTS = {"itl_factor": 6.0, "max_queue_wait_s": 10.0, **dict.fromkeys(SCHEDULING_FLAGS)}
+# A decode replica exists to keep streams smooth: its prompts are handed-off tails and short chats,
+# and under legacy's fixed token budget a few of those in one step stretched every stream's gap 3-4x
+# (kvtier bench disagg); stall_free with steps of at most 1.5 decode-only steps, never widened.
+ROLE_SCHEDULING: dict[str, dict[str, Any]] = {
+    "both": {"scheduling_policy": "legacy", "step_time_factor": 2.5, "step_time_max_factor": 0.0},
+    "prefill": {"scheduling_policy": "legacy", "step_time_factor": 2.5, "step_time_max_factor": 0.0},
+    "decode": {"scheduling_policy": "stall_free", "step_time_factor": 1.5, "step_time_max_factor": 1.5},
+}
 
 # A replica's part in disaggregated serving (docs/disaggregation.md): ``both`` computes prompts and
 # streams answers (the default); ``prefill`` computes prompts for a router and publishes their blocks to
@@ -51,7 +60,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default="both",
         help="the replica's part behind 'kvtier router': both (default: prompts and answers), prefill "
         "(computes prompts, publishes their KV blocks to --kv-remote-url write-through) or decode (loads "
-        "prompts' blocks from --kv-remote-url, streams answers); shown in /v1/kv/info and /metrics",
+        "prompts' blocks from --kv-remote-url, streams answers; unless given: --scheduling-policy "
+        "stall_free --step-time-factor 1.5 --step-time-max-factor 1.5); shown in /v1/kv/info and /metrics",
     )
     g.add_argument(
         "--max-queue",
@@ -310,8 +320,16 @@ def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSetting
     )
 
 
+def serve_engine_args(ns: argparse.Namespace) -> EngineArgs:
+    """``kvtier serve``'s engine flags: a scheduling flag not given is its ``--role``'s (ROLE_SCHEDULING)."""
+    for flag in SCHEDULING_FLAGS:
+        if getattr(ns, flag) is None:
+            setattr(ns, flag, ROLE_SCHEDULING[ns.role][flag])
+    return engine_args_from(ns)
+
+
 def main(ns: argparse.Namespace) -> int:
-    args = engine_args_from(ns)
+    args = serve_engine_args(ns)
     _check_flags(ns)
     check_role(ns.role, args)
     name = ns.served_model_name or default_model_name(args.model)  # an unknown model path fails here
@@ -376,5 +394,6 @@ __all__ = [
     "engine_factory",
     "main",
     "serve_in_thread",
+    "serve_engine_args",
     "set_role",
 ]
