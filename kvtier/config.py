@@ -476,8 +476,9 @@ class EngineArgs:
         metadata={
             "help": "the server answers 503 (Retry-After) at once when a new request would queue and "
             "its predicted first token (the wait to start, from the running answers' expected ends and "
-            "the measured start rate, plus its prompt's measured time) is later than this; a request "
-            "that would start at once is never refused (0: off; default 10 for kvtier serve)"
+            "the measured start rate, plus its prompt's measured time up to half this) is later than "
+            "this; a request that would start at once is never refused (0: off; default 10 for kvtier "
+            "serve)"
         },
     )
     seed: int = field(default=0, metadata={"help": "engine seed (unseeded requests draw from it)"})

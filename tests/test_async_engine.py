@@ -30,6 +30,7 @@ class FakeEngine:
         self.grammars = None  # no structured output
         self.has_idle_work = False  # no canary checks waiting (kvtier/insight)
         self.has_tier_work = False  # no KV tier copies or writes pending
+        self.tiers = None  # no KV tiers (so no shared tier for /v1/kv/publish)
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)

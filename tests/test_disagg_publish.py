@@ -15,6 +15,7 @@ Two in-process replicas share one Redis: a ``prefill`` one computes a prompt (``
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -127,6 +128,26 @@ def test_story_an_idle_prefill_replica_writes_its_last_blocks_and_publish_confir
     # Act 4: publishing again is immediate: nothing left to write.
     again = publish(prefill, hashes, timeout_s=0)
     assert (again["published"], again["storing"], again["missing"]) == (10, 0, 0)
+
+
+def test_publish_asks_redis_without_waiting_for_the_step_in_progress(pair: dict[str, Any]) -> None:
+    # A prefill replica computing the next long prompt is inside a step for seconds. The blocks of the
+    # last one are in Redis already: its first publish answers from Redis, not after that step.
+    prefill = pair["server"]["prefill"]
+    hashes = block_hashes(prefill, PROMPT)
+    complete(prefill, PROMPT, max_tokens=1)
+    deadline = time.monotonic() + 5
+    while in_redis(pair["redis"], hashes) < len(hashes):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    engine = prefill.app.state.engine
+    busy = threading.Thread(target=engine.call_sync, args=(lambda e: time.sleep(3.0),))
+    busy.start()  # the engine thread is held for 3 s, as by a long step
+    time.sleep(0.2)
+    start = time.monotonic()
+    answer = publish(prefill, hashes)
+    assert answer["published"] == 10 and time.monotonic() - start < 1.5
+    busy.join()
 
 
 def test_unknown_blocks_are_missing_at_once_and_bad_bodies_are_400(pair: dict[str, Any]) -> None:

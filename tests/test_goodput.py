@@ -113,14 +113,14 @@ def test_expected_output_and_prompt_times_come_from_what_finished() -> None:
 
 def test_a_queued_request_is_refused_by_when_its_first_token_would_come() -> None:
     # One slot, taken by an answer expected to run 1.2 s more (answers have been 12 tokens, a step is
-    # 0.1 s), and a 256-token prompt has been taking 0.8 s from its start to its first token. With a
+    # 0.1 s), and a 256-token prompt has been taking 0.6 s from its start to its first token. With a
     # 1.5 s limit, a request that would wait 1.2 s to start and then compute 256 tokens (first token
-    # at 2.0 s) is refused; one whose prompt is mostly cached (first token at 1.3 s) is not. With the
+    # at 1.8 s) is refused; one whose prompt is mostly cached (first token at 1.3 s) is not. With the
     # slot free, even a long prompt starts.
     m = machine(goodput=True, max_queue_wait_s=1.5)
     s = m.scheduler
     s.running_cap._cap = 1
-    s.first_tokens.observe(seconds=0.8, tokens=256)
+    s.first_tokens.observe(seconds=0.6, tokens=256)
     s.output_lengths.observe(12)
     s.step_times.recent = 0.1
     m.arrive("r0")
@@ -128,10 +128,15 @@ def test_a_queued_request_is_refused_by_when_its_first_token_would_come() -> Non
     assert abs(s.predicted_wait_s(1) - 1.2) < 1e-9
     m.arrive("r1")
     assert m.refused == 1
-    with pytest.raises(QueueWaitExceeded, match=r"2.0 s for its first token \(1.2 s to start"):
+    with pytest.raises(QueueWaitExceeded, match=r"1.8 s for its first token \(1.2 s to start"):
         m.admission.check(list(range(256)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
     cached = s.running[0].token_ids[:240] + list(range(16))  # 15 of its 16 blocks cached
     m.admission.check(cached, ("m", ""), SamplingParams(max_tokens=OUTPUT))
+    # A long prompt's own time counts up to half the limit: 4,000 tokens (9.4 s at this pace) queue
+    # behind 1.2 s with a 10 s limit (1.2 + 5 s); counted whole (10.6 s), it could never queue.
+    m.admission.max_queue_wait_s = 10.0
+    m.admission.check(list(range(4000)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
+    m.admission.max_queue_wait_s = 1.5
     s.running_cap._cap = 2
     m.admission.check(list(range(4000)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
     # a start rate that says the queue moves slower than the answers' expected ends wins

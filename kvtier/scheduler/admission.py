@@ -158,7 +158,10 @@ class Admission:
         if start > self.max_queue_wait_s:
             raise QueueWaitExceeded(start, self.max_queue_wait_s)
         cached = scheduler.num_cached_device_blocks(token_ids, extra_keys) * scheduler.kv.block_size
-        first_token = start + scheduler.predicted_prompt_s(len(token_ids) - cached)
+        # its own prompt counts up to half the limit: a prompt longer than that would be refused
+        # whenever anything is ahead of it, and never served on a busy server
+        own = min(scheduler.predicted_prompt_s(len(token_ids) - cached), self.max_queue_wait_s / 2)
+        first_token = start + own
         if first_token > self.max_queue_wait_s:
             raise QueueWaitExceeded(first_token, self.max_queue_wait_s, start)
 

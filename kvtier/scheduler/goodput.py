@@ -38,7 +38,9 @@ latency target, the rest waits in order, and a request that would wait too long 
                               per prompt token it computed (the ratio of two EMAs over the last
                               ~1/SMOOTHING first tokens), times the new prompt's uncached tokens; at
                               least the recent step (a cached prompt still waits for one)
-    predicted first token     the predicted wait + its prompt's own time
+    predicted first token     the predicted wait + its prompt's own time, counted up to half the
+                              limit (a longer prompt would be refused whenever anything is ahead
+                              of it: on a busy server, never served)
 
 The server (``kvtier.server.async_engine``) refuses a request that would queue (predicted wait > 0)
 and whose predicted first token is later than ``--max-queue-wait-s`` with a 503 and ``Retry-After``:

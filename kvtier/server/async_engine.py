@@ -40,7 +40,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -53,6 +53,7 @@ from kvtier.stats import EngineStats
 from kvtier.worker.structured import COMPILE_TIMEOUT_S, Grammars
 
 if TYPE_CHECKING:
+    from kvtier.kv.hashing import BlockHash
     from kvtier.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvtier.server")
@@ -168,6 +169,8 @@ class AsyncEngine:
         self.max_model_len: int | None = None
         self.block_size: int | None = None  # tokens per KV block, once the model has loaded
         self.grammars: Grammars | None = None
+        # the write-through shared tier's own key count, callable from any thread (/v1/kv/publish)
+        self.shared_presence: Callable[[Sequence[BlockHash]], int | None] | None = None
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
@@ -372,6 +375,7 @@ class AsyncEngine:
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self.block_size = engine.block_size
         self.grammars = engine.grammars  # thread-safe compiles (kvtier/worker/structured.py)
+        self.shared_presence = engine.tiers.shared_presence() if engine.tiers is not None else None
         self._engine = engine  # ready from here on
         self._loaded.set()
         if self._on_ready is not None:

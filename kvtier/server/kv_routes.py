@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -187,10 +187,6 @@ def _publish_request(body: Any) -> tuple[list[BlockHash], float]:
     return keys, float(wait)
 
 
-def _presence(e: LLMEngine) -> Callable[[Sequence[BlockHash]], int | None] | None:
-    return e.tiers.shared_presence() if e.tiers is not None else None
-
-
 async def _publish_wait(
     engine: AsyncEngine, presence: Callable[..., int | None] | None, keys: list[BlockHash], wait: float
 ) -> SharedProgress | None:
@@ -234,10 +230,9 @@ def _publish_route(router: APIRouter) -> None:
         keys, wait = _publish_request(parse_json(await request.body()))
         engine: AsyncEngine = request.app.state.engine
         start = time.monotonic()
-        state = request.app.state
-        if not hasattr(state, "kv_presence"):  # the shared tier's own counter, fetched once
-            state.kv_presence = await engine.call(_presence)
-        progress = await _publish_wait(engine, state.kv_presence, keys, wait)
+        # taken when the model loaded: fetching it through the engine here waited for the step in
+        # progress, seconds on a prefill replica computing the next long prompt (the first handoff)
+        progress = await _publish_wait(engine, engine.shared_presence, keys, wait)
         progress = progress or SharedProgress(0, 0, len(set(keys)), active=False)
         return {
             "object": "kv.publish",

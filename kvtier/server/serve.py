@@ -170,8 +170,11 @@ def default_model_name(model: str | None) -> str:
 def engine_factory(args: EngineArgs, progress: bool = False) -> Callable[[], LLMEngine]:
     def build() -> LLMEngine:
         from kvtier.engine import LLMEngine
+        from kvtier.models.prefault import prefault_in_background
 
-        return LLMEngine(args, progress=progress)
+        engine = LLMEngine(args, progress=progress)
+        prefault_in_background(engine.runner.cache.raw)  # no page faults inside the first steps
+        return engine
 
     return build
 
