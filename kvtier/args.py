@@ -80,7 +80,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """The ``EngineArgs`` of the engine flags in ``ns`` (defaults for the others), validated: a bad flag
     value fails before anything slow starts."""
     fields = dataclasses.fields(EngineArgs)
-    args = EngineArgs(**{f.name: getattr(ns, f.name) for f in fields if hasattr(ns, f.name)})
+    # None: not given and no default of the command's own (kvtier serve's role-dependent scheduling
+    # flags, resolved by kvtier.server.serve.serve_engine_args first): the field's default
+    given = {f.name: getattr(ns, f.name, None) for f in fields}
+    args = EngineArgs(**{name: value for name, value in given.items() if value is not None})
     args.validate()
     return args
 
