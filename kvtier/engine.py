@@ -274,10 +274,6 @@ class LLMEngine:
 
     def _execute(self, out: SchedulerOutput) -> StepLogits:
         """One forward pass; afterwards the step's K/V exist and the scheduler advances."""
-        now = time.monotonic()
-        for s in out.scheduled:
-            if s.seq.first_scheduled_time is None:
-                s.seq.first_scheduled_time = now
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
         result = self.runner.execute(out)
         for seq, entries in result.prompt_logprobs:

@@ -76,8 +76,7 @@ class Sequence:
     # params.prompt_logprobs: entry j is prompt token j's (None for token 0), filled as prefill runs
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
-    started_time: float | None = None  # the scheduler's clock when it first left the waiting queue
+    first_scheduled_time: float | None = None  # the scheduler's clock when it first left the waiting queue
     first_token_time: float | None = None
     last_token_time: float | None = None
     # Scheduling: lower priority runs first (vLLM's meaning); tenant: the fair-share key.

@@ -375,8 +375,8 @@ class Scheduler:
         self.waiting.remove(seq)
         self._start(seq)
         self.starts.on_start()
-        if seq.started_time is None:
-            seq.started_time = self.clock()
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
         return num_new
 
     # ------------------------------------------------------------------- the legacy policy
@@ -492,9 +492,10 @@ class Scheduler:
         seq.last_token_time = self.clock()
         p = seq.params
         num_out = seq.num_output_tokens
-        if num_out == 1 and seq.started_time is not None:  # its first token: how long its prompt took
+        # its first token: how long its prompt took (once a prompt: the sequence that computed it)
+        if num_out == 1 and seq.index == 0 and seq.first_scheduled_time is not None:
             computed = seq.num_prompt_tokens - (seq.num_cached_tokens or 0)
-            self.first_tokens.observe(seq.last_token_time - seq.started_time, computed)
+            self.first_tokens.observe(seq.last_token_time - seq.first_scheduled_time, computed)
         if num_out > p.min_tokens:  # the sampler masks EOS/stop ids until min_tokens are out
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
