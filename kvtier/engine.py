@@ -486,7 +486,7 @@ class LLMEngine:
             mrc_hit_ratio=self.inspector.mrc_gauges(),
             kv_dtype=self.config.cache.kv_dtype,
             kv_block_bytes=self.config.cache.block_bytes,
-            running_cap=scheduler.running_cap.cap(),
+            running_cap=scheduler.goodput.running_cap.cap(),
             num_seqs_waiting=scheduler.waiting_weight(),
             kv_demand_blocks=scheduler.kv_demand_blocks() if admission.enabled else 0,
             kv_admission_limit_blocks=admission.limit_blocks if admission.enabled else 0,

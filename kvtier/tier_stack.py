@@ -42,7 +42,8 @@ def build_tiers(
         worker = BlockIOWorker(disk.block_io(config.secret), name="kvtier-disk-io")
         external.append(ExternalLevel(disk, worker, config.store_policy))
     if config.remote_url is not None:
-        from kvtier.tiers.remote import RedisBlockIO, RemoteStore, RemoteTier
+        from kvtier.tiers.remote import RedisBlockIO, RemoteTier
+        from kvtier.tiers.remote_store import RemoteStore
 
         store = RemoteStore(config.remote_url, ttl_s=config.remote_ttl_s)
         remote = RemoteTier(store, identity)

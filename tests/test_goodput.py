@@ -119,10 +119,10 @@ def test_a_queued_request_is_refused_by_when_its_first_token_would_come() -> Non
     # slot free, even a long prompt starts.
     m = machine(goodput=True, max_queue_wait_s=1.5)
     s = m.scheduler
-    s.running_cap._cap = 1
-    s.first_tokens.observe(seconds=0.6, tokens=256)
-    s.output_lengths.observe(12)
-    s.step_times.recent = 0.1
+    s.goodput.running_cap._cap = 1
+    s.goodput.first_tokens.observe(seconds=0.6, tokens=256)
+    s.goodput.output_lengths.observe(12)
+    s.goodput.step_times.recent = 0.1
     m.arrive("r0")
     s.advance(s.schedule())  # its prompt computed (its blocks cached), its first token not sampled yet
     assert abs(s.predicted_wait_s(1) - 1.2) < 1e-9
@@ -137,15 +137,15 @@ def test_a_queued_request_is_refused_by_when_its_first_token_would_come() -> Non
     m.admission.max_queue_wait_s = 10.0
     m.admission.check(list(range(4000)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
     m.admission.max_queue_wait_s = 1.5
-    s.running_cap._cap = 2
+    s.goodput.running_cap._cap = 2
     m.admission.check(list(range(4000)), ("m", ""), SamplingParams(max_tokens=OUTPUT))
     # a start rate that says the queue moves slower than the answers' expected ends wins
-    s.running_cap._cap = 1
+    s.goodput.running_cap._cap = 1
     for t in range(1, 11):  # ten seconds of backlog: r0's start and one more
         if t == 5:
-            s.starts.on_start()
-        s.starts.tick(float(t), backlogged=True)
-    assert s.starts.rate() == 0.2 and s.predicted_wait_s(1) == 5.0
+            s.goodput.starts.on_start()
+        s.goodput.starts.tick(float(t), backlogged=True)
+    assert s.goodput.starts.rate() == 0.2 and s.predicted_wait_s(1) == 5.0
 
 
 @dataclass
@@ -247,4 +247,4 @@ def test_story_twice_the_capacity_keeps_finishing_requests() -> None:
     assert len(shared.finished) < 0.5 * len(capped.finished)
     assert capped.refused > 0
     assert capped.ttft_p90() <= 3 * at_capacity.ttft_p90()
-    assert capped.scheduler.running_cap.cap() < 64
+    assert capped.scheduler.goodput.running_cap.cap() < 64

@@ -101,7 +101,7 @@ def test_redis_killed_mid_run_every_request_completes_exactly_and_hits_resume_af
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvtier.tiers.remote")
-    monkeypatch.setattr("kvtier.tiers.remote.INSTANCE_CHECK_S", 0.0)
+    monkeypatch.setattr("kvtier.tiers.remote_store.INSTANCE_CHECK_S", 0.0)
     warm, cold = prompts_for("warm"), prompts_for("cold")
     expected = reference(warm + cold)
     writer = _engine(redis_server.url)
@@ -160,7 +160,7 @@ def test_story_a_restarted_redis_gets_the_host_tiers_blocks_again(
     again, and another engine is served from them as before."""
     import redis
 
-    monkeypatch.setattr("kvtier.tiers.remote.INSTANCE_CHECK_S", 0.0)
+    monkeypatch.setattr("kvtier.tiers.remote_store.INSTANCE_CHECK_S", 0.0)
     warm = prompts_for("republish")
     writer = _engine(redis_server.url)
     expected = _generate_all(writer, warm)

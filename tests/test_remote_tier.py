@@ -24,7 +24,8 @@ from kvtier.stats import EngineStats, Medium
 from kvtier.tiers.base import BlockKey, TierIdentity
 from kvtier.tiers.block_format import HEADER_NBYTES, encode_block_value
 from kvtier.tiers.breaker import BreakerState
-from kvtier.tiers.remote import KEY_PREFIX, RedisBlockIO, RemoteStore, RemoteTier, redacted, redis_key
+from kvtier.tiers.remote import RedisBlockIO, RemoteTier
+from kvtier.tiers.remote_store import KEY_PREFIX, RemoteStore, redacted, redis_key
 from kvtier.transfer.io_worker import BlockIOWorker, IOResult
 from kvtier.transfer.mover import byte_view
 from tests.redis_server import RedisServer, free_port
@@ -379,7 +380,7 @@ def test_a_store_restarted_between_two_commands_is_noticed_and_its_blocks_forgot
     """Redis restarts (empty) while this tier sends it nothing: no command failed, so no breaker opened,
     yet the blocks it knew are gone. Its next lookup (or the snapshot a router reads) sees the new
     ``run_id`` and forgets them, instead of promising blocks that a load would not find."""
-    monkeypatch.setattr("kvtier.tiers.remote.INSTANCE_CHECK_S", 0.0)
+    monkeypatch.setattr("kvtier.tiers.remote_store.INSTANCE_CHECK_S", 0.0)
     replica.put("AB")
     assert replica.tier.lookup([K("A"), K("B")]) == 2
     assert replica.tier.held_keys() == [K("A"), K("B")]

@@ -181,7 +181,8 @@ def test_a_retained_blocks_redis_value_lives_at_least_as_long_as_its_retention(r
     the hour, written or refreshed."""
     import redis
 
-    from kvtier.tiers.remote import RedisBlockIO, redis_key
+    from kvtier.tiers.remote import RedisBlockIO
+    from kvtier.tiers.remote_store import redis_key
     from tests.test_remote_tier import K, Replica
 
     retention = Retention(max_blocks=10)
@@ -201,7 +202,8 @@ def test_a_redis_hit_never_shortens_a_retained_values_expiry(redis_server) -> No
     back intact. Once the retention is over, a hit refreshes it to the minute like any other."""
     import redis
 
-    from kvtier.tiers.remote import RedisBlockIO, redis_key
+    from kvtier.tiers.remote import RedisBlockIO
+    from kvtier.tiers.remote_store import redis_key
     from tests.test_remote_tier import K, Replica
 
     clock = Clock()

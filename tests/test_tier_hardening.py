@@ -35,7 +35,8 @@ from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskBlockIO, DiskTier
 from kvtier.tiers.disk_dir import LEDGER_NAME
 from kvtier.tiers.host import HostTier
-from kvtier.tiers.remote import RedisBlockIO, RemoteStore, RemoteTier, redis_key
+from kvtier.tiers.remote import RedisBlockIO, RemoteTier
+from kvtier.tiers.remote_store import RemoteStore, redis_key
 from kvtier.transfer.io_worker import BlockIOWorker
 from kvtier.transfer.mover import byte_view
 from tests.redis_server import RedisServer

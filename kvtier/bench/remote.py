@@ -226,7 +226,8 @@ def load_bandwidth(
 
     from kvtier.tiers.base import BlockKey, TierIdentity
     from kvtier.tiers.block_format import HEADER_NBYTES
-    from kvtier.tiers.remote import RedisBlockIO, RemoteStore, redis_key
+    from kvtier.tiers.remote import RedisBlockIO
+    from kvtier.tiers.remote_store import RemoteStore, redis_key
 
     identity = TierIdentity("bench:bandwidth", "float32", block_shape, 4)
     store = RemoteStore(url, ttl_s=600)

@@ -160,7 +160,7 @@ class Admission:
         cached = scheduler.num_cached_device_blocks(token_ids, extra_keys) * scheduler.kv.block_size
         # its own prompt counts up to half the limit: a prompt longer than that would be refused
         # whenever anything is ahead of it, and never served on a busy server
-        own = min(scheduler.predicted_prompt_s(len(token_ids) - cached), self.max_queue_wait_s / 2)
+        own = min(scheduler.goodput.predicted_prompt_s(len(token_ids) - cached), self.max_queue_wait_s / 2)
         first_token = start + own
         if first_token > self.max_queue_wait_s:
             raise QueueWaitExceeded(first_token, self.max_queue_wait_s, start)

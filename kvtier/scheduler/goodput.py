@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config import SchedulerConfig
@@ -70,7 +71,7 @@ SMOOTHING = 0.1  # ``recent`` is about the last 10 steps: a prompt chunk's long 
 @dataclass
 class StepTimes:
     """Wall seconds between consecutive steps: ``recent`` (an EMA over every batch) and the best per
-    batch size. Fed by ``Scheduler.schedule``."""
+    batch size. Fed by ``Goodput.on_schedule``."""
 
     recent: float | None = None
     best: dict[int, float] = field(default_factory=dict)
@@ -240,3 +241,53 @@ def simulated_wait_s(
         start = heapq.heappop(free_at)
         heapq.heappush(free_at, start + prompt / prefill_tokens_per_s + output * step_s)
     return heapq.nsmallest(min(num_new, cap), free_at)[-1]
+
+
+class Goodput:
+    """The scheduler's meters together, and the predictions admission asks of them: the scheduler
+    calls ``on_schedule`` once a step and feeds ``first_tokens``, ``output_lengths`` and ``starts``."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.step_times = StepTimes()
+        self.running_cap = RunningCap(config, self.step_times)
+        self.starts = StartMeter()
+        self.first_tokens = FirstTokenTimes()
+        self.output_lengths = OutputLengths()
+        self._last_step: tuple[float, int] | None = None  # (when the last step began, its batch size)
+
+    def on_schedule(self, now: float, num_running: int, backlogged: bool) -> None:
+        """A step is about to be built at ``now``: time the last one if its batch went on."""
+        self.starts.tick(now, backlogged)
+        if self._last_step is not None and num_running:
+            self.step_times.observe(self._last_step[1], now - self._last_step[0])
+            self.running_cap.update(num_running)
+
+    def on_scheduled(self, now: float, batch: int) -> None:
+        """The step begun at ``now`` holds ``batch`` sequences (0: an empty step, not timed)."""
+        self._last_step = (now, batch) if batch else None
+
+    def predicted_wait_s(
+        self,
+        running_left: Sequence[int],
+        waiting: Sequence[tuple[int, int]],
+        num_new: int,
+        fallback_step_s: float,
+        prefill_tokens_per_s: float,
+    ) -> float:
+        """How long ``num_new`` new sequences would wait to start (``running_left``: each running
+        sequence's expected tokens to decode; ``waiting``: each waiting one's (prompt tokens left,
+        expected output)); 0 when they would join the running batch at once."""
+        cap = self.running_cap.cap()
+        if not waiting and len(running_left) + num_new <= cap:
+            return 0.0
+        step_s = self.step_times.recent or fallback_step_s
+        wait = simulated_wait_s(list(running_left), list(waiting), cap, step_s, prefill_tokens_per_s, num_new)
+        rate = self.starts.rate()
+        if rate is not None:  # starts needed: the queue ahead, its own, and what runs above the cap
+            wait = max(wait, (len(waiting) + num_new + max(0, len(running_left) - cap)) / rate)
+        return wait
+
+    def predicted_prompt_s(self, uncached_tokens: int) -> float:
+        """How long a prompt computing ``uncached_tokens`` would take from its start to its first
+        token, at the recent pace; 0 before any first token was measured."""
+        return self.first_tokens.predict(uncached_tokens, self.step_times.recent or 0.0)

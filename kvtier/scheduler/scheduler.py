@@ -53,14 +53,7 @@ from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
-from kvtier.scheduler.goodput import (
-    FirstTokenTimes,
-    OutputLengths,
-    RunningCap,
-    StartMeter,
-    StepTimes,
-    simulated_wait_s,
-)
+from kvtier.scheduler.goodput import Goodput
 from kvtier.scheduler.preemption import CostModel
 from kvtier.sequence import Sequence, SequenceStatus
 
@@ -124,12 +117,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.cost_model = cost_model if cost_model is not None else CostModel(block_bytes=1)
         self.budget = StepBudget(config, self.cost_model)
-        self.step_times = StepTimes()
-        self.running_cap = RunningCap(config, self.step_times)
-        self.starts = StartMeter()
-        self.first_tokens = FirstTokenTimes()
-        self.output_lengths = OutputLengths()
-        self._last_step: tuple[float, int] | None = None  # (when the last step began, its batch size)
+        self.goodput = Goodput(config)
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -159,7 +147,7 @@ class Scheduler:
         seq.status = status
         seq.stop_reason = stop_reason
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
-            self.output_lengths.observe(seq.num_output_tokens)
+            self.goodput.output_lengths.observe(seq.num_output_tokens)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` sharing every block of ``parent`` (n > 1 sampling after the prompt)."""
@@ -218,12 +206,9 @@ class Scheduler:
     # ----------------------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
-        self.starts.tick(now, bool(self.waiting))
-        if self._last_step is not None and self.running:  # the last step's batch goes on: time it
-            self.step_times.observe(self._last_step[1], now - self._last_step[0])
-            self.running_cap.update(len(self.running))
+        self.goodput.on_schedule(now, len(self.running), backlogged=bool(self.waiting))
         out = self._schedule()
-        self._last_step = (now, len(out.scheduled)) if not out.is_empty else None
+        self.goodput.on_scheduled(now, len(out.scheduled))
         return out
 
     def _schedule(self) -> SchedulerOutput:
@@ -243,22 +228,13 @@ class Scheduler:
     def predicted_wait_s(self, num_new: int) -> float:
         """How long ``num_new`` new sequences would wait to start (goodput.py): 0 when they would
         join the running batch at once."""
-        if not self.waiting and len(self.running) + num_new <= self.running_cap.cap():
-            return 0.0
-        cap = self.running_cap.cap()
-        step_s = self.step_times.recent or self.cost_model.decode_step_s
-        running = [self._output_left(s) for s in self.running]
-        waiting = [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting]
-        wait = simulated_wait_s(running, waiting, cap, step_s, self.cost_model.prefill_tokens_per_s, num_new)
-        rate = self.starts.rate()
-        if rate is not None:  # starts needed: the queue ahead, its own, and what runs above the cap
-            wait = max(wait, (len(self.waiting) + num_new + max(0, len(self.running) - cap)) / rate)
-        return wait
-
-    def predicted_prompt_s(self, uncached_tokens: int) -> float:
-        """How long a prompt computing ``uncached_tokens`` would take from its start to its first
-        token, at the recent pace (goodput.py); 0 before any first token was measured."""
-        return self.first_tokens.predict(uncached_tokens, self.step_times.recent or 0.0)
+        return self.goodput.predicted_wait_s(
+            [self._output_left(s) for s in self.running],
+            [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting],
+            num_new,
+            self.cost_model.decode_step_s,
+            self.cost_model.prefill_tokens_per_s,
+        )
 
     def _output_left(self, seq: Sequence) -> int:
         """Tokens ``seq`` is expected to decode still: at most what it may (``UNSPECIFIED_OUTPUT_TOKENS``
@@ -266,7 +242,7 @@ class Scheduler:
         left = seq.max_total_tokens - seq.num_tokens
         if seq.params.max_tokens is None:
             left = min(left, UNSPECIFIED_OUTPUT_TOKENS - seq.num_output_tokens)
-        return self.output_lengths.left(seq.num_output_tokens, max(0, left))
+        return self.goodput.output_lengths.left(seq.num_output_tokens, max(0, left))
 
     def oldest_wait_s(self) -> float:
         """How long the oldest waiting (not yet admitted) request has queued; 0 when none."""
@@ -374,7 +350,7 @@ class Scheduler:
                 seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
         self.waiting.remove(seq)
         self._start(seq)
-        self.starts.on_start()
+        self.goodput.starts.on_start()
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
         return num_new
@@ -402,7 +378,7 @@ class Scheduler:
             budget -= num_new
             i += 1
         for seq in list(self.waiting):
-            if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.running_cap.cap():
+            if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.goodput.running_cap.cap():
                 break
             try:
                 num_new = self._admit(seq, budget, must_finish=False)
@@ -495,7 +471,7 @@ class Scheduler:
         # its first token: how long its prompt took (once a prompt: the sequence that computed it)
         if num_out == 1 and seq.index == 0 and seq.first_scheduled_time is not None:
             computed = seq.num_prompt_tokens - (seq.num_cached_tokens or 0)
-            self.first_tokens.observe(seq.last_token_time - seq.first_scheduled_time, computed)
+            self.goodput.first_tokens.observe(seq.last_token_time - seq.first_scheduled_time, computed)
         if num_out > p.min_tokens:  # the sampler masks EOS/stop ids until min_tokens are out
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 self.finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -592,7 +568,7 @@ class _PrefillPlan:
             if self.stopped or self.budget <= 0 or (limit is not None and limit <= 0):
                 passed.append(seq)
                 break
-            if self.out.preempted_seq_ids or len(s.running) >= s.running_cap.cap():
+            if self.out.preempted_seq_ids or len(s.running) >= s.goodput.running_cap.cap():
                 self.stopped = True
                 passed.append(seq)
                 break
