@@ -40,9 +40,16 @@ class World:
         return self.clock[0]
 
     def request(
-        self, rid: str, prompt_len: int, max_tokens: int, priority: int = 0, tenant: str = ""
+        self,
+        rid: str,
+        prompt_len: int,
+        max_tokens: int,
+        priority: int = 0,
+        tenant: str = "",
+        prefix: list[int] | None = None,
     ) -> Sequence:
-        tokens = [self._rng.randrange(100, 30000) for _ in range(prompt_len)]  # no shared prefixes
+        tokens = list(prefix or [])  # then random tokens: no prefix shared with anyone else
+        tokens += [self._rng.randrange(100, 30000) for _ in range(prompt_len - len(tokens))]
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         seq = Sequence(f"{rid}-0", rid, 0, tokens, prompt_len, params, ("m", ""), prompt_len + max_tokens)
         seq.arrival_time, seq.priority, seq.tenant = self.now, priority, tenant
@@ -176,6 +183,31 @@ def test_story_a_waiting_prompt_longer_than_a_step_is_not_starved_by_prompts_tha
         if agent.num_output_tokens:
             break
     assert agent.num_output_tokens >= 1, f"admitted so far: {w.admitted}"
+
+
+def test_story_an_agents_cached_step_does_not_wait_behind_long_prompts() -> None:
+    """Unrelated 512-token prompts keep every step full (512 tokens, no stream decoding). An agent's
+    next step arrives: its 600-token history is cached, 48 tokens are new. It does not wait for a long
+    prompt's step: the next step holds it alone (a short step), and its first token comes after it.
+    A chat prompt arriving right after does not get the next step too: short steps never come two in
+    a row, so the long prompts keep at least every other step."""
+    w = world(max_num_batched_tokens=512)
+    history = w.request("agent-step1", 600, 1)
+    w.run()  # its prompt is computed and cached (37 full blocks)
+    for i in range(2):
+        w.request(f"p{i}", 512, 1)
+    w.step()  # p0's step
+    agent = w.request("agent-step2", 640, 1, prefix=history.token_ids[:600])
+    w.request("p2", 512, 1)
+    out = w.step()
+    assert [(x.seq.request_id, x.num_new_tokens) for x in out.prefills] == [("agent-step2", 640 - 592)]
+    assert agent.num_output_tokens == 1 and w.step_seconds[-1] < 0.1  # a 48-token step, not 512
+    chat = w.request("chat", 30, 1)
+    out = w.step()
+    assert [x.seq.request_id for x in out.prefills] == ["p1"]  # the long prompts' turn
+    out = w.step()
+    assert [x.seq.request_id for x in out.prefills] == ["chat"] and chat.num_output_tokens == 1
+    w.run()
 
 
 def test_story_on_a_slow_cpu_a_short_prompt_still_goes_in_one_step() -> None:

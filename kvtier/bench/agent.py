@@ -35,11 +35,11 @@ RETAIN_TTL_S = 300.0
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agents", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4, help="steps per agent")
+    p.add_argument("--steps", type=int, default=6, help="steps per agent")
     p.add_argument("--system-tokens", type=int, default=768, help="each agent's system prompt + tools")
     p.add_argument("--answer-tokens", type=int, default=16, help="tokens of each answer (a tool call)")
     p.add_argument("--result-tokens", type=int, default=48, help="tokens of each tool result")
-    p.add_argument("--pause-s", type=float, default=1.5, help="each tool call's duration")
+    p.add_argument("--pause-s", type=float, default=5.0, help="each tool call's duration")
     p.add_argument("--pressure-tokens", type=int, default=512, help="each unrelated prompt")
     p.add_argument("--pressure-concurrency", type=int, default=2, help="unrelated prompts in flight")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
@@ -65,7 +65,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
             "max_model_len",
             "kv_retain_max_fraction",
         ],
-        defaults={"kv_device_blocks": 192, "kv_host_gb": 0.2, "max_num_batched_tokens": 512},
+        defaults={
+            "kv_device_blocks": 192,
+            "kv_host_gb": 0.2,
+            "max_num_batched_tokens": 512,
+            "scheduling_policy": "stall_free",
+            "kv_retain_max_fraction": 0.9,  # the agents' prompts need ~0.9 of the host tier
+        },
     )
     p.set_defaults(func=main)
 

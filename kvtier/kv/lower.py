@@ -98,6 +98,9 @@ class LowerTiers(Protocol):
         """Leading ``keys`` (all of KV group ``group``) held below the device (may start reads from
         slower tiers, which check each block's group)."""
 
+    def num_host_hits(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading ``keys`` the host tier holds now (a pure lookup: starts and counts nothing)."""
+
     def count_lookup(self, hit: LowerHit, num_keys: int) -> None:
         """Count an adopted lookup of ``num_keys`` blocks below the device."""
 

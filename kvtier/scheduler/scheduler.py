@@ -11,7 +11,11 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
                     a target step time: ``step_time_factor`` decode-only steps (at least
                     ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
                     ``max_num_batched_tokens``
-    3. prefills     with ``max_num_partial_prefills`` = P > 0:
+    3. prefills     with ``max_num_partial_prefills`` = P > 0, a *short step* first when a waiting
+                    prompt needs at most SHORT_PROMPT_TOKENS (its prefix cached in the device pool or
+                    host tier not counted: an agent's next turn, a chat's short message): short
+                    prompts only, so their first token waits for one short step instead of a step
+                    full of others' chunks; never two short steps in a row. Otherwise:
                       a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk,
                          then one waiting prompt that finishers behind it overtook for STARVE_STEPS
                          steps in a row (one too long to finish in a step, behind a stream of prompts
@@ -44,7 +48,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +65,7 @@ STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row go
 # A request without max_tokens may run to max_model_len; the KV admission estimate counts it as this
 # many output tokens (at most what its context leaves), not the worst case.
 UNSPECIFIED_OUTPUT_TOKENS = 1024
+SHORT_PROMPT_TOKENS = 128
 
 
 class _Stop(Exception):
@@ -123,6 +128,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions_by_mode = {"swap": 0, "recompute": 0}
         self._admissions = itertools.count(1)
+        self._last_short_lane = False  # the last step was a short prompts' step (_short_lane)
 
     @property
     def num_preemptions(self) -> int:
@@ -132,6 +138,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.kv_cached_blocks = self.num_cached_device_blocks(seq.token_ids, seq.extra_keys)
+        seq.cached_prefix_blocks = self.kv.num_device_prefix_blocks(seq.token_ids, seq.extra_keys, host=True)
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
@@ -278,34 +285,65 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int, taken: set[str]) -> list[ScheduledSeq]:
         """Prompt chunks within ``budget`` tokens (see the module docstring, step 3)."""
-        fair = FairOrder(self.waiting, self.running)
-        plan = _PrefillPlan(self, out, budget, taken, fair)
         prompts = sorted((s for s in self.running if s.num_remaining_tokens > 1), key=run_order_key)
-        limit = self.config.max_num_partial_prefills
-        order = iter(fair)
-        if limit == 0:
-            for seq in prompts:
-                plan.continue_prompt(seq)
-            plan.admit_all(order, must_finish=False)
-        else:
-            starved = [s for s in prompts if s.num_starved_steps >= STARVE_STEPS]
-            for seq in starved:
-                plan.continue_prompt(seq)
-            waited = [s for s in self.waiting if s.num_starved_steps >= STARVE_STEPS]
-            plan.admit_all(waited, must_finish=False, limit=1)  # one long prompt the finishers kept out
-            for seq in prompts:
-                plan.continue_prompt(seq, must_finish=True)
-            passed = plan.admit_all(order, must_finish=True)
-            partial = [s for s in prompts if s.seq_id not in plan.taken]
-            for seq in partial[:limit]:
-                plan.continue_prompt(seq)
-            plan.admit_all(itertools.chain(passed, order), must_finish=False, limit=limit - len(partial))
+        plan = self._short_lane(out, budget, taken, prompts)
+        if plan is None:
+            fair = FairOrder(self.waiting, self.running)
+            plan = _PrefillPlan(self, out, budget, taken, fair)
+            self._plan_prefills(plan, prompts, iter(fair))
         for seq in prompts:
             seq.num_starved_steps = 0 if seq.seq_id in plan.taken else seq.num_starved_steps + 1
         for seq in self.waiting:  # overtaken by a finisher behind it: one more step starved
             overtaken = seq.seq_id in plan.overtaken and seq.seq_id not in plan.taken
             seq.num_starved_steps = seq.num_starved_steps + 1 if overtaken else 0
         return plan.scheduled
+
+    def _plan_prefills(self, plan: _PrefillPlan, prompts: list[Sequence], order: Iterator[Sequence]) -> None:
+        limit = self.config.max_num_partial_prefills
+        if limit == 0:
+            for seq in prompts:
+                plan.continue_prompt(seq)
+            plan.admit_all(order, must_finish=False)
+            return
+        starved = [s for s in prompts if s.num_starved_steps >= STARVE_STEPS]
+        for seq in starved:
+            plan.continue_prompt(seq)
+        waited = [s for s in self.waiting if s.num_starved_steps >= STARVE_STEPS]
+        plan.admit_all(waited, must_finish=False, limit=1)  # one long prompt the finishers kept out
+        for seq in prompts:
+            plan.continue_prompt(seq, must_finish=True)
+        passed = plan.admit_all(order, must_finish=True)
+        partial = [s for s in prompts if s.seq_id not in plan.taken]
+        for seq in partial[:limit]:
+            plan.continue_prompt(seq)
+        plan.admit_all(itertools.chain(passed, order), must_finish=False, limit=limit - len(partial))
+
+    def _short_lane(
+        self, out: SchedulerOutput, budget: int, taken: set[str], prompts: list[Sequence]
+    ) -> _PrefillPlan | None:
+        """A step of short prompts only: prompts that need at most SHORT_PROMPT_TOKENS more (the cached
+        prefix in the device pool or host tier not counted) finish in a step without anyone's long
+        chunk, so their first token waits for one short step, not for a full one. Never two such steps
+        in a row: long prompts get at least every other step. None when it admitted no one."""
+        if self._last_short_lane or self.config.max_num_partial_prefills == 0:  # 0: chunks in order
+            self._last_short_lane = False
+            return None
+        short = [s for s in self.waiting if self.uncached_tokens(s) <= SHORT_PROMPT_TOKENS]
+        if not short:
+            return None
+        fair = FairOrder(short, self.running)
+        plan = _PrefillPlan(self, out, budget, taken, fair)
+        for seq in prompts:
+            if seq.num_remaining_tokens <= SHORT_PROMPT_TOKENS:
+                plan.continue_prompt(seq, must_finish=True)
+        plan.admit_all(fair, must_finish=True)
+        self._last_short_lane = bool(plan.scheduled)
+        return plan if plan.scheduled else None
+
+    def uncached_tokens(self, seq: Sequence) -> int:
+        """About how many tokens a waiting ``seq`` would compute: its prefix the device pool or the host
+        tier held when it arrived not counted (a cheap estimate; ``_admit`` looks up the real hit)."""
+        return seq.num_remaining_tokens - seq.cached_prefix_blocks * self.kv.block_size
 
     def _admit(self, seq: Sequence, budget: int, must_finish: bool) -> int | None:
         """Move a waiting ``seq`` into the running batch with its first chunk (at most ``budget``
@@ -561,7 +599,6 @@ class _PrefillPlan:
         rest fits in the budget left; ``limit``: at most that many). Returns those passed over, in
         order, up to where it stopped (the caller may continue with the rest of ``order``)."""
         s, passed = self.s, []
-        bs = s.kv.block_size
         for seq in order:
             if seq.seq_id in self.taken:
                 continue  # admitted earlier in this step (a starved one)
@@ -572,7 +609,7 @@ class _PrefillPlan:
                 self.stopped = True
                 passed.append(seq)
                 break
-            if must_finish and seq.num_remaining_tokens - seq.kv_cached_blocks * bs > self.budget:
+            if must_finish and s.uncached_tokens(seq) > self.budget:
                 passed.append(seq)  # cheap test first: its prompt cannot finish in this step
                 self._too_long.append(seq.seq_id)
                 continue

@@ -204,6 +204,12 @@ class TierCoordinator:
             num_pending = self._num_leading_in_flight(rest)
         return LowerHit(host_keys, tuple(sorted(promoted.items())), num_pending, sources)
 
+    def num_host_hits(self, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` the host tier holds now (a pure lookup: the scheduler's estimates)."""
+        if not keys or Medium.HOST in self.quarantined:
+            return 0
+        return self._num_trusted(keys[: self.host.lookup(keys)])
+
     def _num_trusted(self, host_keys: Sequence[BlockKey]) -> int:
         """How many leading host hits were not promoted from a quarantined tier."""
         if not self.quarantined:
