@@ -210,6 +210,24 @@ def test_story_an_agents_cached_step_does_not_wait_behind_long_prompts() -> None
     w.run()
 
 
+def test_story_a_short_prompt_is_not_held_to_a_time_budget_smaller_than_itself() -> None:
+    """Beside four decoding streams on a slow CPU, the time budget leaves 30 prompt tokens a step: a
+    long prompt goes in 30-token chunks. An agent's 48 new tokens still go in one short step (not after
+    the long prompt's last chunk: only one prompt may be mid-prefill)."""
+    w = world(max_num_batched_tokens=512)
+    history = w.request("agent-step1", 600, 1)
+    w.run()
+    w.scheduler.cost_model.prefill_tokens_per_s = 400.0  # (0.125 s target - 0.05 s decode) * 400
+    _decoding(w, 4)
+    long = w.request("long", 2000, 1)
+    w.step()
+    assert w.steps[-1].prefills[0].num_new_tokens == 30
+    agent = w.request("agent-step2", 640, 1, prefix=history.token_ids[:600])
+    w.step()
+    assert agent.num_output_tokens == 1 and long.num_computed_tokens == 30
+    w.run()
+
+
 def test_story_on_a_slow_cpu_a_short_prompt_still_goes_in_one_step() -> None:
     # A decode step of 8 streams takes 150 ms, about max_step_ms: the target follows the measured
     # decode step (2.5 of them), so prefill keeps 1.5 decode steps' worth of every step.

@@ -323,16 +323,17 @@ class Scheduler:
     ) -> _PrefillPlan | None:
         """A step of short prompts only: prompts that need at most SHORT_PROMPT_TOKENS more (the cached
         prefix in the device pool or host tier not counted) finish in a step without anyone's long
-        chunk, so their first token waits for one short step, not for a full one. Never two such steps
-        in a row: long prompts get at least every other step. None when it admitted no one."""
+        chunk, so their first token waits for one short step, not for a full one (nor for a long
+        prompt's last chunk, when the time budget beside running decodes is smaller than theirs). Never
+        two such steps in a row: long prompts get at least every other step. None when it admitted no one."""
         if self._last_short_lane or self.config.max_num_partial_prefills == 0:  # 0: chunks in order
             self._last_short_lane = False
             return None
         short = [s for s in self.waiting if self.uncached_tokens(s) <= SHORT_PROMPT_TOKENS]
         if not short:
             return None
-        fair = FairOrder(short, self.running)
-        plan = _PrefillPlan(self, out, budget, taken, fair)
+        fair = FairOrder(short, self.running)  # a short step may exceed a smaller time budget
+        plan = _PrefillPlan(self, out, max(budget, SHORT_PROMPT_TOKENS), taken, fair)
         for seq in prompts:
             if seq.num_remaining_tokens <= SHORT_PROMPT_TOKENS:
                 plan.continue_prompt(seq, must_finish=True)
