@@ -226,6 +226,17 @@ def test_story_a_short_prompt_is_not_held_to_a_time_budget_smaller_than_itself()
     w.step()
     assert agent.num_output_tokens == 1 and long.num_computed_tokens == 30
     w.run()
+    # A replica told to put streams first (a decode replica: the factor never widens) keeps every
+    # step within its budget: the short prompt is not taken whole beside the streams.
+    strict = world(max_num_batched_tokens=512, step_time_factor=2.5, step_time_max_factor=2.5)
+    history = strict.request("agent-step1", 600, 1)
+    strict.run()
+    strict.scheduler.cost_model.prefill_tokens_per_s = 400.0
+    _decoding(strict, 4)
+    agent = strict.request("agent-step2", 640, 1, prefix=history.token_ids[:600])
+    strict.step()
+    assert agent.num_output_tokens == 0 and sum(x.num_new_tokens for x in strict.steps[-1].prefills) <= 30
+    strict.run()
 
 
 def test_story_on_a_slow_cpu_a_short_prompt_still_goes_in_one_step() -> None:

@@ -46,6 +46,7 @@ The KV manager accumulates the step's device↔host copies as it allocates; they
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -332,8 +333,12 @@ class Scheduler:
         short = [s for s in self.waiting if self.uncached_tokens(s) <= SHORT_PROMPT_TOKENS]
         if not short:
             return None
-        fair = FairOrder(short, self.running)  # a short step may exceed a smaller time budget
-        plan = _PrefillPlan(self, out, max(budget, SHORT_PROMPT_TOKENS), taken, fair)
+        # the time budget beside the decodes may be smaller than a short prompt: a short step may be as
+        # long as the policy's widest (--step-time-max-factor; never wider than its own budget when
+        # that equals --step-time-factor: streams first)
+        widest = self.budget.prefill_tokens(len(taken), oldest_wait_s=math.inf)
+        fair = FairOrder(short, self.running)
+        plan = _PrefillPlan(self, out, max(budget, min(SHORT_PROMPT_TOKENS, widest)), taken, fair)
         for seq in prompts:
             if seq.num_remaining_tokens <= SHORT_PROMPT_TOKENS:
                 plan.continue_prompt(seq, must_finish=True)
