@@ -60,6 +60,7 @@ from kvtier.scheduler.budget import StepBudget
 from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
 from kvtier.scheduler.goodput import Goodput
 from kvtier.scheduler.preemption import CostModel
+from kvtier.scheduler.prefill_plan import PoolFull, PrefillPlan, passed_over
 from kvtier.sequence import Sequence, SequenceStatus
 
 STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row goes first
@@ -67,10 +68,6 @@ STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row go
 # many output tokens (at most what its context leaves), not the worst case.
 UNSPECIFIED_OUTPUT_TOKENS = 1024
 SHORT_PROMPT_TOKENS = 128
-
-
-class _Stop(Exception):
-    """Admission ends for this step (the pool is full)."""
 
 
 @dataclass(frozen=True)
@@ -264,7 +261,7 @@ class Scheduler:
         taken: set[str] = set()
         for seq in decoding[: self.config.max_num_batched_tokens]:
             if seq.status is SequenceStatus.RUNNING and self._allocate(seq, 1, out, taken):
-                scheduled.append(self._scheduled(seq, 1))
+                scheduled.append(self.entry(seq, 1))
                 taken.add(seq.seq_id)
         return scheduled
 
@@ -290,7 +287,7 @@ class Scheduler:
         plan = self._short_lane(out, budget, taken, prompts)
         if plan is None:
             fair = FairOrder(self.waiting, self.running)
-            plan = _PrefillPlan(self, out, budget, taken, fair)
+            plan = PrefillPlan(self, out, budget, taken, fair)
             self._plan_prefills(plan, prompts, iter(fair))
         for seq in prompts:
             seq.num_starved_steps = 0 if seq.seq_id in plan.taken else seq.num_starved_steps + 1
@@ -299,7 +296,7 @@ class Scheduler:
             seq.num_starved_steps = seq.num_starved_steps + 1 if overtaken else 0
         return plan.scheduled
 
-    def _plan_prefills(self, plan: _PrefillPlan, prompts: list[Sequence], order: Iterator[Sequence]) -> None:
+    def _plan_prefills(self, plan: PrefillPlan, prompts: list[Sequence], order: Iterator[Sequence]) -> None:
         limit = self.config.max_num_partial_prefills
         if limit == 0:
             for seq in prompts:
@@ -321,7 +318,7 @@ class Scheduler:
 
     def _short_lane(
         self, out: SchedulerOutput, budget: int, taken: set[str], prompts: list[Sequence]
-    ) -> _PrefillPlan | None:
+    ) -> PrefillPlan | None:
         """A step of short prompts only: prompts that need at most SHORT_PROMPT_TOKENS more (the cached
         prefix in the device pool or host tier not counted) finish in a step without anyone's long
         chunk, so their first token waits for one short step, not for a full one (nor for a long
@@ -338,7 +335,7 @@ class Scheduler:
         # that equals --step-time-factor: streams first)
         widest = self.budget.prefill_tokens(len(taken), oldest_wait_s=math.inf)
         fair = FairOrder(short, self.running)
-        plan = _PrefillPlan(self, out, max(budget, min(SHORT_PROMPT_TOKENS, widest)), taken, fair)
+        plan = PrefillPlan(self, out, max(budget, min(SHORT_PROMPT_TOKENS, widest)), taken, fair)
         for seq in prompts:
             if seq.num_remaining_tokens <= SHORT_PROMPT_TOKENS:
                 plan.continue_prompt(seq, must_finish=True)
@@ -348,13 +345,13 @@ class Scheduler:
 
     def uncached_tokens(self, seq: Sequence) -> int:
         """About how many tokens a waiting ``seq`` would compute: its prefix the device pool or the host
-        tier held when it arrived not counted (a cheap estimate; ``_admit`` looks up the real hit)."""
+        tier held when it arrived not counted (a cheap estimate; ``admit`` looks up the real hit)."""
         return seq.num_remaining_tokens - seq.cached_prefix_blocks * self.kv.block_size
 
-    def _admit(self, seq: Sequence, budget: int, must_finish: bool) -> int | None:
+    def admit(self, seq: Sequence, budget: int, must_finish: bool) -> int | None:
         """Move a waiting ``seq`` into the running batch with its first chunk (at most ``budget``
         tokens; with ``must_finish`` only if that is its whole rest). The chunk's size, or None when
-        it is passed over; ``_Stop`` when the pool cannot take it."""
+        it is passed over; ``PoolFull`` when the pool cannot take it."""
         if self.kv.is_swapped(seq.seq_id):
             num_new = min(seq.num_remaining_tokens, budget)
             if must_finish and num_new < seq.num_remaining_tokens:
@@ -365,7 +362,7 @@ class Scheduler:
                 lambda n: self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n),
             )
             if not num_new:
-                return _passed_over(must_finish)
+                return passed_over(must_finish)
         else:
             # prompt logprobs need every prompt token's logits: no cache hit for such a prefill
             computed = (
@@ -387,7 +384,7 @@ class Scheduler:
                 ),
             )
             if not num_new:
-                return _passed_over(must_finish)
+                return passed_over(must_finish)
             seq.num_computed_tokens = computed.num_computed_tokens
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = computed.num_computed_tokens
@@ -418,18 +415,18 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: nothing after it can fit either
-            scheduled.append(self._scheduled(seq, num_new))
+            scheduled.append(self.entry(seq, num_new))
             budget -= num_new
             i += 1
         for seq in list(self.waiting):
             if budget <= 0 or out.preempted_seq_ids or len(self.running) >= self.goodput.running_cap.cap():
                 break
             try:
-                num_new = self._admit(seq, budget, must_finish=False)
-            except _Stop:
+                num_new = self.admit(seq, budget, must_finish=False)
+            except PoolFull:
                 break
             if num_new is not None:
-                scheduled.append(self._scheduled(seq, num_new))
+                scheduled.append(self.entry(seq, num_new))
                 budget -= num_new
         return scheduled
 
@@ -439,7 +436,7 @@ class Scheduler:
         sequence that preempted itself for its next chunk would start over and never finish."""
         if num_new <= 1 or self.kv.layout.is_dense:
             return num_new
-        return self._grow(seq, num_new, must_finish=False) or min(num_new, self.kv.block_size)
+        return self.grow(seq, num_new, must_finish=False) or min(num_new, self.kv.block_size)
 
     # ------------------------------------------------------------------------------ helpers
     def _waits_for_disk(self, seq: Sequence) -> bool:
@@ -461,7 +458,7 @@ class Scheduler:
             num_new = max(bs, num_new // 2)
         return num_new
 
-    def _grow(self, seq: Sequence, num_new: int, must_finish: bool) -> int:
+    def grow(self, seq: Sequence, num_new: int, must_finish: bool) -> int:
         """``_fit_chunk`` for the next chunk of a sequence that has blocks."""
         kv = self.kv
 
@@ -472,7 +469,7 @@ class Scheduler:
 
         return self._fit_chunk(num_new, must_finish, allocate)
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+    def entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.block_tables(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -555,83 +552,3 @@ class Scheduler:
     def waiting_weight(self) -> int:
         """Sequences waiting to start, a prompt that will fork into ``n`` counting ``n``."""
         return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in self.waiting)
-
-
-def _passed_over(must_finish: bool) -> None:
-    """A waiting sequence whose chunk the pool cannot take: with ``must_finish`` (its whole rest, now)
-    it is passed over, so the step's later pass may still admit a smaller chunk (a hybrid model's
-    prompt that fits only chunk by chunk); otherwise the pool is full and admissions stop (``_Stop``)."""
-    if must_finish:
-        return None
-    raise _Stop
-
-
-class _PrefillPlan:
-    """One step's prefill phase: the budget left, what is scheduled, who joined the batch."""
-
-    def __init__(
-        self, scheduler: Scheduler, out: SchedulerOutput, budget: int, taken: set[str], fair: FairOrder
-    ):
-        self.s = scheduler
-        self.out = out
-        self.budget = budget
-        self.taken = set(taken)
-        self.fair = fair
-        self.scheduled: list[ScheduledSeq] = []
-        self.stopped = False  # the pool or max_num_seqs is full: no more admissions this step
-        self._too_long: list[str] = []  # waiting prompts the finishers' pass skipped: they cannot finish
-        self.overtaken: set[str] = set()  # ...and a finisher after them in order was admitted
-
-    def _take(self, seq: Sequence, num_new: int) -> None:
-        self.scheduled.append(self.s._scheduled(seq, num_new))
-        self.taken.add(seq.seq_id)
-        self.budget -= num_new
-
-    def continue_prompt(self, seq: Sequence, must_finish: bool = False) -> bool:
-        """The next chunk of a running prompt (never preempts: a prompt can wait)."""
-        num_new = min(seq.num_remaining_tokens, self.budget)
-        if num_new <= 0 or seq.seq_id in self.taken or (must_finish and num_new < seq.num_remaining_tokens):
-            return False
-        num_new = self.s._grow(seq, num_new, must_finish)
-        if not num_new:
-            return False
-        self._take(seq, num_new)
-        return True
-
-    def admit_all(
-        self, order: Iterable[Sequence], must_finish: bool, limit: int | None = None
-    ) -> list[Sequence]:
-        """Waiting sequences join the batch in ``order`` (with ``must_finish``: only those whose whole
-        rest fits in the budget left; ``limit``: at most that many). Returns those passed over, in
-        order, up to where it stopped (the caller may continue with the rest of ``order``)."""
-        s, passed = self.s, []
-        for seq in order:
-            if seq.seq_id in self.taken:
-                continue  # admitted earlier in this step (a starved one)
-            if self.stopped or self.budget <= 0 or (limit is not None and limit <= 0):
-                passed.append(seq)
-                break
-            if self.out.preempted_seq_ids or len(s.running) >= s.goodput.running_cap.cap():
-                self.stopped = True
-                passed.append(seq)
-                break
-            if must_finish and s.uncached_tokens(seq) > self.budget:
-                passed.append(seq)  # cheap test first: its prompt cannot finish in this step
-                self._too_long.append(seq.seq_id)
-                continue
-            try:
-                num_new = s._admit(seq, self.budget, must_finish)
-            except _Stop:
-                self.stopped = True
-                passed.append(seq)
-                break
-            if num_new is None:
-                passed.append(seq)
-                continue
-            self._take(seq, num_new)
-            self.fair.admitted(seq)
-            if must_finish:
-                self.overtaken.update(self._too_long)
-            if limit is not None:
-                limit -= 1
-        return passed
