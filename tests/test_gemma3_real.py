@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kvtier.config import ConfigError
-from kvtier.models import loader
+from kvtier.models import cache_admin, loader
 from kvtier.models.loader import PackagedGGUF, load_model, packaged_gguf_path
 
 MODEL = "gemma-3-270m"
@@ -83,6 +83,33 @@ def test_packaged_parts_are_joined_once_atomically(fake_model: tuple[PackagedGGU
         model.sha256
     )
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == ["fake.gguf"]
+
+
+def test_kvtier_cache_lists_and_clears_a_joined_gguf(
+    fake_model: tuple[PackagedGGUF, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The joined file is the cache's biggest item for a packaged model: ``kvtier cache`` lists it and
+    counts it; ``--clear derived`` keeps it, ``--clear stale`` removes it once its packages are gone,
+    ``--clear all`` removes it (its next use joins it again), with an interrupted join's temp file."""
+    model, cache = fake_model
+    path = packaged_gguf_path("fake-model", cache_dir=cache)
+    size = path.stat().st_size
+
+    def joined_line() -> str:
+        return next(line for line in cache_admin.report(cache) if line.lstrip().startswith("joined GGUF"))
+
+    assert "ok" in joined_line() and str(path) in joined_line()
+    assert f"total {cache_admin._mb(size)}" in cache_admin.report(cache)[-1]
+    assert cache_admin.clear(cache, "derived") == (0, 0) and cache_admin.clear(cache, "stale") == (0, 0)
+    gone = (*model.parts[:-1], ("kvtier_fake_gguf_uninstalled", "data/fake.gguf.part02"))
+    monkeypatch.setitem(loader.PACKAGED_MODELS, "fake-model", dataclasses.replace(model, parts=gone))
+    assert "parts gone" in joined_line() and "stale 1" in cache_admin.report(cache)[-1]
+    assert cache_admin.clear(cache, "stale") == (1, size) and not path.exists()
+    monkeypatch.setitem(loader.PACKAGED_MODELS, "fake-model", model)
+    path = packaged_gguf_path("fake-model", cache_dir=cache)
+    (cache / ".fake.gguf.tmp-killed").write_bytes(b"half")
+    assert cache_admin.clear(cache, "all") == (2, size + 4)
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_packaged_parts_with_a_wrong_digest_are_refused(

@@ -8,16 +8,20 @@ The cache root is ``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier/models`` (:func:`lo
         fused-<dtype>-v<N>.safetensors    auto's fused, transposed matrices (qpack.keep_dense)
         packed-<mode>-v<N>.safetensors    gguf / int8 rows for the C kernels (qpack.load_packed)
     .tmp-* / .trash-*          what an interrupted conversion left behind
+    <file>.gguf                a packaged GGUF joined from its chunk packages (``--model gemma-3-270m``);
+    .<file>.gguf.tmp-*         an interrupted join
     kernels/                   the C kernels built from this checkout's sources, measured GEMV choices
 
 ``--clear`` takes one of three scopes:
 
 * ``derived``: the fused and packed files. The next start that needs one builds it again (seconds).
-* ``stale``: conversions no known GGUF has the digest of any more (the one that made it is gone or
+* ``stale``: joined GGUFs whose packages are gone or no longer add up to them, interrupted joins;
+  conversions no known GGUF has the digest of any more (the one that made it is gone or
   changed, and it is not the default model's), damaged or unfinished conversions, leftovers of
   interrupted conversions, and kernel libraries built from sources other than this installation's.
   A GGUF moved elsewhere looks gone: its next start converts it again.
-* ``all``: the whole cache (every conversion, the kernels and the GEMV choices).
+* ``all``: the whole cache (every conversion, the joined GGUFs: joined again at their next use, the
+  kernels and the GEMV choices).
 
 Each conversion is removed while holding its conversion lock, so a process converting that GGUF at
 the moment finishes first. A running engine keeps the files it has memory-mapped (POSIX unlink).
@@ -32,6 +36,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtier.config import ConfigError
 from kvtier.models import loader
 
 SCOPES = ("derived", "stale", "all")
@@ -119,6 +124,47 @@ def leftovers(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith((".tmp-", ".trash-")))
 
 
+def joined_ggufs(root: Path) -> list[tuple[Path, str]]:
+    """The packaged GGUFs joined into ``root`` (``loader.packaged_gguf_path``), each with its status:
+    "ok", or stale: "parts gone" (its packages were uninstalled) or "size changed" (its parts no longer
+    add up to it; its next use joins it again)."""
+    out = []
+    for model in {m.file_name: m for m in loader.PACKAGED_MODELS.values()}.values():
+        path = root / model.file_name
+        if not path.is_file():
+            continue
+        try:
+            size = sum(p.stat().st_size for p in loader.part_paths(model))
+        except (ConfigError, OSError):
+            out.append((path, "parts gone"))
+            continue
+        out.append((path, "ok" if path.stat().st_size == size else "size changed"))
+    return out
+
+
+def interrupted_joins(root: Path) -> list[Path]:
+    """Temporary files of joins that were interrupted (``.<file>.tmp-*``)."""
+    names = {m.file_name for m in loader.PACKAGED_MODELS.values()}
+    return sorted(p for n in names for p in root.glob(f".{n}.tmp-*") if p.is_file())
+
+
+def _clear_joined(root: Path, scope: str) -> tuple[int, int]:
+    """``clear`` for the joined GGUFs (each under its join lock, so a join under way finishes first)."""
+    removed = freed = 0
+    for path, status in joined_ggufs(root):
+        if scope == "all" or (scope == "stale" and status != "ok"):
+            with loader._conversion_lock(root, path.name):
+                freed += _size(path) if path.exists() else 0
+                path.unlink(missing_ok=True)
+            removed += 1
+    if scope in ("stale", "all"):
+        for path in interrupted_joins(root):
+            freed += _size(path)
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed, freed
+
+
 def current_kernels() -> set[str]:
     """File names of the kernel libraries this installation's sources build."""
     from kvtier.models import qkernels
@@ -189,7 +235,8 @@ def clear(root: Path, scope: str) -> tuple[int, int]:
             else:
                 path.unlink(missing_ok=True)
             removed += 1
-    return removed, freed
+    joined = _clear_joined(root, scope)
+    return removed + joined[0], freed + joined[1]
 
 
 def report(root: Path) -> list[str]:
@@ -208,17 +255,21 @@ def report(root: Path) -> list[str]:
         )
         if derived:
             lines.append(f"  {'':<14} {'':<15} {'':>11} {'':>11}  derived: {derived}")
-    rest = leftovers(root)
+    joined, joins = joined_ggufs(root), interrupted_joins(root)
+    for path, status in joined:
+        lines.append(f"  joined GGUF    {status:<15} {_mb(_size(path)):>11} {'':>11}  {path}")
+    rest = leftovers(root) + joins
     kernels = root / "kernels"
     kernel_bytes = _size(kernels) if kernels.is_dir() else 0
     old = stale_kernels(root)
     total = sum(e.total_bytes for e in found) + sum(_size(p) for p in rest) + kernel_bytes
+    total += sum(_size(path) for path, _ in joined)
     if rest:
         lines.append(f"  interrupted conversions: {len(rest)} ({_mb(sum(_size(p) for p in rest))})")
     lines.append(
         f"  kernels: {_mb(kernel_bytes)}" + (f", {len(old)} built from other sources" if old else "")
     )
-    stale = [e for e in found if e.stale]
+    stale = [e for e in found if e.stale] + [path for path, status in joined if status != "ok"]
     lines.append(
         f"  total {_mb(total)}: derived files {_mb(sum(sum(e.derived.values()) for e in found))} "
         f"(--clear derived), stale {len(stale) + len(rest) + len(old)} (--clear stale)"

@@ -133,7 +133,7 @@ PACKAGED_MODELS: dict[str, PackagedGGUF] = {"gemma-3-270m": _gemma3_270m()}
 PACKAGED_MODELS["gemma-3-270m-q4_k_m"] = PACKAGED_MODELS["gemma-3-270m"]
 
 
-def _part_paths(model: PackagedGGUF) -> list[Path]:
+def part_paths(model: PackagedGGUF) -> list[Path]:
     """The chunk files, in order; ConfigError naming the pip command when a package is missing."""
     paths = []
     for module, relative in model.parts:
@@ -181,7 +181,7 @@ def packaged_gguf_path(name: str, *, cache_dir: Path | str | None = None) -> Pat
     partial file. Later calls check its size against the parts (the conversion cache fingerprints the
     content itself)."""
     model = PACKAGED_MODELS[name]
-    parts = _part_paths(model)
+    parts = part_paths(model)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = root / model.file_name
     size = sum(p.stat().st_size for p in parts)
