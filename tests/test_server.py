@@ -217,6 +217,7 @@ def test_tokenize_counts_what_a_completion_reports(client: OpenAI, server: Backg
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/detokenize", {"tokens": [1, -3]}, 400, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [1] * (r["max_model_len"] + 1)}, 400, "tokens"),
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
     ):
         bad = httpx.post(server.url + path, json=body)

@@ -12,8 +12,9 @@ rendered and tokenized as ``/v1/chat/completions`` does, so ``count`` is the ``u
 such a request reports.
 Both need the API key when the server has one (like ``/v1``); their bodies are parsed and counted as the
 completion routes' are (:mod:`.bodies`: at most 2048 messages); their request models and errors are the
-wire contract's (:mod:`.protocol`: 400 for a body that has neither or both inputs, or a token id the
-tokenizer does not know; 404 for another model's name; 503 while the model loads).
+wire contract's (:mod:`.protocol`: 400 for a body that has neither or both inputs, a token id the
+tokenizer does not know, or more ids than the model's context; 404 for another model's name; 503 while
+the model loads).
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
         raise bad_request(exc, "messages") from None
 
 
+def _detokenize(tokenizer: Tokenizer, tokens: list[int]) -> str:
+    unknown = [t for t in tokens if not 0 <= t < tokenizer.vocab_size]
+    if unknown:
+        raise bad_request(f"tokens holds ids the tokenizer does not know: {unknown[:5]}", "tokens")
+    return tokenizer.decode(tokens)
+
+
 def tokenize_router() -> APIRouter:
     """``/tokenize`` and ``/detokenize``, behind the client key (as ``/v1``)."""
     router = APIRouter(dependencies=[Depends(check_key)])
@@ -68,11 +76,13 @@ def tokenize_router() -> APIRouter:
     @router.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         body = await bodies.parse(request, DetokenizeRequest)
-        tokenizer, _ = _tokenizer(request, body.model)
-        unknown = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
-        if unknown:
-            raise bad_request(f"tokens holds ids the tokenizer does not know: {unknown[:5]}", "tokens")
-        text = await prompts.off_loop(request.app.state.pool, tokenizer.decode, body.tokens)
+        tokenizer, max_model_len = _tokenizer(request, body.model)
+        if len(body.tokens) > max_model_len:  # a body's worth of ids would hold a pool thread seconds
+            raise bad_request(
+                f"tokens holds at most {max_model_len} ids (the model's context), got {len(body.tokens)}",
+                "tokens",
+            )
+        text = await prompts.off_loop(request.app.state.pool, _detokenize, tokenizer, body.tokens)
         return {"prompt": text}
 
     return router
