@@ -55,8 +55,8 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check kvtier tests
-	$(VENV)/bin/ruff format --check kvtier tests
+	$(VENV)/bin/ruff check kvtier tests benchmarks
+	$(VENV)/bin/ruff format --check kvtier tests benchmarks
 
 # kvtier vs HF transformers, side by side (a study: it runs from the checkout, not the installed package)
 bench: setup
