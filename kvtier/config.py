@@ -444,8 +444,8 @@ class EngineArgs:
     max_num_partial_prefills: int = field(
         default=1,
         metadata={
-            "help": "prompts left mid-prefill at once; prompts that finish within the step overtake "
-            "(0: no limit)"
+            "help": "prompts left mid-prefill at once; prompts that finish within the step overtake, and "
+            "one computing at most a quarter of --max-num-batched-tokens gets a short step (0: no limit)"
         },
     )
     kv_admission_factor: float = field(

@@ -12,10 +12,11 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
                     ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
                     ``max_num_batched_tokens``
     3. prefills     with ``max_num_partial_prefills`` = P > 0, a *short step* first when a waiting
-                    prompt needs at most SHORT_PROMPT_TOKENS (its prefix cached in the device pool or
-                    host tier not counted: an agent's next turn, a chat's short message): short
-                    prompts only, so their first token waits for one short step instead of a step
-                    full of others' chunks; never two short steps in a row. Otherwise:
+                    prompt needs at most SHORT_STEP_FRACTION of ``max_num_batched_tokens`` (its
+                    prefix cached in the device pool or host tier not counted: an agent's next
+                    turn, a chat's short message): short prompts only, so their first token waits
+                    for one short step instead of a step full of others' chunks; never two short
+                    steps in a row. Otherwise:
                       a. a prompt mid-prefill that got nothing for STARVE_STEPS steps takes its chunk,
                          then one waiting prompt that finishers behind it overtook for STARVE_STEPS
                          steps in a row (one too long to finish in a step, behind a stream of prompts
@@ -67,7 +68,7 @@ STARVE_STEPS = 4  # a prompt mid-prefill passed over this many steps in a row go
 # A request without max_tokens may run to max_model_len; the KV admission estimate counts it as this
 # many output tokens (at most what its context leaves), not the worst case.
 UNSPECIFIED_OUTPUT_TOKENS = 1024
-SHORT_PROMPT_TOKENS = 128
+SHORT_STEP_FRACTION = 0.25  # a short step holds at most this share of a full step's tokens
 
 
 @dataclass(frozen=True)
@@ -319,7 +320,7 @@ class Scheduler:
     def _short_lane(
         self, out: SchedulerOutput, budget: int, taken: set[str], prompts: list[Sequence]
     ) -> PrefillPlan | None:
-        """A step of short prompts only: prompts that need at most SHORT_PROMPT_TOKENS more (the cached
+        """A step of short prompts only: prompts that need at most ``short_prompt_tokens`` more (the cached
         prefix in the device pool or host tier not counted) finish in a step without anyone's long
         chunk, so their first token waits for one short step, not for a full one (nor for a long
         prompt's last chunk, when the time budget beside running decodes is smaller than theirs). Never
@@ -327,7 +328,8 @@ class Scheduler:
         if self._last_short_lane or self.config.max_num_partial_prefills == 0:  # 0: chunks in order
             self._last_short_lane = False
             return None
-        short = [s for s in self.waiting if self.uncached_tokens(s) <= SHORT_PROMPT_TOKENS]
+        most = self.short_prompt_tokens
+        short = [s for s in self.waiting if self.uncached_tokens(s) <= most]
         if not short:
             return None
         # the time budget beside the decodes may be smaller than a short prompt: a short step may be as
@@ -335,13 +337,18 @@ class Scheduler:
         # that equals --step-time-factor: streams first)
         widest = self.budget.prefill_tokens(len(taken), oldest_wait_s=math.inf)
         fair = FairOrder(short, self.running)
-        plan = PrefillPlan(self, out, max(budget, min(SHORT_PROMPT_TOKENS, widest)), taken, fair)
+        plan = PrefillPlan(self, out, max(budget, min(most, widest)), taken, fair)
         for seq in prompts:
-            if seq.num_remaining_tokens <= SHORT_PROMPT_TOKENS:
+            if seq.num_remaining_tokens <= most:
                 plan.continue_prompt(seq, must_finish=True)
         plan.admit_all(fair, must_finish=True)
         self._last_short_lane = bool(plan.scheduled)
         return plan if plan.scheduled else None
+
+    @property
+    def short_prompt_tokens(self) -> int:
+        """The most a prompt may compute to get a short step: a quarter of a full step (128 of 512)."""
+        return int(self.config.max_num_batched_tokens * SHORT_STEP_FRACTION)
 
     def uncached_tokens(self, seq: Sequence) -> int:
         """About how many tokens a waiting ``seq`` would compute: its prefix the device pool or the host
