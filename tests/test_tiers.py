@@ -351,7 +351,7 @@ def test_cuda_mover_copies_on_its_stream_from_pinned_memory() -> None:
 
 def test_the_schedulers_cheap_estimate_counts_host_hits_and_starts_no_read(tmp_path: Path) -> None:
     """A prompt whose blocks were evicted to the host tier (and one to disk) is mostly cached: the
-    scheduler's estimate (``num_device_prefix_blocks(host=True)``) counts the device and host hits, a
+    scheduler's estimate (``num_prefix_blocks``) counts the device and host hits, a
     pure lookup that reads nothing from disk; the device-only count (admission's KV estimate) is 0."""
     rig = Rig(tmp_path, host_blocks=2)
     rig.prefill("A", A)
@@ -362,7 +362,7 @@ def test_the_schedulers_cheap_estimate_counts_host_hits_and_starts_no_read(tmp_p
     rig.wait_for_disk()
     lookups = (rig.host.counters.lookups, rig.disk.counters.lookups)
     assert rig.kv.num_device_prefix_blocks(A, KEYS) == 0
-    assert rig.kv.num_device_prefix_blocks(A, KEYS, host=True) == 2  # blocks 0 and 1; block 2 is on disk
+    assert rig.kv.num_prefix_blocks(A, KEYS)[1] == 2  # blocks 0 and 1; block 2 is on disk
     assert rig.disk is not None and len(rig.disk.keys()) == 1
     assert not rig.tiers.has_pending_io  # nothing was read from disk for an estimate
     assert (rig.host.counters.lookups, rig.disk.counters.lookups) == lookups  # and counted nothing

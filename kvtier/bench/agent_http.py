@@ -220,8 +220,11 @@ class _ReplicaFlags(ReplicaSettings):
 def _replica_flags(ns: argparse.Namespace, remote_url: str | None) -> _ReplicaFlags:
     more = ["--max-num-batched-tokens", str(ns.max_num_batched_tokens)]
     more += ["--scheduling-policy", ns.scheduling_policy]
-    flags = (("--model", ns.model), ("--max-step-ms", ns.max_step_ms))
-    flags += (("--kv-retain-max-fraction", ns.kv_retain_max_fraction),)
+    flags = (
+        ("--model", ns.model),
+        ("--max-step-ms", ns.max_step_ms),
+        ("--kv-retain-max-fraction", ns.kv_retain_max_fraction),
+    )
     for flag, value in flags:
         if value is not None:
             more += [flag, str(value)]

@@ -144,22 +144,26 @@ class KVCacheManager:
             tuple(block_ids), num_computed_tokens, tuple(block_hashes), lower, len(token_ids), max_blocks
         )
 
-    def num_device_prefix_blocks(
-        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...], host: bool = False
-    ) -> int:
-        """Leading blocks of ``token_ids`` the device pool alone (``host``: then the host tier) could
-        serve now (a pure lookup, for the scheduler's estimates; a hit of this many blocks in every
-        group; a hybrid model's count is the device's)."""
+    def num_device_prefix_blocks(self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]) -> int:
+        """Leading blocks of ``token_ids`` the device pool alone could serve now (a pure lookup, for
+        the scheduler's estimates; a hit of this many blocks in every group)."""
+        return self.num_prefix_blocks(token_ids, extra_keys, host=False)[0]
+
+    def num_prefix_blocks(
+        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...], host: bool = True
+    ) -> tuple[int, int]:
+        """``num_device_prefix_blocks``, and the leading blocks the device pool then the host tier
+        hold (``host``; a pure lookup: starts no read, counts nothing; a hybrid model's: the device's)."""
         if not self.layout.is_dense:
             hit = find_group_hit(self.pool, self.layout, self.block_size, token_ids, extra_keys, None)
-            return hit.num_computed_tokens // self.block_size
+            return (hit.num_computed_tokens // self.block_size,) * 2
         block_ids, hashes = self._device_prefix(token_ids, extra_keys)
-        max_blocks = max(0, (len(token_ids) - 1) // self.block_size)
-        if not host or self.tiers is None or len(block_ids) == max_blocks:
-            return len(block_ids)
-        bs = self.block_size
+        n, bs = len(block_ids), self.block_size
+        max_blocks = max(0, (len(token_ids) - 1) // bs)
+        if not host or self.tiers is None or n == max_blocks:
+            return n, n
         extend_block_hashes(hashes, token_ids, bs, root_hash(extra_keys), max_blocks * bs)
-        return len(block_ids) + self.tiers.num_host_hits(hashes[len(block_ids) :])
+        return n, n + self.tiers.num_host_hits(hashes[n:])
 
     def _device_prefix(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]

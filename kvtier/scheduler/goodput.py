@@ -266,6 +266,10 @@ class Goodput:
         """The step begun at ``now`` holds ``batch`` sequences (0: an empty step, not timed)."""
         self._last_step = (now, batch) if batch else None
 
+    def starts_at_once(self, num_running: int, num_waiting: int, num_new: int) -> bool:
+        """Whether ``num_new`` new sequences would join the running batch at once (nobody queued)."""
+        return not num_waiting and num_running + num_new <= self.running_cap.cap()
+
     def predicted_wait_s(
         self,
         running_left: Sequence[int],
@@ -277,9 +281,9 @@ class Goodput:
         """How long ``num_new`` new sequences would wait to start (``running_left``: each running
         sequence's expected tokens to decode; ``waiting``: each waiting one's (prompt tokens left,
         expected output)); 0 when they would join the running batch at once."""
-        cap = self.running_cap.cap()
-        if not waiting and len(running_left) + num_new <= cap:
+        if self.starts_at_once(len(running_left), len(waiting), num_new):
             return 0.0
+        cap = self.running_cap.cap()
         step_s = self.step_times.recent or fallback_step_s
         wait = simulated_wait_s(list(running_left), list(waiting), cap, step_s, prefill_tokens_per_s, num_new)
         rate = self.starts.rate()

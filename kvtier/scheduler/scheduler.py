@@ -136,8 +136,8 @@ class Scheduler:
     # ----------------------------------------------------------------- admission and removal
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        seq.kv_cached_blocks = self.num_cached_device_blocks(seq.token_ids, seq.extra_keys)
-        seq.cached_prefix_blocks = self.kv.num_device_prefix_blocks(seq.token_ids, seq.extra_keys, host=True)
+        cached = self.kv.num_prefix_blocks(seq.token_ids, seq.extra_keys)  # device, device + host
+        seq.kv_cached_blocks, seq.cached_prefix_blocks = cached
         self.waiting.append(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
@@ -234,6 +234,8 @@ class Scheduler:
     def predicted_wait_s(self, num_new: int) -> float:
         """How long ``num_new`` new sequences would wait to start (goodput.py): 0 when they would
         join the running batch at once."""
+        if self.goodput.starts_at_once(len(self.running), len(self.waiting), num_new):
+            return 0.0
         return self.goodput.predicted_wait_s(
             [self._output_left(s) for s in self.running],
             [(s.num_remaining_tokens, self._output_left(s)) for s in self.waiting],
