@@ -182,6 +182,7 @@ class SchedulerConfig:
     step_time_factor: float = 2.5  # target step time in decode-only steps (grows with queue age)
     step_time_max_factor: float = 0.0  # the most it grows to; 0: MAX_FACTOR_GROWTH x step_time_factor
     max_num_partial_prefills: int = 1  # prompts left mid-prefill at once (0: no limit)
+    row_share_span: int = 0  # beside others an n > 1 request decodes 1/span of its rows a step (0: all)
     kv_admission_factor: float = 4.0  # the server's 503 above this many device pools of demand (0: off)
     # --- goodput under overload (kvtier/scheduler/goodput.py) ---
     # Off for the engine alone (an offline batch wants the biggest batch); kvtier serve turns them on.
@@ -281,6 +282,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             step_time_factor=args.step_time_factor,
             step_time_max_factor=args.step_time_max_factor,
             max_num_partial_prefills=args.max_num_partial_prefills,
+            row_share_span=args.row_share_span,
             kv_admission_factor=args.kv_admission_factor,
             max_itl_ms=args.max_itl_ms,
             itl_factor=args.itl_factor,
@@ -448,6 +450,14 @@ class EngineArgs:
             "one computing at most a quarter of --max-num-batched-tokens gets a short step (0: no limit)"
         },
     )
+    row_share_span: int = field(
+        default=0,
+        metadata={
+            "help": "while other requests share the engine, a request with n > 1 rows decodes "
+            "max(2, n / this) of them a step, rotating (on a CPU each row costs about a one-row "
+            "forward; measured in BENCHMARKS.md, --hostile); 0: every row every step"
+        },
+    )
     kv_admission_factor: float = field(
         default=4.0,
         metadata={
@@ -571,6 +581,8 @@ class EngineArgs:
                 f"step_time_max_factor must be 0 or >= step_time_factor ({self.step_time_factor}), "
                 f"got {self.step_time_max_factor}"
             )
+        if self.row_share_span < 0:
+            raise ConfigError(f"row_share_span must be >= 0, got {self.row_share_span}")
         if self.max_num_partial_prefills < 0:
             raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
         if not 0.0 <= self.kv_retain_max_fraction <= 1.0:

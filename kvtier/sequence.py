@@ -84,8 +84,10 @@ class Sequence:
     tenant: str = ""
     admitted_order: int | None = None  # when it last joined the running batch (recency for preemption)
     num_starved_steps: int = 0  # steps in a row a prompt (mid-prefill or waiting) got no tokens
+    num_yielded_steps: int = 0  # steps in a row a sibling row sat out beside other requests (fairness.py)
     kv_cached_blocks: int = 0  # device blocks its prompt found cached when it arrived (admission estimate)
-    cached_prefix_blocks: int = 0  # ...in the device pool or the host tier (the scheduler's cheap tests)
+    # ...in the device pool or the host tier (the scheduler's cheap tests; raised while a read is pending)
+    cached_prefix_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+import pytest
+
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sampling_params import SamplingParams
@@ -18,6 +20,8 @@ from kvtier.scheduler.admission import KVAdmission
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler, SchedulerOutput
 from kvtier.sequence import Sequence, SequenceStatus
+from kvtier.tiers.coordinator import TierCoordinator
+from kvtier.tiers.host import HostTier
 
 BLOCK = 16
 TOKEN = 7  # every sampled token; the EOS id is 0, so nothing stops early
@@ -63,6 +67,8 @@ class World:
         seconds = s.cost_model.step_seconds(len(out.decodes), prefill)
         self.clock[0] += seconds
         s.advance(out)
+        if s.kv.tiers is not None:
+            s.kv.tiers.complete_plan(out.swap)  # the copies "ran"
         for x in out.scheduled:
             if x.seq.request_id not in self.admitted:
                 self.admitted.append(x.seq.request_id)
@@ -81,11 +87,14 @@ class World:
         self.scheduler.kv.pool.check_integrity()
 
 
-def world(num_blocks: int = 1024, **config: object) -> World:
+def world(num_blocks: int = 1024, host_blocks: int = 0, block_bytes: int = 1, **config: object) -> World:
+    """A scheduler over a pool of ``num_blocks`` (and a host tier of ``host_blocks``: its copies are
+    bookkeeping only, no bytes move), whose cost model says a block is ``block_bytes``."""
     clock = [0.0]
-    cost = CostModel(block_bytes=1, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_s=DECODE_STEP_S)
+    cost = CostModel(block_bytes, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_s=DECODE_STEP_S)
     cfg = SchedulerConfig(max_model_len=num_blocks * BLOCK, **config)  # type: ignore[arg-type]
-    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True)
+    tiers = TierCoordinator(HostTier(host_blocks), [], "write_back") if host_blocks else None
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, tiers=tiers)
     return World(Scheduler(cfg, kv, [0], cost, clock=lambda: clock[0]), clock)
 
 
@@ -119,6 +128,90 @@ def test_story_a_long_prompt_never_stalls_eight_decoding_streams() -> None:
     old.request("long", 4000, 4)
     old.step()
     assert old.step_seconds[-1] > 1.0
+
+
+def _with_rows(w: World, rid: str, n: int, max_tokens: int) -> list[Sequence]:
+    """A request sampling ``n`` rows, forked after its prompt as the engine does (``Engine._seq_for``)."""
+    parent = w.request(rid, 32, max_tokens)
+    while parent.num_output_tokens == 0:
+        w.step()
+    rows = [parent]
+    for i in range(1, n):
+        prompt = parent.token_ids[:32]
+        child = Sequence(f"{rid}-{i}", rid, i, prompt, 32, parent.params, ("m", ""), 32 + max_tokens)
+        w.scheduler.fork(parent, child)
+        w.scheduler.append_token(child, TOKEN)  # its first token, sampled from the prompt's logits
+        rows.append(child)
+    return rows
+
+
+@pytest.mark.parametrize("policy", ["stall_free", "legacy"])
+def test_story_a_requests_sixteen_rows_take_a_share_of_each_step_while_others_run(policy: str) -> None:
+    """A request sampling n=16 rows, alone, decodes all 16 every step. Two chat streams start and a
+    chat's long prompt arrives: while others share the engine every step carries 4 of the 16 (the rows
+    that sat out longest, so each still moves at least every 4 steps), every stream, and the prompt's
+    chunk; one request's bulk does not lengthen everyone's steps. Alone again, all 16 decode. A request
+    with two rows is never held back. The same under both policies, with ``row_share_span`` 4 (by default,
+    0, every row decodes every step)."""
+    default = world(max_step_ms=150.0, scheduling_policy=policy)
+    _with_rows(default, "n16", 16, 400)
+    default.request("chat", 64, 30)
+    assert sum(x.seq.request_id == "n16" for x in default.step().decodes) == 16
+    w = world(max_step_ms=150.0, scheduling_policy=policy, row_share_span=4)
+    rows = _with_rows(w, "n16", 16, 400)
+    out = w.step()
+    assert sum(x.seq.request_id == "n16" for x in out.decodes) == 16  # alone: every row
+    streams = [w.request(f"chat{i}", 64, 30) for i in range(2)]
+    chat = w.request("chat", 1500, 4)  # about 8 steps of prompt chunks
+    moved_at: dict[str, list[int]] = {r.seq_id: [] for r in rows}
+    while chat.num_output_tokens == 0 or any(not s.status.finished for s in streams):
+        decoding = [s for s in streams if s.num_output_tokens and not s.status.finished]
+        out = w.step()
+        mine = [x.seq.seq_id for x in out.decodes if x.seq.request_id == "n16"]
+        assert len(mine) == 4
+        assert {x.seq.seq_id for x in out.decodes} >= {s.seq_id for s in decoding}  # streams: every step
+        for seq_id in mine:
+            moved_at[seq_id].append(len(w.steps))
+    for moved in moved_at.values():  # every row moved, at least every 4 steps
+        assert moved and all(b - a <= 4 for a, b in zip(moved, moved[1:], strict=False))
+    while not chat.status.finished:
+        w.step()
+    out = w.step()
+    assert sum(x.seq.request_id == "n16" for x in out.decodes) == 16  # alone again: every row
+    pair = _with_rows(w, "n2", 2, 50)
+    out = w.step()
+    assert {x.seq.seq_id for x in out.decodes} >= {r.seq_id for r in pair}
+    w.run()
+
+
+def test_story_a_prefix_loaded_from_the_host_tier_is_charged_to_its_step() -> None:
+    """A stream decodes. A 1,600-token prompt was computed and its tail pushed down to the host tier by
+    the next prompt (a decode replica's handoff looks like this once the blocks are read from Redis).
+    It returns with 16 new tokens, beside two short chats of 200 tokens. Its short step (512 tokens at
+    most) would hold its 16 tokens and both chats; but loading its host blocks takes as long as
+    computing ~230 tokens (5 MB blocks at 2 GB/s), so the step holds it and one chat: the step lasts
+    what its budget allows, not the budget plus the copy."""
+    w = world(num_blocks=160, host_blocks=400, block_bytes=5_000_000, max_step_ms=150.0)
+    _decoding(w, 1)
+    history = w.request("history", 1600, 1)
+    while history.num_output_tokens == 0:
+        w.step()
+    pusher = w.request("pusher", 1600, 1)
+    while pusher.num_output_tokens == 0:
+        w.step()
+    w.step()
+    returning = w.request("returning", 1616, 1, prefix=history.token_ids[:1600])
+    chats = [w.request(f"short{i}", 200, 4) for i in range(2)]
+    out = w.step()
+    loads = len(out.swap.loads)
+    assert loads >= 40 and returning.num_output_tokens == 1  # its tail came back from the host tier
+    charge = w.scheduler.cost_model.load_tokens(loads)
+    assert charge >= 200
+    admitted = [x.seq.request_id for x in out.prefills]
+    assert admitted == ["returning", "short0"], admitted
+    assert 16 + 400 <= 512 < 16 + charge + 400  # uncharged, the second chat would have fit
+    assert chats[1].num_output_tokens == 0
+    w.run()
 
 
 def test_story_without_decodes_a_prompt_takes_the_whole_token_budget() -> None:

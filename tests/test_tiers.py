@@ -12,9 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.config import SchedulerConfig
 from kvtier.kv.hashing import hash_full_blocks, root_hash
 from kvtier.kv.manager import KVCacheManager
 from kvtier.kv.plan import SwapPlan
+from kvtier.sampling_params import SamplingParams
+from kvtier.scheduler.preemption import CostModel
+from kvtier.scheduler.scheduler import Scheduler
+from kvtier.sequence import Sequence, SequenceStatus
 from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskBlockIO, DiskTier
@@ -366,3 +371,33 @@ def test_the_schedulers_cheap_estimate_counts_host_hits_and_starts_no_read(tmp_p
     assert rig.disk is not None and len(rig.disk.keys()) == 1
     assert not rig.tiers.has_pending_io  # nothing was read from disk for an estimate
     assert (rig.host.counters.lookups, rig.disk.counters.lookups) == lookups  # and counted nothing
+
+
+def test_a_prompt_held_back_for_a_read_counts_the_blocks_on_their_way_as_cached(tmp_path: Path) -> None:
+    """A's blocks went down to the host tier (two) and to disk (one), as in the first story. A returns:
+    the scheduler's cheap estimate at arrival counts the two host blocks; its first step starts the disk
+    read and holds it back, and from then on the estimate counts the block on its way too (so once read,
+    its one uncached token may take a short step, as a decode replica's handoff read from Redis does)."""
+    rig = Rig(tmp_path, host_blocks=3)
+    rig.prefill("A", A)
+    rig.kv.free("A")
+    for tag, prompt in (("X", None), ("Y", list(range(400, 405))), ("Z", None)):
+        if prompt is not None:
+            rig.prefill(tag, prompt)
+            rig.kv.free(tag)
+            continue
+        for i in range(4):  # one block each, one step each: the pool's blocks go down
+            rig.prefill(f"{tag}{i}", [300 + i] * 3)
+            rig.run_plan()
+        for i in range(4):
+            rig.kv.free(f"{tag}{i}")
+    rig.wait_for_disk()
+    assert rig.disk is not None and len(rig.disk.keys()) == 1
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), rig.kv, [0], CostModel(block_bytes=1))
+    seq = Sequence("A2-0", "A2", 0, list(A), len(A), SamplingParams(max_tokens=1), KEYS, 64)
+    scheduler.add(seq)
+    assert seq.cached_prefix_blocks == 2
+    out = scheduler.schedule()
+    assert not out.scheduled and seq.status is SequenceStatus.WAITING  # held back for the read
+    assert seq.cached_prefix_blocks == 3 and scheduler.uncached_tokens(seq) == 1
+    rig.wait_for_disk()

@@ -81,6 +81,7 @@ class SplitResult:
     itl_p50: float = float("nan")
     itl_p99: float = float("nan")
     long_ttft_p90: float = float("nan")
+    long_ttfts: list[float] = field(default_factory=list)  # each long prompt's, in arrival order (the JSON)
     output_tok_s: float = 0.0
     handoffs: int = 0
     handoff_overhead_s: float = float("nan")  # mean: prefill answered -> decode's first token
@@ -139,6 +140,7 @@ def _summarize(res: SplitResult, chats: list[Record], longs: list[Record], ns: a
     if itls:
         res.itl_p50, res.itl_p99 = percentile(itls, 0.5), percentile(itls, 0.99)
     ttfts = [r.ttft for r in ok_longs if r.ttft is not None]
+    res.long_ttfts = [round(t, 3) for t in ttfts]
     if ttfts:
         res.long_ttft_p90 = percentile(ttfts, 0.9)
     tokens = len(ok_chats) * ns.answer_tokens + len(ok_longs) * ns.long_answer_tokens

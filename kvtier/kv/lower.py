@@ -142,5 +142,9 @@ class LowerTiers(Protocol):
     def take_plan(self) -> SwapPlan:
         """The device↔host copies planned since the last call."""
 
+    @property
+    def num_planned_loads(self) -> int:
+        """Host → device loads planned since the last ``take_plan`` (the step's budget charges them)."""
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the tiers' books do not balance."""

@@ -519,6 +519,11 @@ class KVCacheManager:
             self.listener.blocks_removed(Medium.DEVICE, [key], group)
         return True
 
+    @property
+    def num_planned_loads(self) -> int:
+        """Host → device block loads this step's plan holds so far (every KV group's)."""
+        return self.tiers.num_planned_loads if self.tiers is not None else 0
+
     def end_schedule_step(self) -> SwapPlan:
         """The swap plan accumulated since the last call: the scheduler takes it once per step."""
         return self.tiers.take_plan() if self.tiers is not None else SwapPlan()

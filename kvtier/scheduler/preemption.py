@@ -10,6 +10,9 @@ The step-time budget (``budget.py``) predicts a step from the same model::
     step_seconds(num_decodes, num_prefill_tokens) = decode_step_s (when num_decodes > 0)
                                                   + num_prefill_tokens / prefill_tokens_per_s
 
+and a prefix loaded from the host tier costs its copy (``load_tokens``: the prompt tokens computed in
+the same time), charged to the budget of the step that loads it.
+
 All rates are measured by the engine as it runs (exponential moving averages, seeded with
 conservative guesses until the first measurements arrive): a decode-only step updates
 ``decode_step_s``; the prefill rate is the *marginal* one, what prompt tokens add to a step::
@@ -26,6 +29,7 @@ tokens would make prefill look several times slower than it is beside decodes. T
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,6 +82,12 @@ class CostModel:
         """The predicted duration of a step."""
         decode_s = self.decode_step_s if num_decodes else 0.0
         return decode_s + num_prefill_tokens / self.prefill_tokens_per_s
+
+    def load_tokens(self, num_blocks: int) -> int:
+        """The prompt tokens whose compute takes as long as loading ``num_blocks`` blocks host → device
+        (what a step's time budget charges for a loaded prefix: a handoff's, a retained turn's)."""
+        seconds = num_blocks * self.block_bytes / self.transfer_bytes_per_s
+        return math.ceil(seconds * self.prefill_tokens_per_s)
 
     def swap_seconds(self, num_blocks: int) -> float:
         return 2 * num_blocks * self.block_bytes / self.transfer_bytes_per_s

@@ -41,6 +41,8 @@ class PrefillPlan:
         self.stopped = False  # the pool or max_num_seqs is full: no more admissions this step
         self._too_long: list[str] = []  # waiting prompts the finishers' pass skipped: they cannot finish
         self.overtaken: set[str] = set()  # ...and a finisher after them in order was admitted
+        # Beside decodes (a timed step) a loaded prefix's copy takes step time: charged to the budget.
+        self.charges_loads = bool(taken) and scheduler.config.max_step_ms > 0
 
     def _take(self, seq: Sequence, num_new: int) -> None:
         self.scheduled.append(self.s.entry(seq, num_new))
@@ -79,6 +81,7 @@ class PrefillPlan:
                 passed.append(seq)  # cheap test first: its prompt cannot finish in this step
                 self._too_long.append(seq.seq_id)
                 continue
+            loads = s.kv.num_planned_loads
             try:
                 num_new = s.admit(seq, self.budget, must_finish)
             except PoolFull:
@@ -89,6 +92,8 @@ class PrefillPlan:
                 passed.append(seq)
                 continue
             self._take(seq, num_new)
+            if self.charges_loads:  # its prefix's loads (never held against itself: it is admitted)
+                self.budget -= s.cost_model.load_tokens(s.kv.num_planned_loads - loads)
             self.fair.admitted(seq)
             if must_finish:
                 self.overtaken.update(self._too_long)

@@ -4,9 +4,12 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
 
 **stall_free** (Sarathi-Serve's stall-free batching, vLLM's chunked prefill)::
 
-    1. decodes      every running sequence that decodes gets its 1 token, first, always (best
-                    priority, then oldest admission first); if the pool cannot grow one, the worst
-                    running sequence (largest priority value, then the latest admitted) is preempted
+    1. decodes      every running sequence that decodes gets its 1 token, first (best priority,
+                    then oldest admission first); if the pool cannot grow one, the worst running
+                    sequence (largest priority value, then the latest admitted) is preempted. With
+                    ``row_share_span`` (off by default), while other requests share the engine a
+                    request with many rows (n > 1) decodes a share of them a step, rotating
+                    (``fairness.py``)
     2. budget       prefill tokens = what the measured cost model says fits beside those decodes in
                     a target step time: ``step_time_factor`` decode-only steps (at least
                     ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
@@ -30,7 +33,8 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
 
 **legacy** (the first scheduler, before step budgets and fair order): one fixed token budget; running
 sequences in admission order take 1 token or their next chunk (a long prompt's 2,048-token chunk
-shares the step with every decode), then waiting ones in arrival order.
+shares the step with every decode), then waiting ones in arrival order. A request's many rows take
+their share (``row_share_span``) as in stall_free.
 
 In both, preemption either *swaps* the sequence's KV to the host tier (loaded back when it resumes)
 or drops its blocks to be *recomputed* later (usually mostly from the prefix cache);
@@ -58,7 +62,7 @@ from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
-from kvtier.scheduler.fairness import FairOrder, run_order_key, victim_key
+from kvtier.scheduler.fairness import FairOrder, run_order_key, sibling_share, victim_key
 from kvtier.scheduler.goodput import Goodput
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.prefill_plan import PoolFull, PrefillPlan, passed_over
@@ -258,8 +262,13 @@ class Scheduler:
         return max(0.0, self.clock() - min(arrivals)) if arrivals else 0.0
 
     def _schedule_decodes(self, out: SchedulerOutput) -> list[ScheduledSeq]:
-        """Every decoding sequence's token, best first; growing one may preempt the worst others."""
-        decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
+        """Every decoding sequence's token, best first; growing one may preempt the worst others. Beside
+        other requests, a request's many rows (n > 1) decode a share of them (``fairness.sibling_share``)."""
+        sitting_out = self._sitting_out()
+        decoding = sorted(
+            (s for s in self.running if s.num_remaining_tokens == 1 and s.seq_id not in sitting_out),
+            key=run_order_key,
+        )
         scheduled: list[ScheduledSeq] = []
         taken: set[str] = set()
         for seq in decoding[: self.config.max_num_batched_tokens]:
@@ -267,6 +276,22 @@ class Scheduler:
                 scheduled.append(self.entry(seq, 1))
                 taken.add(seq.seq_id)
         return scheduled
+
+    def _shared(self) -> bool:
+        """Whether more than one request has work now (waiting, prefilling or decoding)."""
+        return bool(self.waiting) or len({s.request_id for s in self.running}) > 1
+
+    def _sitting_out(self) -> set[str]:
+        """The sibling rows that sit this step out while other requests share the engine (fairness.py);
+        each is counted (the longest out go first next time). Call once per step."""
+        span = self.config.row_share_span
+        if span <= 0 or not self._shared():
+            return set()
+        decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
+        sitting_out = sibling_share(decoding, span)[1]
+        for seq in sitting_out:
+            seq.num_yielded_steps += 1
+        return {s.seq_id for s in sitting_out}
 
     def _allocate(self, seq: Sequence, num_new: int, out: SchedulerOutput, taken: set[str]) -> bool:
         """Grow ``seq``'s table by ``num_new`` slots, preempting the worst running sequences not yet
@@ -380,7 +405,11 @@ class Scheduler:
                 else self.kv.get_computed_blocks(seq.token_ids, seq.extra_keys)
             )
             if computed.lower.num_pending_blocks and self._waits_for_disk(seq):
-                return None  # its prefix is being read from disk; the next ones may go first
+                # its prefix is being read (disk, Redis: a handoff's); the next ones may go first. Once
+                # read, the cheap tests count it cached: its rest may then get a short step.
+                hit = computed.num_computed_tokens // self.kv.block_size + computed.lower.num_pending_blocks
+                seq.cached_prefix_blocks = max(seq.cached_prefix_blocks, hit)
+                return None
             rest = seq.num_tokens - computed.num_computed_tokens
             num_new = min(rest, budget)
             if must_finish and num_new < rest:
@@ -410,9 +439,13 @@ class Scheduler:
         """The first scheduler: one fixed token budget, admission order."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        sitting_out = self._sitting_out()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.seq_id in sitting_out:
+                i += 1
+                continue
             num_new = self._legacy_chunk(seq, min(seq.num_remaining_tokens, budget))
             while not self.kv.allocate_slots(
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new, extra_keys=seq.extra_keys
@@ -479,6 +512,7 @@ class Scheduler:
         return self._fit_chunk(num_new, must_finish, allocate)
 
     def entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        seq.num_yielded_steps = 0
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.block_tables(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:

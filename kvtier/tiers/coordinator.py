@@ -357,6 +357,10 @@ class TierCoordinator:
         ):
             self.store(block_id, key, group)
 
+    @property
+    def num_planned_loads(self) -> int:
+        return len(self._plan.loads)
+
     def take_plan(self) -> SwapPlan:
         plan, self._plan = self._plan, SwapPlan()
         return plan
