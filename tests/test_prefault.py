@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import time
@@ -24,7 +25,10 @@ def resident_bytes() -> int:
 
 
 def test_a_calloc_pool_is_mapped_without_changing_a_byte() -> None:
-    pool = torch.from_numpy(np.zeros(128 * MB, dtype=np.uint8))  # as kv_quant._zeros: zero pages
+    # As kv_quant._zeros: zero pages, never touched. A fresh anonymous mapping guarantees that here: a
+    # long test process's calloc may reuse heap pages it zeroes, already resident (CI on one machine).
+    area = mmap.mmap(-1, 128 * MB)
+    pool = torch.frombuffer(area, dtype=torch.uint8)
     pool[5 * MB : 5 * MB + 3] = torch.tensor([7, 8, 9], dtype=torch.uint8)  # a block the engine wrote
     before = resident_bytes()
     if not populate_write(pool):
