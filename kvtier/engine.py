@@ -49,6 +49,7 @@ from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
 from kvtier.row_faults import contain
 from kvtier.sampling_params import SamplingParams
+from kvtier.scheduler.inspection import describe_requests
 from kvtier.scheduler.scheduler import SchedulerOutput
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.stats import EngineStats, KVGroupUsage, Medium
@@ -456,12 +457,12 @@ class LLMEngine:
 
     def describe(self, limit: int) -> dict[str, Any]:
         """The live view of a dashboard: each device block's state and up to ``limit`` running and
-        waiting sequences (``Scheduler.describe``). Call between steps (``AsyncEngine.call``)."""
+        waiting sequences (``scheduler/inspection.py``). Call between steps (``AsyncEngine.call``)."""
         return {
             "replica_id": self.replica_id,
             "block_size": self.kv.block_size,
             "block_states": self.kv.block_map(),
-            "requests": self.scheduler.describe(limit),
+            "requests": describe_requests(self.scheduler, limit),
         }
 
     # ------------------------------------------------------------------------------ stats

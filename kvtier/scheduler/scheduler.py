@@ -7,9 +7,9 @@ Two policies (``scheduling_policy``); each ``schedule()`` builds one step.
     1. decodes      every running sequence that decodes gets its 1 token, first (best priority,
                     then oldest admission first); if the pool cannot grow one, the worst running
                     sequence (largest priority value, then the latest admitted) is preempted. With
-                    ``row_share_span`` (off by default), while other requests share the engine a
-                    request with many rows (n > 1) decodes a share of them a step, rotating
-                    (``fairness.py``)
+                    ``row_share_span`` (0 offline, 8 in ``kvtier serve``), while other requests share
+                    the engine a request with many rows (n > 1) decodes a share of them a step,
+                    rotating (``fairness.py``)
     2. budget       prefill tokens = what the measured cost model says fits beside those decodes in
                     a target step time: ``step_time_factor`` decode-only steps (at least
                     ``max_step_ms``), widened while the oldest prompt waits (``budget.py``), capped by
@@ -56,7 +56,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.config import SchedulerConfig
 from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
@@ -567,31 +566,6 @@ class Scheduler:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     # ------------------------------------------------------------------------- inspection
-    def describe(self, limit: int) -> dict[str, Any]:
-        """Up to ``limit`` running and waiting sequences, one row each (what they hold, what each tier
-        served them), and the whole counts: for a dashboard (call it on the engine thread)."""
-        now = self.clock()
-        return {
-            "running": [self._row(s, now) for s in self.running[:limit]],
-            "waiting": [self._row(s, now) for s in itertools.islice(self.waiting, limit)],
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-        }
-
-    def _row(self, seq: Sequence, now: float) -> dict[str, Any]:
-        return {
-            "seq_id": seq.seq_id,
-            "status": seq.status.value,
-            "prompt_tokens": seq.num_prompt_tokens,
-            "output_tokens": seq.num_output_tokens,
-            "computed_tokens": seq.num_computed_tokens,
-            "cached_tokens": seq.num_cached_tokens,
-            "cached_tokens_by_tier": {str(m): n for m, n in seq.cached_tokens_by_tier.items() if n},
-            "preemptions": seq.num_preemptions,
-            "swapped": self.kv.is_swapped(seq.seq_id),
-            "age_s": max(0.0, now - seq.arrival_time),
-        }
-
     def waiting_weight(self) -> int:
         """Sequences waiting to start, a prompt that will fork into ``n`` counting ``n``."""
         return sum(seq.params.n if seq.forks_on_prompt_done else 1 for seq in self.waiting)
