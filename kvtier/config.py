@@ -455,7 +455,8 @@ class EngineArgs:
         metadata={
             "help": "while other requests share the engine, a request with n > 1 rows decodes "
             "max(2, n / this) of them a step, rotating (on a CPU each row costs about a one-row "
-            "forward; measured in BENCHMARKS.md, --hostile); 0: every row every step"
+            "forward; measured in BENCHMARKS.md, --hostile); 0: every row every step "
+            "(default: 0 offline, 8 for kvtier serve)"
         },
     )
     kv_admission_factor: float = field(
@@ -478,7 +479,7 @@ class EngineArgs:
         metadata={
             "help": "without --max-itl-ms: the step-time target in lone-sequence steps (measured); "
             "0: no cap on the running batch but --max-num-seqs "
-            "(default: 0 offline, 6 for kvtier serve)"
+            "(default: 0 offline, 10 for kvtier serve)"
         },
     )
     max_queue_wait_s: float = field(

@@ -14,15 +14,16 @@ another tenant's 2, which therefore never wait for the whole burst. Within a ten
 (:func:`victim_key`): the largest priority value first, then the most recently admitted.
 
 A request's *sibling rows* (its ``n > 1`` sequences) may share the engine with other requests: with
-``row_share_span`` = S > 0 (off by default), while another request waits, prefills or decodes, a
-request decodes at most ``max(SIBLING_FREE_ROWS, ceil(rows / S))`` of its rows a step
+``row_share_span`` = S > 0 (0 offline, 8 in ``kvtier serve``), while another request waits, prefills
+or decodes, a request decodes at most ``max(SIBLING_FREE_ROWS, ceil(rows / S))`` of its rows a step
 (:func:`sibling_share`), the rows that sat out longest first, so each row still moves at least every S
 steps; alone, it decodes every row. On a CPU each row costs about a one-row forward, so the share
 spreads one request's bulk over more, shorter steps. Measured (``kvtier bench serve --hostile``, a
-``guided_choice`` with ``n=16`` every 3 s, 150 requests): the other users' TTFT p90 1.71x the clean
-run's with S = 4 against 1.79x without, within the noise, and their ITL p90 95 ms against 76 (the
-request lives 4x longer); with S = 4 and no running cap (``--itl-factor 0``), 1.13x. Hence off.
-Torch-free.
+``guided_choice`` with ``n=16`` every 3 s among 150 normal requests; BENCHMARKS.md): with the
+server's running cap at ``--itl-factor 6`` the other users' TTFT p90 was 1.7-1.8x the clean run's
+with or without the share (the rows kept the steps over the cap's target, so it shrank and queued
+them); with the cap's target at 10 lone steps, 1.29x at S = 4 and 1.08-1.14x at S = 8 (2 of the 16
+rows a step). Torch-free.
 """
 
 from __future__ import annotations

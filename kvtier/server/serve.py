@@ -31,9 +31,17 @@ if TYPE_CHECKING:
 
 
 # Engine defaults of a server that differ from the engine's own (an offline batch wants the biggest
-# batch; a server keeps finishing requests past its capacity: kvtier/scheduler/goodput.py).
+# batch; a server keeps finishing requests past its capacity, kvtier/scheduler/goodput.py, and one
+# request's many rows do not stretch everyone's steps, kvtier/scheduler/fairness.py). The ITL target is
+# 10 lone steps, not 6: on a 2-core CPU a stream of hostile requests' parsing and rows kept the steps
+# just over 6 and the cap queued everyone's requests (BENCHMARKS.md, --hostile and bench-overload).
 SCHEDULING_FLAGS = ("scheduling_policy", "step_time_factor", "step_time_max_factor")
-SERVE_ENGINE_DEFAULTS = {"itl_factor": 6.0, "max_queue_wait_s": 10.0, **dict.fromkeys(SCHEDULING_FLAGS)}
+SERVE_ENGINE_DEFAULTS = {
+    "itl_factor": 10.0,
+    "max_queue_wait_s": 10.0,
+    "row_share_span": 8,
+    **dict.fromkeys(SCHEDULING_FLAGS),
+}
 # A decode replica exists to keep streams smooth: its prompts are handed-off tails and short chats,
 # and under legacy's fixed token budget a few of those in one step stretched every stream's gap 3-4x
 # (kvtier bench disagg); stall_free with steps of at most 1.5 decode-only steps, never widened.
