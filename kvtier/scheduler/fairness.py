@@ -78,10 +78,9 @@ class FairOrder:
         self.running[seq.tenant] += 1
 
 
-def sibling_share(decoding: list[Sequence], span: int) -> tuple[list[Sequence], list[Sequence]]:
-    """Split ``decoding`` (in run order) into the rows that decode in a step shared with other requests
-    and the sibling rows that sit out this step (``span``: ``row_share_span``, see the module
-    docstring); the order within each is kept."""
+def sibling_share(decoding: list[Sequence], span: int) -> list[Sequence]:
+    """The sibling rows of ``decoding`` (in run order) that sit out a step shared with other requests
+    (``span``: ``row_share_span``, see the module docstring), in run order; the rest decode."""
     rows: dict[str, list[Sequence]] = {}
     for seq in decoding:
         rows.setdefault(seq.request_id, []).append(seq)
@@ -90,4 +89,4 @@ def sibling_share(decoding: list[Sequence], span: int) -> tuple[list[Sequence], 
         share = max(SIBLING_FREE_ROWS, math.ceil(len(siblings) / span))
         longest_out = sorted(siblings, key=lambda s: -s.num_yielded_steps)  # stable: run order on ties
         out.update(s.seq_id for s in longest_out[share:])
-    return [s for s in decoding if s.seq_id not in out], [s for s in decoding if s.seq_id in out]
+    return [s for s in decoding if s.seq_id in out]

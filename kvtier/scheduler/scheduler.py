@@ -263,11 +263,10 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> list[ScheduledSeq]:
         """Every decoding sequence's token, best first; growing one may preempt the worst others. Beside
         other requests, a request's many rows (n > 1) decode a share of them (``fairness.sibling_share``)."""
-        sitting_out = self._sitting_out()
-        decoding = sorted(
-            (s for s in self.running if s.num_remaining_tokens == 1 and s.seq_id not in sitting_out),
-            key=run_order_key,
-        )
+        decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
+        sitting_out = self._sitting_out(decoding)
+        if sitting_out:
+            decoding = [s for s in decoding if s.seq_id not in sitting_out]
         scheduled: list[ScheduledSeq] = []
         taken: set[str] = set()
         for seq in decoding[: self.config.max_num_batched_tokens]:
@@ -280,14 +279,16 @@ class Scheduler:
         """Whether more than one request has work now (waiting, prefilling or decoding)."""
         return bool(self.waiting) or len({s.request_id for s in self.running}) > 1
 
-    def _sitting_out(self) -> set[str]:
+    def _sitting_out(self, decoding: list[Sequence] | None = None) -> set[str]:
         """The sibling rows that sit this step out while other requests share the engine (fairness.py);
-        each is counted (the longest out go first next time). Call once per step."""
+        each is counted (the longest out go first next time). ``decoding``: the decoding rows in run
+        order, when the caller has them. Call once per step."""
         span = self.config.row_share_span
         if span <= 0 or not self._shared():
             return set()
-        decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
-        sitting_out = sibling_share(decoding, span)[1]
+        if decoding is None:
+            decoding = sorted((s for s in self.running if s.num_remaining_tokens == 1), key=run_order_key)
+        sitting_out = sibling_share(decoding, span)
         for seq in sitting_out:
             seq.num_yielded_steps += 1
         return {s.seq_id for s in sitting_out}
