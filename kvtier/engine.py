@@ -61,6 +61,7 @@ PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
 Failure = tuple[Sequence, RowError]  # (the sequence whose row sampled, why it could not)
 TIER_WAIT_S = 0.05  # how long a step with nothing to run waits for a lower-tier read
+STORE_CHECK_S = 1.0  # how often an idle engine asks a shared store (Redis) whether it restarted empty
 
 
 class LLMEngine:
@@ -97,6 +98,9 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._num_retained_hit_tokens = 0  # prompt tokens read from the cache within a retention
         self._closed = False
+        # time.monotonic() of the next idle look at the shared stores (inf: no tier below the host)
+        below_host = self.tiers is not None and bool(self.tiers.external)
+        self._next_store_check = time.monotonic() + STORE_CHECK_S if below_host else float("inf")
 
     @property
     def max_model_len(self) -> int:
@@ -410,16 +414,31 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ idle work
     @property
     def has_tier_work(self) -> bool:
-        """Copies the last step planned, or tier reads and writes in flight (``settle_tiers``)."""
-        return self.tiers is not None and self.tiers.has_pending_work
+        """Copies the last step planned, tier reads and writes in flight, or a look at the shared
+        stores due (``settle_tiers``)."""
+        return self.tiers is not None and (self.tiers.has_pending_work or self.store_check_in() == 0.0)
+
+    def store_check_in(self) -> float | None:
+        """Seconds until an idle engine looks at its shared stores again (0.0: due); None: it has none."""
+        if self._next_store_check == float("inf"):
+            return None
+        return max(0.0, self._next_store_check - time.monotonic())
 
     def settle_tiers(self) -> None:
         """With no request to step: run the copies the last step planned and apply finished reads and
         writes. A finished prompt's last blocks become full in its last step; their copies to the host
         tier, and from there to the disk and remote tiers, would otherwise wait for this replica's next
-        request, and other replicas (and a router) would not see them meanwhile."""
-        if not self.has_unfinished_requests():
-            self.step()  # nothing to schedule: the step runs the planned copies and polls the tiers
+        request, and other replicas (and a router) would not see them meanwhile.
+
+        Every ``STORE_CHECK_S`` it also asks a shared store whether it restarted: an idle replica would
+        otherwise notice only at its next request, and until then go on announcing the blocks the
+        restart emptied (a router counts them as cheap hits) and not write its host blocks there again."""
+        if self.has_unfinished_requests():
+            return
+        if self.tiers is not None and self.store_check_in() == 0.0:
+            has_stores = self.tiers.check_stores()
+            self._next_store_check = time.monotonic() + STORE_CHECK_S if has_stores else float("inf")
+        self.step()  # nothing to schedule: the step runs the planned copies and polls the tiers
 
     @property
     def has_idle_work(self) -> bool:

@@ -4,6 +4,7 @@ output equals a run with no tiers, and the statistics prove the remote tier real
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import time
@@ -179,3 +180,37 @@ def test_story_a_restarted_redis_gets_the_host_tiers_blocks_again(
     assert reader.stats().tiers[Medium.REMOTE].hit_blocks > 0  # served from the blocks written again
     reader.close()
     client.close()
+
+
+def test_story_an_idle_replica_notices_a_restarted_redis_by_itself(
+    redis_server: RedisServer, converted_default_model: Any
+) -> None:
+    """Nobody asks this time: no request, no router's snapshot. The server's engine loop, idle, looks at
+    the store every second (``STORE_CHECK_S``): it sees the new run_id, forgets the blocks it had
+    announced there (a router would otherwise count them as cheap hits) and writes its host blocks again."""
+    import redis
+
+    from kvtier.server.async_engine import AsyncEngine
+
+    writer = _engine(redis_server.url)
+    _generate_all(writer, prompts_for("idle"))
+    _settle(writer)
+    held = len(writer.tiers.host.held_keys())
+    server = AsyncEngine(lambda: writer)  # the loop `kvtier serve` runs, with nothing to do
+    loop = asyncio.new_event_loop()
+    server.start(loop)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert server.wait_ready(60)
+        redis_server.kill()
+        redis_server.start()  # the same port, empty
+        deadline = time.monotonic() + 15
+        while (in_store := sum(1 for _ in client.scan_iter(match="kvtier:v1:*"))) < held:
+            assert time.monotonic() < deadline, f"{in_store} of {held} host blocks written again"
+            time.sleep(0.1)
+        stats = server.stats
+        assert stats is not None and stats.tiers[Medium.REMOTE].used_blocks <= in_store
+    finally:
+        server.shutdown()
+        loop.close()
+        client.close()

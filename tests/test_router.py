@@ -407,14 +407,28 @@ def test_a_restarted_router_routes_by_cache_within_5_s(cluster: dict[str, Any]) 
     wait_for(lambda: all(r["indexed_blocks"]["remote"] > 0 for r in state(router)["replicas"]), 5)
 
 
+def remote_blocks_used(replica: Proc) -> int:
+    """The blocks ``replica`` knows in the shared tier (its ``/metrics``): what it announced there."""
+    text = httpx.get(replica.url + "/metrics", timeout=5).text
+    found = re.search(r'^kvtier:tier_used_blocks\{[^}]*tier="remote"[^}]*\} (\S+)$', text, re.M)
+    assert found, "no remote tier in the replica's /metrics"
+    return int(float(found.group(1)))
+
+
 def test_story_a_restarted_redis_is_empty_and_the_router_knows(cluster: dict[str, Any]) -> None:
-    """Redis dies and comes back empty. A prefix whose blocks only the shared tier held is no longer a
-    cheap hit everywhere: the router forgets the remote blocks, and sends the conversation home."""
+    """Redis dies and comes back empty while nobody sends a request. Within seconds each replica notices
+    (it asks the store every second when idle), forgets what it had announced there and writes its host
+    tier's blocks again; the router forgets the remote blocks too. From then on the router counts, for
+    each replica, exactly the blocks the replica knows in the new Redis, and the store holds them: never
+    a stale cheap hit. The conversation goes home: its own tiers hold it."""
+    import redis as redis_py
+
     router, replicas, redis = cluster["router"], cluster["replicas"], cluster["redis"]
     body = chat(long_system("outage"), "Where do I live?")
     assert post(replicas[1].url, body).status_code == 200
     wait_for(lambda: explain(router, body)["cached_tokens"] > 0, 5)
     wait_for(lambda: replica_state(router, replicas[1])["indexed_blocks"]["remote"] > 0, 5)
+    wait_for(lambda: remote_blocks_used(replicas[1]) > 0, 5)
     redis.kill()
     redis.start()
     wait_for(
@@ -424,8 +438,21 @@ def test_story_a_restarted_redis_is_empty_and_the_router_knows(cluster: dict[str
         ),
         20,
     )
-    wait_for(lambda: all(r["indexed_blocks"]["remote"] == 0 for r in state(router)["replicas"]), 5)
-    assert goes_to(router, body, replicas[1])  # its own tiers hold it; nobody else does now
+    store = redis_py.Redis.from_url(redis.url)
+
+    def true_to_the_store() -> bool:
+        in_store = sum(1 for _ in store.scan_iter(match="kvtier:v1:*"))
+        for replica in replicas:
+            indexed = replica_state(router, replica)["indexed_blocks"]["remote"]
+            if not indexed == remote_blocks_used(replica) <= in_store:
+                return False
+        return True
+
+    try:
+        wait_for(true_to_the_store, 10)
+    finally:
+        store.close()
+    assert goes_to(router, body, replicas[1])  # its own tiers hold it
     assert post(router.url, body).headers["x-kvtier-replica"] == replicas[1].url
 
 

@@ -254,6 +254,12 @@ class ExternalTier(KVTier):
     def tick(self) -> None:
         """Periodic upkeep, called once per engine step (``TierCoordinator.poll``). Default: nothing."""
 
+    def check_store(self) -> bool:
+        """Ask a shared store whether it restarted empty while this engine had nothing to ask it (an
+        idle replica calls this every ``STORE_CHECK_S``, ``LLMEngine.settle_tiers``); the next
+        ``tick`` then forgets what it held. False: a local tier, nothing to ask (the default)."""
+        return False
+
     def close(self) -> None:
         """Release what the tier holds outside its bookkeeping (connections, threads); after the
         worker has finished. Default: nothing."""

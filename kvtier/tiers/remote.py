@@ -299,6 +299,10 @@ class RemoteTier(ExternalTier):
     def accepting(self) -> bool:
         return self.available
 
+    def check_store(self) -> bool:
+        self.store.check_instance(every_s=0.0)  # the caller keeps the pace
+        return True
+
     def lookup(self, keys: Sequence[BlockKey], group: int = 0) -> int:
         """Leading ``keys`` known or found in the store; a key found is taken as KV group ``group``'s
         (its reader checks the header)."""

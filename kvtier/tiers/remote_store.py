@@ -141,12 +141,13 @@ class RemoteStore:
     def _probe(self) -> None:
         self.lookup.ping()
 
-    def check_instance(self) -> None:
+    def check_instance(self, every_s: float | None = None) -> None:
         """Notice a store that restarted between two of our commands (nothing failed, yet it came back
-        empty): at most every ``INSTANCE_CHECK_S``, compare its ``run_id`` with the last one seen; a new
-        one counts as an outage, so the keys known to be there are forgotten."""
+        empty): at most every ``every_s`` (``INSTANCE_CHECK_S``), compare its ``run_id`` with the last
+        one seen; a new one counts as an outage, so the keys known to be there are forgotten."""
         now = time.monotonic()
-        if not self._instance_checks or now - self._instance_checked < INSTANCE_CHECK_S:
+        every_s = INSTANCE_CHECK_S if every_s is None else every_s
+        if not self._instance_checks or now - self._instance_checked < every_s:
             return
         self._instance_checked = now
         if not self.breaker.allow():
