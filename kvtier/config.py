@@ -6,7 +6,7 @@ Each record is owned by one layer of the engine:
 * ``CacheConfig``     — the device block pool (block size, how many blocks, prefix caching).
 * ``SchedulerConfig`` — continuous batching limits (token budget, sequences per step, model length).
 * ``TierConfig``      — the tiers under the device pool (host memory, disk) and their sizes.
-* ``EngineArgs``      — what a user passes to ``LLM(...)`` or the CLI.
+* ``EngineArgs``      — what a user passes to ``LLM(...)`` or the CLI (checked by ``kvtier.config_checks``).
 
 ``resolve_engine_config(args, model)`` turns ``EngineArgs`` and a ``ModelConfig`` into an
 ``EngineConfig`` holding the other records: pool sizes in blocks, the capped ``max_model_len``. It is
@@ -17,16 +17,15 @@ and its tests stay torch-free.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# ConfigError and check_choice live with the checks; every module imports them from here
+from kvtier.config_checks import ConfigError as ConfigError
+from kvtier.config_checks import check_choice as check_choice
+from kvtier.config_checks import check_engine_args
 from kvtier.kv import groups
-from kvtier.kv_events import check_replica_id
-
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
@@ -47,18 +46,6 @@ AttentionBackend = Literal["auto", "torch", "c", "triton"]
 DEFAULT_KV_DEVICE_GB = 1.0
 # A layer's attention kind, as HF's ``layer_types`` names it (ModelConfig.layer_types).
 LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class ConfigError(ValueError):
-    """A user-facing configuration or input error (printed as one line by the CLI, a 400 by the API)."""
-
-
-def check_choice(name: str, value: object, choices: Any) -> None:
-    """Raise ``ConfigError`` unless ``value`` is one of a ``Literal`` type's values (or a sequence)."""
-    allowed = typing.get_args(choices) or tuple(choices)
-    if value not in allowed:
-        listed = ", ".join(str(c) for c in allowed[:-1]) + f" or {allowed[-1]}"
-        raise ConfigError(f"{name} must be {listed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -520,101 +507,5 @@ class EngineArgs:
     )
 
     def validate(self) -> None:
-        """ConfigError naming the first bad argument (fields with a ``Literal`` type or a float are
-        checked from their annotation)."""
-        hints = typing.get_type_hints(EngineArgs)
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.kv_device_blocks is not None and self.kv_device_blocks < 2:
-            raise ConfigError(f"kv_device_blocks must be at least 2, got {self.kv_device_blocks}")
-        for name, hint in hints.items():
-            value = getattr(self, name)
-            if float in (hint, *typing.get_args(hint)) and value is not None and not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number, got {value}")
-        if self.kv_device_gb is not None and self.kv_device_gb <= 0:
-            raise ConfigError(f"kv_device_gb must be positive, got {self.kv_device_gb}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        self._validate_scheduling()
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be at least 1, got {self.max_model_len}")
-        if not 0.0 <= self.canary_rate <= 1.0:
-            raise ConfigError(f"canary_rate must be in [0, 1], got {self.canary_rate}")
-        if self.kv_host_gb < 0:
-            raise ConfigError(f"kv_host_gb must be >= 0, got {self.kv_host_gb}")
-        if self.kv_disk_gb <= 0:
-            raise ConfigError(f"kv_disk_gb must be positive, got {self.kv_disk_gb}")
-        if self.kv_disk_dir is not None and self.kv_host_gb <= 0:
-            raise ConfigError(
-                "kv_disk_dir needs kv_host_gb > 0: disk blocks are read back through host memory"
-            )
-        for name, hint in hints.items():
-            if typing.get_origin(hint) is Literal:
-                check_choice(name, getattr(self, name), hint)
-        if self.kv_events_url is not None and not self.kv_events_url.startswith(_REDIS_SCHEMES):
-            raise ConfigError(
-                f"kv_events_url must be a redis://, rediss:// or unix:// URL, got {self.kv_events_url!r}"
-            )
-        if self.kv_replica_id is not None:
-            try:
-                check_replica_id(self.kv_replica_id)
-            except ValueError as exc:
-                raise ConfigError(f"kv_replica_id: {exc}") from None
-        self._validate_remote()
-        self._validate_weight_dtype()
-
-    def _validate_weight_dtype(self) -> None:
-        if self.weight_dtype != "auto" and self.dtype not in ("auto", "float32"):
-            raise ConfigError(
-                f"weight_dtype={self.weight_dtype} computes in float32 (its kernels take fp32 activations); "
-                f"use dtype=auto or float32, not {self.dtype}"
-            )
-
-    def _validate_scheduling(self) -> None:
-        if self.max_step_ms < 0:
-            raise ConfigError(f"max_step_ms must be >= 0, got {self.max_step_ms}")
-        if self.step_time_factor != 0 and self.step_time_factor < 1:
-            raise ConfigError(f"step_time_factor must be 0 or >= 1, got {self.step_time_factor}")
-        if self.step_time_max_factor != 0 and self.step_time_max_factor < self.step_time_factor:
-            raise ConfigError(
-                f"step_time_max_factor must be 0 or >= step_time_factor ({self.step_time_factor}), "
-                f"got {self.step_time_max_factor}"
-            )
-        if self.row_share_span < 0:
-            raise ConfigError(f"row_share_span must be >= 0, got {self.row_share_span}")
-        if self.max_num_partial_prefills < 0:
-            raise ConfigError(f"max_num_partial_prefills must be >= 0, got {self.max_num_partial_prefills}")
-        if not 0.0 <= self.kv_retain_max_fraction <= 1.0:
-            raise ConfigError(f"kv_retain_max_fraction must be in [0, 1], got {self.kv_retain_max_fraction}")
-        if self.kv_admission_factor < 0:
-            raise ConfigError(f"kv_admission_factor must be >= 0, got {self.kv_admission_factor}")
-        for name in ("max_itl_ms", "itl_factor", "max_queue_wait_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if 0 < self.itl_factor < 1:
-            raise ConfigError(f"itl_factor must be 0 or >= 1, got {self.itl_factor}")
-
-    def _validate_remote(self) -> None:
-        ttl = self.kv_remote_ttl_s
-        if not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl < 0 or ttl != int(ttl):
-            raise ConfigError(f"kv_remote_ttl_s must be a whole number of seconds >= 0, got {ttl!r}")
-        url = self.kv_remote_url
-        if url is None:
-            return
-        scheme = url.split("://", 1)[0] if "://" in url else ""
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(
-                f"kv_remote_url must be a redis://, rediss:// or unix:// URL, got {_without_password(url)!r}"
-            )
-        if self.kv_host_gb <= 0:
-            raise ConfigError(
-                "kv_remote_url needs kv_host_gb > 0: remote blocks are read through host memory"
-            )
-
-
-def _without_password(url: str) -> str:
-    """``url`` for an error message: a password in it is not repeated."""
-    head, sep, tail = url.rpartition("@")
-    return f"{head.split('://', 1)[0]}://***@{tail}" if sep else url
+        """ConfigError naming the first bad argument (``kvtier.config_checks``)."""
+        check_engine_args(self)
