@@ -61,7 +61,7 @@ PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
 Failure = tuple[Sequence, RowError]  # (the sequence whose row sampled, why it could not)
 TIER_WAIT_S = 0.05  # how long a step with nothing to run waits for a lower-tier read
-STORE_CHECK_S = 1.0  # how often an idle engine asks a shared store (Redis) whether it restarted empty
+UPKEEP_S = 1.0  # how often an idle engine with a tier below the host looks after them (settle_tiers)
 
 
 class LLMEngine:
@@ -98,9 +98,9 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._num_retained_hit_tokens = 0  # prompt tokens read from the cache within a retention
         self._closed = False
-        # time.monotonic() of the next idle look at the shared stores (inf: no tier below the host)
+        # time.monotonic() of the next idle upkeep of the tiers (inf: no tier below the host)
         below_host = self.tiers is not None and bool(self.tiers.external)
-        self._next_store_check = time.monotonic() + STORE_CHECK_S if below_host else float("inf")
+        self._next_upkeep = time.monotonic() + UPKEEP_S if below_host else float("inf")
 
     @property
     def max_model_len(self) -> int:
@@ -414,15 +414,15 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ idle work
     @property
     def has_tier_work(self) -> bool:
-        """Copies the last step planned, tier reads and writes in flight, or a look at the shared
-        stores due (``settle_tiers``)."""
-        return self.tiers is not None and (self.tiers.has_pending_work or self.store_check_in() == 0.0)
+        """Copies the last step planned, tier reads and writes in flight, or the lower tiers' idle
+        upkeep due (``settle_tiers``)."""
+        return self.tiers is not None and (self.tiers.has_pending_work or self.upkeep_in() == 0.0)
 
-    def store_check_in(self) -> float | None:
-        """Seconds until an idle engine looks at its shared stores again (0.0: due); None: it has none."""
-        if self._next_store_check == float("inf"):
+    def upkeep_in(self) -> float | None:
+        """Seconds until an idle engine looks after its lower tiers again (0.0: due); None: it has none."""
+        if self._next_upkeep == float("inf"):
             return None
-        return max(0.0, self._next_store_check - time.monotonic())
+        return max(0.0, self._next_upkeep - time.monotonic())
 
     def settle_tiers(self) -> None:
         """With no request to step: run the copies the last step planned and apply finished reads and
@@ -430,14 +430,16 @@ class LLMEngine:
         tier, and from there to the disk and remote tiers, would otherwise wait for this replica's next
         request, and other replicas (and a router) would not see them meanwhile.
 
-        Every ``STORE_CHECK_S`` it also asks a shared store whether it restarted: an idle replica would
-        otherwise notice only at its next request, and until then go on announcing the blocks the
-        restart emptied (a router counts them as cheap hits) and not write its host blocks there again."""
+        Every ``UPKEEP_S`` it also looks after the tiers below the host while idle: it asks a shared
+        store whether it restarted (an idle replica would otherwise notice only at its next request, and
+        until then go on announcing the blocks the restart emptied, which a router counts as cheap hits,
+        and not write its host blocks there again), and the step's ``tick`` writes the disk tier's
+        retention file down when due."""
         if self.has_unfinished_requests():
             return
-        if self.tiers is not None and self.store_check_in() == 0.0:
-            has_stores = self.tiers.check_stores()
-            self._next_store_check = time.monotonic() + STORE_CHECK_S if has_stores else float("inf")
+        if self.tiers is not None and self.upkeep_in() == 0.0:
+            self.tiers.check_stores()
+            self._next_upkeep = time.monotonic() + UPKEEP_S
         self.step()  # nothing to schedule: the step runs the planned copies and polls the tiers
 
     @property

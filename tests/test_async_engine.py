@@ -32,8 +32,8 @@ class FakeEngine:
         self.has_tier_work = False  # no KV tier copies or writes pending
         self.tiers = None  # no KV tiers (so no shared tier for /v1/kv/publish)
 
-    def store_check_in(self) -> float | None:
-        return None  # no shared store to look at while idle
+    def upkeep_in(self) -> float | None:
+        return None  # no tier below the host to look after while idle
 
     def _touch(self) -> None:
         self.threads.add(threading.current_thread().name)

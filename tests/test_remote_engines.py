@@ -186,7 +186,7 @@ def test_story_an_idle_replica_notices_a_restarted_redis_by_itself(
     redis_server: RedisServer, converted_default_model: Any
 ) -> None:
     """Nobody asks this time: no request, no router's snapshot. The server's engine loop, idle, looks at
-    the store every second (``STORE_CHECK_S``): it sees the new run_id, forgets the blocks it had
+    the store every second (``UPKEEP_S``): it sees the new run_id, forgets the blocks it had
     announced there (a router would otherwise count them as cheap hits) and writes its host blocks again."""
     import redis
 

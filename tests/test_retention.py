@@ -342,3 +342,35 @@ def test_a_repeated_prompt_cached_but_for_its_last_token_still_retains_and_refre
         assert again.num_retained_tokens == len(SYSTEM)
         clock.now += 200  # 400 s after the first request: retained only because the second refreshed it
         assert len(retention) == 6  # the first request's expiry (300 s) is past: the second refreshed it
+
+
+def test_an_idle_server_writes_the_disk_tiers_retention_file_down(
+    tiny_llama_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk tier writes its retention file from its ``tick``, once per engine step. A server that
+    fell idle right after an agent asked for retention steps once a second anyway (``UPKEEP_S``), so
+    the promise reaches the file without waiting for a shutdown or the next request (a crash keeps it)."""
+    import asyncio
+
+    from kvtier.server.async_engine import AsyncEngine
+
+    monkeypatch.setattr("kvtier.tiers.retention_file.SAVE_INTERVAL_S", 0.0)  # due at every tick
+    saved = tmp_path / ".kvtier-retention"
+    llm = LLM(str(tiny_llama_dir()), kv_device_blocks=24, kv_host_gb=0.0002, kv_disk_dir=str(tmp_path))
+    _step(llm, 0, (RetentionSpan(len(SYSTEM), 300.0),))
+    llm.engine.flush_tiers()  # no write left in flight: nothing else makes the idle loop step
+    saved.unlink(missing_ok=True)
+    server = AsyncEngine(lambda: llm.engine)
+    loop = asyncio.new_event_loop()
+    server.start(loop)
+    try:
+        assert server.wait_ready(60)
+        for _ in range(3):  # again and again while idle, not once
+            deadline = time.monotonic() + 10
+            while not (saved.exists() and saved.read_text().count("\n") == len(SYSTEM) // 16):
+                assert time.monotonic() < deadline, "the idle server did not write the retention file"
+                time.sleep(0.05)
+            saved.unlink()
+    finally:
+        server.shutdown()
+        loop.close()

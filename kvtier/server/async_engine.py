@@ -9,8 +9,8 @@
     RequestStream (asyncio.Queue) ◄── loop.call_soon_threadsafe(dispatch, outputs)
                                                idle: a canary check, the KV tiers' copies and
                                                finished writes (settle_tiers), else block on the
-                                               command queue (up to a second with a shared store:
-                                               has it restarted empty? settle_tiers)
+                                               command queue (a second at most with a disk or remote
+                                               tier: their upkeep, settle_tiers)
 
 Only the engine thread touches the engine: requests, aborts and inspection calls (``call(fn)``) go
 through the command queue and run between two steps. After every step the thread takes one
@@ -431,11 +431,11 @@ class AsyncEngine:
 
     def _next_commands(self, engine: LLMEngine) -> list[Any]:
         """The commands waiting now; with nothing to step, block for the next one (at most
-        ``TIER_SETTLE_S`` while the KV tiers have work, else until the next look at a shared store:
+        ``TIER_SETTLE_S`` while the KV tiers have work, else until their next idle upkeep:
         ``LLMEngine.settle_tiers``)."""
         commands = []
         if not (engine.has_unfinished_requests() or engine.has_idle_work):
-            timeout = TIER_SETTLE_S if engine.has_tier_work else engine.store_check_in()
+            timeout = TIER_SETTLE_S if engine.has_tier_work else engine.upkeep_in()
             try:
                 commands.append(self._commands.get(timeout=timeout))
             except queue.Empty:

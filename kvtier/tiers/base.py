@@ -254,11 +254,10 @@ class ExternalTier(KVTier):
     def tick(self) -> None:
         """Periodic upkeep, called once per engine step (``TierCoordinator.poll``). Default: nothing."""
 
-    def check_store(self) -> bool:
+    def check_store(self) -> None:
         """Ask a shared store whether it restarted empty while this engine had nothing to ask it (an
-        idle replica calls this every ``STORE_CHECK_S``, ``LLMEngine.settle_tiers``); the next
-        ``tick`` then forgets what it held. False: a local tier, nothing to ask (the default)."""
-        return False
+        idle replica calls this every ``UPKEEP_S``, ``LLMEngine.settle_tiers``); the next ``tick`` then
+        forgets what it held. Default: nothing (a local tier)."""
 
     def close(self) -> None:
         """Release what the tier holds outside its bookkeeping (connections, threads); after the

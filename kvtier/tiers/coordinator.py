@@ -138,9 +138,11 @@ class TierCoordinator:
         tier work (``LLMEngine.settle_tiers``)."""
         return not self._plan.is_empty or self.has_pending_io
 
-    def check_stores(self) -> bool:
-        """Ask each active shared tier whether its store restarted empty; False: no tier to ask."""
-        return any([level.tier.check_store() for level in self.external if level.active])
+    def check_stores(self) -> None:
+        """Ask each active shared tier whether its store restarted empty (``ExternalTier.check_store``)."""
+        for level in self.external:
+            if level.active:
+                level.tier.check_store()
 
     def check_integrity(self) -> None:
         self.host.check_integrity()

@@ -299,9 +299,8 @@ class RemoteTier(ExternalTier):
     def accepting(self) -> bool:
         return self.available
 
-    def check_store(self) -> bool:
+    def check_store(self) -> None:
         self.store.check_instance(every_s=0.0)  # the caller keeps the pace
-        return True
 
     def lookup(self, keys: Sequence[BlockKey], group: int = 0) -> int:
         """Leading ``keys`` known or found in the store; a key found is taken as KV group ``group``'s
