@@ -98,9 +98,9 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self._num_retained_hit_tokens = 0  # prompt tokens read from the cache within a retention
         self._closed = False
-        # time.monotonic() of the next idle upkeep of the tiers (inf: no tier below the host)
+        # time.monotonic() of the next idle upkeep of the tiers (None: no tier below the host)
         below_host = self.tiers is not None and bool(self.tiers.external)
-        self._next_upkeep = time.monotonic() + UPKEEP_S if below_host else float("inf")
+        self._next_upkeep: float | None = time.monotonic() + UPKEEP_S if below_host else None
 
     @property
     def max_model_len(self) -> int:
@@ -420,7 +420,7 @@ class LLMEngine:
 
     def upkeep_in(self) -> float | None:
         """Seconds until an idle engine looks after its lower tiers again (0.0: due); None: it has none."""
-        if self._next_upkeep == float("inf"):
+        if self._next_upkeep is None:
             return None
         return max(0.0, self._next_upkeep - time.monotonic())
 
