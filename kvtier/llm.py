@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.engine import LLMEngine, PromptType
 from kvtier.kv.retention import RetentionSpan
@@ -91,6 +92,8 @@ class LLM:
         *,
         use_tqdm: bool = False,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         cache_salt: str | None = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
@@ -103,12 +106,20 @@ class LLM:
         "function", "function": {"name": ...}}``) and ``parallel_tool_calls`` work as the server's: the tools
         are rendered (:mod:`kvtier.tools`), a forced call is held to the tools' schemas, and each completion's
         ``tool_calls`` and ``content`` hold the parsed calls and the text outside them. Messages may carry
-        assistant ``tool_calls`` and ``tool`` results. ConfigError (``ToolError``) for bad tools."""
+        assistant ``tool_calls`` and ``tool`` results. ConfigError (``ToolError``) for bad tools.
+        ``continue_final_message=True, add_generation_prompt=False`` continues the last message (an
+        assistant prefill: the output is what follows it); ``chat_template_kwargs`` are more template
+        variables, e.g. Qwen3's ``{"enable_thinking": False}`` (:mod:`kvtier.chat_format`)."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         given = parse_tools(tools)
         choice = parse_tool_choice(tool_choice, given, parallel_tool_calls)
         check_tool_schemas(given)
-        prompts = [self.render_chat(c, add_generation_prompt, tools=given) for c in conversations]
+        template = ChatTemplateArgs(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=dict(chat_template_kwargs or {}),
+        )
+        prompts = [self.render_chat(c, tools=given, **template) for c in conversations]
         params = self._as_params_list(sampling_params, len(prompts))
         if given:
             params = [_with_tools(p, given, choice) for p in params]
@@ -120,13 +131,25 @@ class LLM:
         return outputs
 
     def render_chat(
-        self, conversation: Conversation, add_generation_prompt: bool = True, tools: list[Tool] | None = None
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool = True,
+        tools: list[Tool] | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if not conversation:
             raise ConfigError("messages must not be empty")
         # Contents are tokenized as text (a user's "<|im_end|>" is not a control token); no BOS is
         # added (the template writes the special tokens it wants). The server does the same.
-        text, token_ids = self.tokenizer.encode_chat(list(conversation), add_generation_prompt, tools=tools)
+        text, token_ids = self.tokenizer.encode_chat(
+            list(conversation),
+            add_generation_prompt,
+            tools=tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def stream(

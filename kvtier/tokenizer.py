@@ -24,14 +24,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as _Backend
 
+from kvtier.chat_format import ChatFormatError, check_template_args, continue_at, tag_final_message
 from kvtier.config import ConfigError
 from kvtier.hf_config import read_json
 from kvtier.tools import (
@@ -330,6 +331,8 @@ class Tokenizer:
         encode: Callable[[str], list[int]] | None = None,
         *,
         tools: list[Tool] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered conversation and its token ids, message contents tokenized as plain text.
 
@@ -338,15 +341,32 @@ class Tokenizer:
         special token, the contents' exact places in the text are found by rendering the conversation
         again with a marker for each content; a template that changes contents (so they cannot be found)
         is refused then (``ConfigError``) rather than let the text through as markup. ``tools`` and the
-        messages' tool parts are rendered as the module's docstring says."""
+        messages' tool parts are rendered as the module's docstring says; ``continue_final_message``
+        leaves the last message open and ``template_kwargs`` are more template variables
+        (:mod:`kvtier.chat_format`; ``ChatFormatError`` names the bad one)."""
+        variables = check_template_args(add_generation_prompt, continue_final_message, template_kwargs)
+        if self.has_special_text(json.dumps(variables, ensure_ascii=False, default=str)):
+            raise ChatFormatError(
+                "chat_template_kwargs: a value spells a special token, and the chat template writes it as "
+                "markup: remove the special token",
+                "chat_template_kwargs",
+            )
         messages, template_tools = self._tool_chat(messages, tools)
-        text = self.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=template_tools
+        if continue_final_message:
+            messages = tag_final_message(list(messages))
+        render = partial(
+            self.apply_chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tools=template_tools,
+            **variables,
         )
+        text = render(messages)
+        end = continue_at(text) if continue_final_message else len(text)
         contents = [m.get("content") for m in messages if isinstance(m, dict)]
         if not any(isinstance(c, str) and self.has_special_text(c) for c in contents):
+            text = text[:end]
             return text, encode(text) if encode is not None else self.encode(text, add_special_tokens=False)
-        spans = self._content_spans(messages, add_generation_prompt, text, template_tools)
+        spans = self._content_spans(messages, render, text)
         if spans is None:
             raise ConfigError(
                 "a message content spells a special token, and this model's chat template rewrites "
@@ -354,27 +374,25 @@ class Tokenizer:
             )
         ids: list[int] = []
         pos = 0
-        for start, end in spans:
+        for start, stop in spans:
+            start, stop = min(start, end), min(stop, end)
             ids += self.encode(text[pos:start], add_special_tokens=False)
-            ids += self.encode_text(text[start:end])
-            pos = end
-        ids += self.encode(text[pos:], add_special_tokens=False)
-        return text, ids
+            ids += self.encode_text(text[start:stop])
+            pos = stop
+        ids += self.encode(text[pos:end], add_special_tokens=False)
+        return text[:end], ids
 
     def _content_spans(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        text: str,
-        tools: list[dict[str, Any]] | None = None,
+        self, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str], text: str
     ) -> list[tuple[int, int]] | None:
-        """``(start, end)`` of every content's text in ``text``, or None if the template changed one."""
+        """``(start, end)`` of every content's text in ``text`` (``render(messages)``), or None if the
+        template changed one."""
         tag = secrets.token_hex(8)
         marked = [
             {**m, "content": f"\x00{tag}:{i}\x00"} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)
         ]
-        rendered = self.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools)
+        rendered = render(marked)
         pieces = re.split(f"\x00{tag}:(\\d+)\x00", rendered)  # template text, index, template text, ...
         spans, out, pos = [], [], 0
         for k, piece in enumerate(pieces):

@@ -113,6 +113,14 @@ def converted_default_model(default_gguf_path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def hf_default_tokenizer(default_gguf_path: Path) -> Any:
+    """transformers' tokenizer of the default GGUF (its chat template: the reference rendering; ~6 s)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_gguf_path.parent), gguf_file=default_gguf_path.name)
+
+
+@pytest.fixture(scope="session")
 def hf_default_model(default_gguf_path: Path) -> Any:
     """transformers' own fp32 load of the default GGUF (the reference; ~25 s, so loaded once)."""
     from transformers import AutoModelForCausalLM

@@ -147,6 +147,10 @@ def test_sampling_parameters() -> None:
     )
     assert request(metadata={"user_id": "u1"}).user_id == "u1" and request().user_id is None
     assert request(service_tier="auto", thinking=None).chat()  # accepted: one tier here; a null is absent
+    prefilled = request(messages=[BODY["messages"][0], {"role": "assistant", "content": "So"}]).chat()
+    assert prefilled.continue_final and prefilled.conversation[-1] == {"role": "assistant", "content": "So"}
+    assert prefilled.template_args() == {"add_generation_prompt": False, "continue_final_message": True}
+    assert request().chat().template_args()["add_generation_prompt"]
 
 
 def user(*blocks: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +167,16 @@ REFUSED = [
     (user({"type": "image", "source": {}}), "messages[0].content[0]", "'image'"),
     (user({"type": "document"}), "messages[0].content[0]", "'document'"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user' or 'assistant'"),
-    ({"messages": [BODY["messages"][0], {"role": "assistant", "content": "So"}]}, "messages[1]", "prefill"),
+    (
+        {"messages": [BODY["messages"][0], {"role": "assistant", "content": "So "}]},
+        "messages[1]",
+        "whitespace",
+    ),
+    (
+        {"messages": [BODY["messages"][0], {"role": "assistant", "content": [{**USE, "input": {}}]}]},
+        "messages[1]",
+        "holds tool_use",
+    ),
     (user({**USE, "input": {}}), "messages[0].content[0]", "'tool_use'"),
     (user({"type": "tool_result", "tool_use_id": "no"}), "messages[0].content[0].tool_use_id", "matches no"),
     (ASKED, "messages[0].content[0].input", "object"),

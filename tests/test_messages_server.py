@@ -229,6 +229,36 @@ def test_breakpoint_ttls_and_prompt_cache_retention_retain_the_prompt(server: Ba
     assert bad.status_code == 400 and "prompt_cache_retention" in bad.text
 
 
+def test_a_prefill_is_continued(
+    client: anthropic.Anthropic, server: BackgroundServer, hf_default_tokenizer: Any
+) -> None:
+    """A final assistant message is a prefill: the answer holds only what follows it, the same greedy
+    tokens as the completions route gives the prompt transformers renders with continue_final_message;
+    the usage and count_tokens count that prompt; trailing whitespace is refused, as Anthropic does."""
+    prefill = [
+        {"role": "user", "content": "Name a colour as JSON."},
+        {"role": "assistant", "content": '{"colour": "'},
+    ]
+    text = hf_default_tokenizer.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    ids = hf_default_tokenizer.encode(text, add_special_tokens=False)
+    want = httpx.post(
+        server.url + "/v1/completions",
+        json={"prompt": ids, "max_tokens": 12, "temperature": 0},
+        headers={"Authorization": f"Bearer {KEY}"},
+    ).json()["choices"][0]["text"]
+    answer = client.messages.create(model=MODEL, max_tokens=12, messages=prefill, extra_body=GREEDY)
+    assert answer.content[0].text == want  # type: ignore[union-attr]
+    usage = answer.usage
+    num_input = (
+        usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    )
+    assert num_input == len(ids)
+    assert client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens == len(ids)  # type: ignore[arg-type]
+    spaced = [prefill[0], {"role": "assistant", "content": "Blue "}]
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        client.messages.create(model=MODEL, max_tokens=2, messages=spaced)  # type: ignore[arg-type]
+
+
 def test_stop_sequences(client: anthropic.Anthropic) -> None:
     text = (
         client.messages.create(model=MODEL, max_tokens=24, messages=HELLO, extra_body=GREEDY).content[0].text

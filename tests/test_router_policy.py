@@ -222,6 +222,13 @@ def test_parse_prompt_renders_like_the_server(tiny_tokenizer_dir) -> None:  # no
     scored = parse_prompt(tok, "/v1/completions", {"prompt": "Hello", "echo": True, "logprobs": 1})
     assert scored is not None and scored.uncached  # prompt logprobs: the replica takes no cache hit
     assert not parse_prompt(tok, "/v1/completions", {"prompt": "Hello", "echo": True}).uncached
+    prefill = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Sure,"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    opened = parse_prompt(tok, "/v1/chat/completions", {"messages": prefill, **flags})
+    assert opened is not None  # the open message, as the replica renders it
+    assert opened.token_ids == tok.encode_chat(prefill, False, continue_final_message=True)[1]
+    anthropic = parse_prompt(tok, "/v1/messages", {"model": "m", "max_tokens": 1, "messages": prefill})
+    assert anthropic is not None and anthropic.token_ids == opened.token_ids  # a prefill there
     assert parse_prompt(tok, "/v1/chat/completions", {"messages": "nope"}) is None
     assert parse_prompt(tok, "/v1/chat/completions", None) is None
     b = Prompt(list(range(10)), None).block_hashes("x:float32", 4)

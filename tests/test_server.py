@@ -7,6 +7,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -104,6 +105,46 @@ def test_chat_greedy_equals_offline_generate(client: OpenAI, reference: LLM) -> 
     assert finishes == [ref.outputs[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+PREFILL = [
+    {"role": "user", "content": "Name a colour as JSON."},
+    {"role": "assistant", "content": '{"colour": "'},
+]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+
+
+def test_a_prefill_continues_the_last_message(
+    client: OpenAI, server: BackgroundServer, reference: LLM, hf_default_tokenizer: Any
+) -> None:
+    """vLLM's continue_final_message: the answer continues the open assistant message. The greedy
+    tokens are those of the prompt transformers renders with continue_final_message, offline and served,
+    whole and streamed; /tokenize counts that prompt; both flags true is a 400 naming the field."""
+    text = hf_default_tokenizer.apply_chat_template(PREFILL, tokenize=False, continue_final_message=True)
+    ids = hf_default_tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    want = reference.generate({"prompt_token_ids": ids}, params)[0].outputs[0].text
+    offline = reference.chat(PREFILL, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert offline.prompt_token_ids == ids and offline.outputs[0].text == want
+    kw: dict[str, Any] = dict(model=MODEL, messages=PREFILL, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(**kw, extra_body=CONTINUE)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(**kw, extra_body=CONTINUE, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    closed = client.chat.completions.create(**kw)  # the default closes the message and opens another
+    assert closed.usage.prompt_tokens > len(ids)
+    counted = httpx.post(server.url + "/tokenize", json={"messages": PREFILL, **CONTINUE}).json()
+    assert counted["tokens"] == ids
+    both = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": PREFILL, "max_tokens": 2, "continue_final_message": True},
+    )
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    bad = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": PREFILL, "max_tokens": 2, "chat_template_kwargs": {"eos_token": "x"}},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_completions_greedy_equals_offline_generate(client: OpenAI, reference: LLM) -> None:

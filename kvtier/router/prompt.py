@@ -99,14 +99,17 @@ def parse_prompt(
     try:
         if path == CHAT_PATH:
             chat = ChatCompletionRequest.model_validate(body)
+            conversation, tools = chat.conversation(), chat.tool_request()[0]
             _, token_ids = tokenizer.encode_chat(
-                chat.conversation(), add_generation_prompt=True, encode=encode, tools=chat.tool_request()[0]
+                conversation, encode=encode, tools=tools, **chat.template_args()
             )
             request: Any = chat
         elif path == MESSAGES_PATH:
             message = MessagesRequest.model_validate(body)
             mapped = message.chat()
-            _, token_ids = tokenizer.encode_chat(mapped.conversation, True, encode, tools=mapped.tools)
+            _, token_ids = tokenizer.encode_chat(
+                mapped.conversation, encode=encode, tools=mapped.tools, **mapped.template_args()
+            )
             return Prompt(token_ids, tenant_salt(authorization, message.user_id, None, scope))
         elif path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)

@@ -22,8 +22,10 @@ No torch and no FastAPI (the router imports it); the route and the answer are :m
     cache_control (top level, system blocks,       checked ({"type": "ephemeral", "ttl"?: "5m" | "1h"});
       tools, content blocks)                         the last one's place counts cache_creation_input_tokens
 
+A final assistant message is a prefill: the answer continues its text (the template leaves it open,
+:mod:`kvtier.chat_format`) and holds only what follows; it may not hold tool_use or end in whitespace.
 Anything else is a 400 naming it, never silently ignored: other content blocks (image, document,
-thinking...), server tools, a final assistant message (prefill), ``thinking``, ``output_config`` and every
+thinking...), server tools, ``thinking``, ``output_config`` and every
 other top-level field but ``service_tier`` (one tier here) and nulls. Strings inside the request must be
 valid Unicode, as on the OpenAI routes.
 
@@ -47,6 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.server.protocol import (
@@ -318,6 +321,19 @@ def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dic
     return chat
 
 
+def _check_prefill(message: dict[str, Any], at: str) -> None:
+    """A final assistant message is a prefill the answer continues: text only, and (as Anthropic's API
+    says) not ending in whitespace."""
+    if message.get("tool_calls"):
+        raise invalid(
+            "the last message is the assistant's and holds tool_use blocks: a prefill continues text; "
+            "send the tool results in a user message",
+            at,
+        )
+    if message["content"] != message["content"].rstrip():
+        raise invalid("messages: final assistant content cannot end with trailing whitespace", at)
+
+
 def _tools(raw: Any) -> list[Tool]:
     """Anthropic's custom tools as :class:`Tool` s (input_schema: the parameters)."""
     if raw is None:
@@ -449,6 +465,13 @@ class Chat:
     tools: list[Tool]
     choice: ToolChoice
     cache_prefixes: tuple[CachePrefix, ...] = ()  # every breakpoint, the last one last
+    continue_final: bool = False  # the last message is the assistant's: the answer continues it (prefill)
+
+    def template_args(self) -> ChatTemplateArgs:
+        """How the template renders it: a new assistant turn, or the prefilled one left open."""
+        return ChatTemplateArgs(
+            add_generation_prompt=not self.continue_final, continue_final_message=self.continue_final
+        )
 
     @property
     def cache_prefix(self) -> CachePrefix | None:
@@ -492,12 +515,9 @@ class CountTokensRequest(_Request):
         tools = _tools(self.tools)
         choice = _tool_choice(self.tool_choice, tools)
         conversation = _conversation(system, self.messages)
-        if self.messages[-1].get("role") == "assistant":
-            raise invalid(
-                "the last message is the assistant's: continuing it (prefill) is not supported by this "
-                "server; end with a user message",
-                f"messages[{len(self.messages) - 1}]",
-            )
+        continue_final = self.messages[-1].get("role") == "assistant"
+        if continue_final:
+            _check_prefill(conversation[-1], f"messages[{len(self.messages) - 1}]")
         prefixes = _breakpoints(system, self.tools, tools, self.messages)
         if check_cache_control(self.cache_control, "cache_control"):  # a marker on the last block
             prefixes.append(CachePrefix(whole=True, ttl_s=_TTL_S[self.cache_control.get("ttl") or "5m"]))
@@ -505,7 +525,7 @@ class CountTokensRequest(_Request):
             conversation = normalize_messages(conversation)
         except ToolError as exc:
             raise invalid(str(exc), "messages") from None
-        return Chat(conversation, tools, choice, tuple(prefixes))
+        return Chat(conversation, tools, choice, tuple(prefixes), continue_final)
 
 
 class MessagesRequest(CountTokensRequest):

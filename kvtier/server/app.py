@@ -497,7 +497,13 @@ async def chat_completions(request: Request) -> Response:
     num_chars = sum(len(m["content"]) for m in conversation)
     prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
     prompt = await opened.off_loop(
-        prompts.render_chat, tokenizer, conversation, opened.params.max_tokens, max_model_len, given_tools
+        prompts.render_chat,
+        tokenizer,
+        conversation,
+        opened.params.max_tokens,
+        max_model_len,
+        given_tools,
+        body.template_args(),
     )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
     return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs, tool_names=names)

@@ -322,7 +322,9 @@ def _render(
 ) -> tuple[dict[str, Any], int | None, tuple[RetentionSpan, ...]]:
     """The prompt (as the chat route renders it), its tokens up to the last breakpoint, and each
     breakpoint's retention span (its tokens, its TTL) (on the pool)."""
-    prompt = prompts.render_chat(tokenizer, chat.conversation, max_tokens, max_model_len, chat.tools)
+    prompt = prompts.render_chat(
+        tokenizer, chat.conversation, max_tokens, max_model_len, chat.tools, chat.template_args()
+    )
     ids = prompt["prompt_token_ids"]
     ends = [_cache_write_end(tokenizer, p, ids) or 0 for p in chat.cache_prefixes]
     spans = tuple(RetentionSpan(n, p.ttl_s) for n, p in zip(ends, chat.cache_prefixes, strict=True) if n)
@@ -332,7 +334,7 @@ def _render(
 
 def _count(tokenizer: Tokenizer, chat: Chat) -> int:
     try:
-        return len(tokenizer.encode_chat(chat.conversation, True, tools=chat.tools)[1])
+        return len(tokenizer.encode_chat(chat.conversation, tools=chat.tools, **chat.template_args())[1])
     except ConfigError as exc:
         raise as_anthropic(APIError(400, " ".join(str(exc).split()), param="messages")) from None
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvtier.chat_format import ChatFormatError, ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.engine import PromptType
 from kvtier.server.async_engine import AsyncEngine, EngineNotReady
@@ -106,12 +107,14 @@ def render_chat(
     max_tokens: int | None,
     max_model_len: int,
     tools: list[Tool] | None = None,
+    template: ChatTemplateArgs | None = None,
 ) -> dict[str, Any]:
     """The conversation as a prompt (on the pool): the template rendered (with ``tools``: their format,
-    :mod:`kvtier.tools`), contents tokenized as text."""
+    :mod:`kvtier.tools`; ``template``: a continued last message, more variables), contents tokenized as
+    text."""
     try:
-        text, token_ids = tokenizer.encode_chat(conversation, add_generation_prompt=True, tools=tools)
-    except ToolError as exc:
+        text, token_ids = tokenizer.encode_chat(conversation, tools=tools, **(template or {}))
+    except (ToolError, ChatFormatError) as exc:
         raise bad_request(exc, exc.param) from None
     except ConfigError as exc:
         raise bad_request(exc, "messages") from None

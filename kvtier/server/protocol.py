@@ -60,6 +60,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
+from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.kv.retention import MAX_TTL_S, WHOLE_PROMPT, RetentionSpan
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
@@ -432,7 +433,25 @@ class GenerationRequest(_Request):
         return bias
 
 
-class ChatCompletionRequest(GenerationRequest):
+class ChatTemplateFields(_Request):
+    """vLLM's chat-template fields (:mod:`kvtier.chat_format`): a new assistant message (the default), or
+    ``continue_final_message`` with ``add_generation_prompt: false`` to continue the last one; and more
+    template variables (``{"enable_thinking": false}`` for Qwen3)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, JSONValue] | None = None
+
+    def template_args(self) -> ChatTemplateArgs:
+        """``Tokenizer.encode_chat``'s keyword arguments (checked there: ChatFormatError names the field)."""
+        return ChatTemplateArgs(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            template_kwargs=dict(self.chat_template_kwargs or {}),
+        )
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -552,13 +571,12 @@ class CompletionRequest(GenerationRequest):
         return items
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateFields):
     """``POST /tokenize``: a ``prompt``, or ``messages`` rendered with the chat template."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
     tools: JSONValue = None  # rendered with ``messages`` as the chat route renders them
 
     def tool_list(self) -> list[Tool]:

@@ -3,7 +3,8 @@
 ::
 
     POST /tokenize    {"model"?, "prompt": "text"}
-                      {"model"?, "messages": [...], "add_generation_prompt": true, "tools"?: [...]}
+                      {"model"?, "messages": [...], "tools"?: [...], "add_generation_prompt"?,
+                       "continue_final_message"?, "chat_template_kwargs"?}
                       -> {"count": 5, "max_model_len": 8192, "tokens": [id, ...]}
     POST /detokenize  {"model"?, "tokens": [id, ...]} -> {"prompt": "text"}
 
@@ -23,6 +24,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from kvtier.chat_format import ChatFormatError
 from kvtier.config import ConfigError
 from kvtier.server import bodies, prompts
 from kvtier.server.auth import check_key
@@ -50,7 +52,9 @@ def _tokenize(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
     assert body.messages is not None
     chat, tools = conversation_of(body.messages), body.tool_list()
     try:
-        return tokenizer.encode_chat(chat, body.add_generation_prompt, tools=tools)[1]
+        return tokenizer.encode_chat(chat, tools=tools, **body.template_args())[1]
+    except ChatFormatError as exc:
+        raise bad_request(exc, exc.param) from None
     except ConfigError as exc:
         raise bad_request(exc, "messages") from None
 
