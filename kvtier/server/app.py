@@ -108,6 +108,7 @@ class ServerSettings:
     admin_key: str | None = None  # /admin/* (404 without it); never the api key (kvtier.server.auth)
     kv_read_key: str | None = None  # /v1/kv/blocks, canary, advice, dashboard (else the api key)
     metrics_key: str | None = None  # /metrics (open without it)
+    reasoning_parser: str | None = None  # chat answers' <think> block apart (kvtier.reasoning)
 
 
 class ShuttingDown(EngineNotReady):
@@ -466,6 +467,7 @@ class _Opened:
             echo=echo,
             prompt_only=prompt_only,
             tool_names=tool_names,
+            reasoning_parser=state.settings.reasoning_parser,
             diagnose=diagnose,
         )
         return await respond(self.request, fmt, streams, body.stream)

@@ -11,6 +11,8 @@ sends its usage chunk then, ``include_usage`` or not).
 A chat with tools (``tool_names``: tool_choice other than none) has each choice's text parsed for calls
 (:class:`kvtier.tools.ToolCallParser`, one per choice): content chunks carry the text outside the calls,
 ``tool_calls`` chunks the calls (:mod:`.tools`), and the finish reason is ``tool_calls`` after calls.
+With ``--reasoning-parser`` a chat's thinking goes apart first (:mod:`kvtier.reasoning`):
+``message.reasoning_content`` / ``delta.reasoning_content``, the calls parsed from the answer alone.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.reasoning import ReasoningSplitter, Split, split_reasoning
 from kvtier.sequence import TokenLogprobs
 from kvtier.server import tools
 from kvtier.server.metrics import TIERS
@@ -79,6 +82,7 @@ class Formatter:
         echo: bool = False,
         prompt_only: bool = False,
         tool_names: frozenset[str] | None = None,
+        reasoning_parser: str | None = None,
         diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
     ):
         self.kind = kind
@@ -97,6 +101,8 @@ class Formatter:
         self._token_text: dict[int, str] = {}
         self.tool_names = tool_names  # chat with tools: calls are parsed out of the text
         self._parsers: dict[int, ToolCallParser] = {}  # choice -> its streaming parser
+        self.reasoning_parser = reasoning_parser if kind == "chat" else None  # --reasoning-parser
+        self._splitters: dict[int, ReasoningSplitter] = {}  # choice -> its reasoning splitter
         self.diagnose = diagnose  # diagnostics asked: the cache_miss_reason of the (one) final output
 
     def _usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -199,13 +205,30 @@ class Formatter:
             parser = self._parsers[index] = ToolCallParser(self.tool_names)
         return parser
 
+    def _splitter(self, index: int) -> ReasoningSplitter | None:
+        if self.reasoning_parser is None:
+            return None
+        splitter = self._splitters.get(index)
+        if splitter is None:
+            splitter = self._splitters[index] = ReasoningSplitter(self.reasoning_parser)
+        return splitter
+
+    def _answer_deltas(self, split: Split, parser: ToolCallParser | None) -> list[dict[str, Any]]:
+        """``delta`` objects of a choice's new reasoning and answer (the answer's calls parsed with tools)."""
+        deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
+        if parser is not None:
+            return deltas + tools.deltas(parser.feed(split.content))
+        return deltas + ([{"content": split.content}] if split.content else [])
+
     def _content_chunks(self, index: int, text: str, lp: Any) -> list[str]:
-        """A choice's new text (and its tokens' logprobs ``lp``) as chunks: one, or with tools one per
-        parser event (the logprobs on the first; an empty delta carries them when the text is held)."""
-        parser = self._parser(index)
-        if parser is None:
+        """A choice's new text (and its tokens' logprobs ``lp``) as chunks: one, or with tools or a
+        reasoning parser one per delta (the logprobs on the first; an empty delta carries them when the
+        text is held)."""
+        parser, splitter = self._parser(index), self._splitter(index)
+        if parser is None and splitter is None:
             return [self._chunk([self._delta_choice(index, text, lp, None)])]
-        found = tools.deltas(parser.feed(text))
+        split = splitter.feed(text) if splitter is not None else Split(content=text)
+        found = self._answer_deltas(split, parser)
         if not found and lp is not None:
             found = [{}]
         chunks = []
@@ -217,15 +240,16 @@ class Formatter:
         return chunks
 
     def _finish_chunks(self, index: int, reason: str) -> list[str]:
-        """A choice's last chunks: what its parser held back (with tools), then the finish reason."""
-        parser = self._parser(index)
-        chunks = []
+        """A choice's last chunks: what its splitter and parser held back, then the finish reason."""
+        parser, splitter = self._parser(index), self._splitter(index)
+        deltas = self._answer_deltas(splitter.finish(), parser) if splitter is not None else []
         if parser is not None:
-            for delta in tools.deltas(parser.finish()):
-                chunks.append(
-                    self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
-                )
+            deltas += tools.deltas(parser.finish())
             reason = tools.finish_reason(parser.calls, reason) or reason
+        chunks = [
+            self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+            for delta in deltas
+        ]
         chunks.append(self._chunk([self._delta_choice(index, None, None, reason)]))
         return chunks
 
@@ -280,10 +304,15 @@ class Formatter:
                 index = prompt_index * self.n + c.index
                 if self.kind == "chat":
                     lp = self._logprobs(index, c.logprobs or []) if self.logprobs else None
-                    message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                    reasoning, text = None, c.text
+                    if self.reasoning_parser is not None:
+                        reasoning, text = split_reasoning(self.reasoning_parser, c.text)
+                    message, finish = {"role": "assistant", "content": text}, c.finish_reason
                     if self.tool_names is not None:
-                        message, calls = tools.message(c.text, self.tool_names)
+                        message, calls = tools.message(text, self.tool_names)
                         finish = tools.finish_reason(calls, finish)
+                    if self.reasoning_parser is not None:
+                        message["reasoning_content"] = reasoning
                     choices.append(
                         {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
                     )

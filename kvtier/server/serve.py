@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.args import add_engine_args, engine_args_from
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv_events import default_replica_id
+from kvtier.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -80,6 +81,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     _add_limit_args(g)
     g.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: from --model)"
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default=None,
+        help="return a reasoning model's <think>...</think> apart, as message.reasoning_content (qwen3: "
+        "the model opens the block; deepseek_r1: the prompt opened it) (default: the text as written)",
     )
     g.add_argument(
         "--log-level",
@@ -328,6 +336,7 @@ def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSetting
         max_request_bytes=ns.max_request_bytes,
         timeout_body=ns.timeout_body or None,
         prefix_cache_scope=ns.prefix_cache_scope,
+        reasoning_parser=ns.reasoning_parser,
     )
 
 
