@@ -16,14 +16,8 @@ from fastapi.testclient import TestClient
 
 from kvtier.config import ConfigError
 from kvtier.outputs import CompletionOutput, RequestOutput
-from kvtier.server.anthropic import (
-    AnthropicError,
-    CachePrefix,
-    MessagesRequest,
-    as_anthropic,
-    authorization_of,
-    presents_key,
-)
+from kvtier.server.anthropic import CachePrefix, MessagesRequest
+from kvtier.server.anthropic_errors import AnthropicError, as_anthropic, authorization_of, presents_key
 from kvtier.server.app import ServerSettings, create_app
 from kvtier.server.async_engine import EngineDeadError
 from kvtier.server.messages import ContentBlocks, MessagesFormatter
@@ -101,6 +95,30 @@ def test_a_tool_loop_maps_onto_the_chat_routes_messages() -> None:
     error = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "no such city", "is_error": True}]
     failed = request(messages=[*TOOL_LOOP[:2], {"role": "user", "content": error}], tools=[WEATHER]).chat()
     assert failed.conversation[-1]["content"] == "Error: no such city"
+
+
+def test_consecutive_turns_of_one_role_are_one_turn(tmp_path: Any) -> None:
+    """As Anthropic's API combines them: two user messages are one user turn (a template that insists on
+    alternating roles, Gemma's, renders it), two assistant messages one assistant turn with both calls."""
+    from kvtier.tokenizer import GEMMA3_CHAT_TEMPLATE, Tokenizer
+    from tests.conftest import write_tiny_tokenizer
+
+    use = {"type": "tool_use", "id": "toolu_2", "name": "get_time", "input": {}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris? "},
+        {"role": "user", "content": [{"type": "text", "text": "And the time?"}]},
+        TOOL_LOOP[1],
+        {"role": "assistant", "content": [use]},
+        {"role": "user", "content": "Thanks."},
+    ]
+    chat = request(messages=messages, tools=[WEATHER, CLOCK]).chat()
+    assert [m["role"] for m in chat.conversation] == ["user", "assistant", "user"]
+    assert chat.conversation[0]["content"] == "Weather in Paris? And the time?"
+    assert [c["id"] for c in chat.conversation[1]["tool_calls"]] == ["toolu_1", "toolu_2"]
+    write_tiny_tokenizer(tmp_path, chat_template=GEMMA3_CHAT_TEMPLATE)
+    two_users = request(messages=messages[:2]).chat()
+    text, _ = Tokenizer.from_dir(tmp_path).encode_chat(two_users.conversation, **two_users.template_args())
+    assert text.count("<start_of_turn>user") == 1
 
 
 @pytest.mark.parametrize(

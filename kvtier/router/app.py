@@ -69,7 +69,7 @@ from kvtier.router.policy import Decision
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
 from kvtier.router.proxy import forward
 from kvtier.router.replicas import AdmissionRefused
-from kvtier.server.anthropic import anthropic_error, as_anthropic, authorization_of, presents_key
+from kvtier.server.anthropic_errors import anthropic_error, as_anthropic, authorization_of, presents_key
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
 from kvtier.server.protocol import APIError, http_error, not_found, responses_api_unsupported, unauthorized

@@ -29,21 +29,12 @@ thinking...), server tools, ``thinking``, ``output_config`` and every
 other top-level field but ``service_tier`` (one tier here) and nulls. Strings inside the request must be
 valid Unicode, as on the OpenAI routes.
 
-Errors (:func:`as_anthropic`: the OpenAI routes' :class:`~kvtier.server.protocol.APIError` translated)::
-
-    kvtier's                                         Anthropic's
-    400 (invalid_request_error)                      400 invalid_request_error
-    401 (a missing or wrong key)                     401 authentication_error
-    404 (an unknown model or route)                  404 not_found_error
-    408, 413 (the body too slow, too big)            408 timeout_error, 413 request_too_large
-    503 queue_full, queue_wait, kv_capacity          529 overloaded_error (Retry-After kept)
-    503 loading, draining; 500                       503, 500 api_error
+Errors in Anthropic's shape and the ``x-api-key`` header: :mod:`.anthropic_errors`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,106 +43,17 @@ from pydantic import BaseModel, ConfigDict
 from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.server.anthropic_errors import invalid, renamed
 from kvtier.server.protocol import (
     MAX_STOP,
-    APIError,
     JSONValue,
     Temperature,
     Text,
     TopK,
     TopP,
-    bearer,
     clip,
-    presents,
 )
 from kvtier.tools import CLOSE, Tool, ToolChoice, ToolError, call_grammar, normalize_messages, parse_tools
-
-# ------------------------------------------------------------------------------------------- errors
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-OVERLOADED = 529  # Anthropic's status for overloaded_error
-OVERLOADED_CODES = frozenset({"queue_full", "queue_wait", "kv_capacity"})  # kvtier's 503s that are load
-# The OpenAI tool fields kvtier.tools names, and Anthropic's names for them.
-_RENAMES = (
-    (".function.parameters", ".input_schema"),
-    (".function.name", ".name"),
-    (".function.description", ".description"),
-    (".function", ""),
-)
-
-
-class AnthropicError(APIError):
-    """An error answered with Anthropic's body: ``{"type": "error", "error": {"type", "message"}}``
-    (``param`` and ``code`` stay on the object, for logs and tests, not on the wire)."""
-
-    def body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.type, "message": self.message}}
-
-
-def error_type(status: int) -> str:
-    return _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> AnthropicError:
-    return AnthropicError(status, message, type=error_type(status), headers=headers)
-
-
-def invalid(message: str, param: str | None = None) -> AnthropicError:
-    """A 400 ``invalid_request_error``; ``param`` names the field (Anthropic's path, e.g.
-    ``messages[0].content[1]``)."""
-    return AnthropicError(400, message, type="invalid_request_error", param=param, code="invalid_request")
-
-
-def _renamed(text: str) -> str:
-    for old, new in _RENAMES:
-        text = text.replace(old, new)
-    return text
-
-
-def as_anthropic(exc: APIError) -> AnthropicError:
-    """An OpenAI-shaped error of kvtier's as Anthropic's (the table above)."""
-    if isinstance(exc, AnthropicError):
-        return exc
-    status = OVERLOADED if exc.status == 503 and exc.code in OVERLOADED_CODES else exc.status
-    message = _renamed(exc.message)
-    if status == 401:
-        message = (
-            "invalid x-api-key: send the server's --api-key as 'x-api-key: <key>' or "
-            "'Authorization: Bearer <key>'"
-        )
-    param = _renamed(exc.param) if exc.param else None
-    return AnthropicError(
-        status, message, type=error_type(status), param=param, code=exc.code, headers=exc.headers
-    )
-
-
-# --------------------------------------------------------------------------------------------- keys
-def authorization_of(headers: Mapping[str, str]) -> str:
-    """The client's key as an ``Authorization`` value: ``Bearer <x-api-key>`` when Anthropic's header is
-    there, else the ``Authorization`` header (what the tenant's salt is derived from, and what the router
-    passes on to a replica)."""
-    key = headers.get("x-api-key")
-    if key:
-        return f"Bearer {key.strip()}"
-    return headers.get("authorization", "")
-
-
-def presents_key(headers: Mapping[str, str], *keys: str | None) -> bool:
-    """Whether ``Authorization: Bearer`` or ``x-api-key`` carries one of ``keys`` (constant time)."""
-    authorization = headers.get("authorization", "")
-    if bearer(authorization) is not None and presents(authorization, *keys):
-        return True
-    key = headers.get("x-api-key")
-    return bool(key) and presents(f"Bearer {key}", *keys)
-
 
 # ------------------------------------------------------------------------------------- the request
 _BLOCK_KEYS = {
@@ -314,10 +216,21 @@ def _message(message: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
 
 
 def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dict[str, Any]]:
+    """The chat messages; consecutive turns of one role are one turn, as Anthropic's API combines them
+    (their texts joined as a message's blocks are, their calls in order): templates that insist on
+    alternating roles (Gemma's) take them."""
     chat = [{"role": "system", "content": _texts(system)}] if system else []
     calls: set[str] = set()
     for i, message in enumerate(messages):
-        chat += _message(message, f"messages[{i}]", calls)
+        for turn in _message(message, f"messages[{i}]", calls):
+            last = chat[-1] if chat else None
+            if last is None or turn["role"] not in ("user", "assistant") or last["role"] != turn["role"]:
+                chat.append(turn)
+                continue
+            joined = {**last, "content": last["content"] + turn["content"]}
+            if turn.get("tool_calls"):
+                joined["tool_calls"] = [*last.get("tool_calls", []), *turn["tool_calls"]]
+            chat[-1] = joined
     return chat
 
 
@@ -364,7 +277,7 @@ def _tools(raw: Any) -> list[Tool]:
     try:
         return parse_tools(given)
     except ToolError as exc:
-        raise invalid(_renamed(str(exc)), _renamed(exc.param)) from None
+        raise invalid(renamed(str(exc)), renamed(exc.param)) from None
 
 
 def _tool_choice(raw: Any, tools: list[Tool]) -> ToolChoice:

@@ -42,7 +42,7 @@ from typing import Protocol
 from fastapi import Request
 
 from kvtier.config import ConfigError
-from kvtier.server.anthropic import presents_key
+from kvtier.server.anthropic_errors import presents_key
 from kvtier.server.protocol import not_found, presents, unauthorized
 
 

@@ -51,16 +51,8 @@ from kvtier.config import ConfigError
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import CompletionOutput, RequestOutput
 from kvtier.server import bodies, prompts, tools
-from kvtier.server.anthropic import (
-    AnthropicError,
-    CachePrefix,
-    Chat,
-    CountTokensRequest,
-    MessagesRequest,
-    anthropic_error,
-    as_anthropic,
-    authorization_of,
-)
+from kvtier.server.anthropic import CachePrefix, Chat, CountTokensRequest, MessagesRequest
+from kvtier.server.anthropic_errors import AnthropicError, anthropic_error, as_anthropic, authorization_of
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_messages_key
 from kvtier.server.diagnostics import PromptLog, miss_reason, shared_prefix
