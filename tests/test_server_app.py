@@ -183,6 +183,7 @@ UNSUPPORTED = [
     ),
     ({"guided_choice": []}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"echo": True}, "echo"),
     ({"logit_bias": {"abc": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"n": 17}, "n"),  # --max-n 16 by default
@@ -211,7 +212,13 @@ def test_too_many_prompts_is_400_before_tokenizing(client: TestClient) -> None:
 
 def test_defaults_of_unsupported_parameters_pass(client: TestClient) -> None:
     """Clients that send tools=[] or response_format text are not refused (503: the model is loading)."""
-    extra = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {}}
+    extra = {
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "logit_bias": {},
+        "echo": False,
+    }
     assert_error(client.post("/v1/chat/completions", json={**CHAT, **extra}), 503)
 
 

@@ -194,6 +194,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
+    "echo": (None, False),  # on chat (vLLM's: the last message before the answer): completions take it
 }
 
 
