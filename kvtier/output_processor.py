@@ -1,4 +1,9 @@
-"""Turns sampled tokens into text: incremental detokenization, stop strings, streaming deltas."""
+"""Turns sampled tokens into text: incremental detokenization, stop strings, streaming deltas.
+
+The text ends before the stop string that ended it (after it with ``include_stop_str_in_output``); a
+token that ended it (EOS, a ``stop_token_ids`` entry) is written as the detokenizer writes it: nothing for
+a special token unless ``skip_special_tokens`` is False.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ class OutputProcessor:
         state = self._states.get(seq.seq_id)
         if state is None:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
-            state = self._states[seq.seq_id] = _TextState(self.tokenizer.detokenizer(prompt))
+            detokenizer = self.tokenizer.detokenizer(prompt, seq.params.skip_special_tokens)
+            state = self._states[seq.seq_id] = _TextState(detokenizer)
         delta = state.detokenizer.step([token_id])
         if not delta:
             return None
@@ -42,7 +48,7 @@ class OutputProcessor:
         if not hits:
             return None
         idx, stop = min(hits)
-        state.text = state.text[:idx]
+        state.text = state.text[: idx + len(stop) if seq.params.include_stop_str_in_output else idx]
         return stop
 
     def on_finish(self, seq: Sequence) -> None:

@@ -75,7 +75,8 @@ class SamplingParams:
     # logprobs of every prompt token after the first (and top-k alternatives), as vLLM's: the prompt
     # is then computed whole, without prefix-cache hits (a cached block has K/V but no logits)
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output (vLLM's)
+    include_stop_str_in_output: bool = False  # the stop string that ended the output stays in it (vLLM's)
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Penalties on tokens already there (OpenAI's and vLLM's meanings; 0 / 1 disable them):

@@ -433,9 +433,12 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ConfigError(f"chat template error: {exc}") from exc
 
-    def detokenizer(self, prompt_token_ids: Sequence[int]) -> IncrementalDetokenizer:
-        """A streaming detokenizer for one sequence's output (``prompt_token_ids`` is kept for reference)."""
-        return IncrementalDetokenizer(self, prompt_token_ids)
+    def detokenizer(
+        self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming detokenizer for one sequence's output (``prompt_token_ids`` is kept for reference;
+        ``skip_special_tokens`` False writes the special tokens' text too)."""
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
 
 
 def _plain_messages(messages: Any, roles: frozenset[str]) -> list[dict[str, Any]]:
@@ -524,16 +527,19 @@ class IncrementalDetokenizer:
     with the output's length.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self.prompt_token_ids: tuple[int, ...] = tuple(prompt_token_ids)
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self._prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded and emitted already
         self._read_offset = 0
         self.text = ""  # everything emitted so far
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+        return self._tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Add ``new_token_ids``; return the text they complete (may be "" while a character is partial)."""

@@ -224,6 +224,25 @@ def test_stop_strings_tokens_and_lengths(tiny_dir) -> None:
     assert o.stop_reason == stop_id
 
 
+def test_a_kept_stop_string_and_written_special_tokens(tiny_dir) -> None:
+    """vLLM's include_stop_str_in_output keeps the stop string that ended the text; skip_special_tokens
+    False writes special tokens' text (the tiny tokenizer's <|im_end|>, id 2, forced by a logit bias)."""
+    llm = make(tiny_dir)
+    p = prompts(llm.engine.model_config.vocab_size)[6]
+    full = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 2]
+    kept = SamplingParams(
+        temperature=0.0, max_tokens=12, stop=[stop], ignore_eos=True, include_stop_str_in_output=True
+    )
+    o = llm.generate([p], kept)[0].outputs[0]
+    assert o.stop_reason == stop and o.text == full.text[: full.text.find(stop) + len(stop)]
+    forced = dict(temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias={2: 100.0})
+    skipped = llm.generate([p], SamplingParams(**forced))[0].outputs[0]
+    written = llm.generate([p], SamplingParams(**forced, skip_special_tokens=False))[0].outputs[0]
+    assert skipped.token_ids == written.token_ids == [2, 2, 2]
+    assert (skipped.text, written.text) == ("", "<|im_end|>" * 3)
+
+
 def test_min_tokens_bans_eos_until_reached(tiny_dir) -> None:
     llm = make(tiny_dir)
     p = prompts(llm.engine.model_config.vocab_size)[6]

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from kvtier.cli import build_parser
 from kvtier.config import ConfigError
 from kvtier.server.app import ServerSettings, create_app
+from kvtier.server.protocol import ChatCompletionRequest
 
 MODEL = "test-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -184,6 +185,9 @@ UNSUPPORTED = [
     ({"guided_choice": []}, "response_format"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"echo": True}, "echo"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"bad_words": ["sea"]}, "bad_words"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"logit_bias": {"abc": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"n": 17}, "n"),  # --max-n 16 by default
@@ -208,6 +212,15 @@ def test_unsupported_and_invalid_parameters_are_named(client: TestClient, change
 def test_too_many_prompts_is_400_before_tokenizing(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 5000, "max_tokens": 1})
     assert_error(r, 400, param="prompt")
+
+
+def test_vllms_output_fields_reach_the_sampling_params() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stop": "x"}
+    given = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    params = ChatCompletionRequest.model_validate({**body, **given}).sampling_params()
+    assert (params.skip_special_tokens, params.include_stop_str_in_output) == (False, True)
+    default = ChatCompletionRequest.model_validate(body).sampling_params()
+    assert (default.skip_special_tokens, default.include_stop_str_in_output) == (True, False)
 
 
 def test_defaults_of_unsupported_parameters_pass(client: TestClient) -> None:

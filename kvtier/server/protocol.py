@@ -39,8 +39,8 @@ that reaches the float32 sampler stays finite there::
 Every float field refuses NaN and infinities (``allow_inf_nan=False``; Python's ``json`` reads ``NaN``
 and ``Infinity``).
 
-Every error body is ``{"error": {"message", "type", "param", "code"}}``; a message quotes at most
-``MAX_ECHO`` characters of what the client sent.
+Every error body is ``{"error": {"message", "type", "param", "code"}}`` (:mod:`.api_errors`, whose
+names are re-exported here).
 
 A key is sent as ``Authorization: Bearer <key>`` and compared in constant time (:func:`presents`, from
 :mod:`.tenants` like :func:`tenant_salt`, re-exported here); a missing or wrong one is a 401
@@ -53,17 +53,26 @@ and its own salt), so one tenant's prompts are never a prefix-cache hit for anot
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse  # FastAPI's own; starlette keeps the router's import light
 
 from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.kv.retention import MAX_TTL_S, WHOLE_PROMPT, RetentionSpan
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
+from kvtier.server.api_errors import MAX_ECHO as MAX_ECHO
+from kvtier.server.api_errors import MAX_MESSAGE as MAX_MESSAGE
+from kvtier.server.api_errors import APIError as APIError
+from kvtier.server.api_errors import bad_request as bad_request
+from kvtier.server.api_errors import check_model as check_model
+from kvtier.server.api_errors import clip as clip
+from kvtier.server.api_errors import http_error as http_error
+from kvtier.server.api_errors import invalid_json as invalid_json
+from kvtier.server.api_errors import not_found as not_found
+from kvtier.server.api_errors import responses_api_unsupported as responses_api_unsupported
+from kvtier.server.api_errors import unauthorized as unauthorized
+from kvtier.server.api_errors import validation_error as validation_error
 from kvtier.server.tenants import bearer as bearer
 from kvtier.server.tenants import presents as presents
 from kvtier.server.tenants import tenant_of as tenant_of
@@ -82,8 +91,6 @@ from kvtier.tools import (
 MAX_STOP = 16  # stop strings are checked against every new token: a bounded list
 MAX_STOP_TOKEN_IDS = 256
 MAX_PROMPTS = 2048  # prompts in one /v1/completions request (OpenAI's limit)
-MAX_ECHO = 64  # characters of a client's value quoted back in an error message
-MAX_MESSAGE = 2000  # characters of an error message
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # a request's priority (vLLM's field: lower runs first)
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_INT32 = 2**31 - 1
@@ -101,89 +108,6 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT32)]  # min_tokens, a stop token id
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
-def clip(value: object, limit: int = MAX_ECHO) -> str:
-    """``repr``-free text of a client's value for an error message: at most ``limit`` characters."""
-    text = str(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-# ------------------------------------------------------------------------------------------ errors
-class APIError(Exception):
-    """An error answered as ``status`` with OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        message = clip(message, MAX_MESSAGE).encode("utf-8", "replace").decode("utf-8")
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def http_error(exc: HTTPException) -> APIError:
-    """Starlette's own 404 (no such route) or 405 (another method) in OpenAI's shape."""
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
-
-
-def responses_api_unsupported() -> APIError:
-    """The answer to OpenAI's Responses API (``/v1/responses``), which kvtier does not implement."""
-    return APIError(
-        501,
-        "the Responses API (/v1/responses) is not supported by this server: send the conversation to "
-        "/v1/chat/completions (tools included)",
-        code="not_supported",
-    )
-
-
-def not_found() -> APIError:
-    """The 404 of a route that does not exist (an ``/admin`` route while the admin role is off)."""
-    return APIError(404, "Not Found", code="not_found")
-
-
-def unauthorized(what: str) -> APIError:
-    """The 401 for a missing or wrong key; ``what`` names the key the route takes."""
-    return APIError(
-        401,
-        f"Incorrect or missing {what} (send 'Authorization: Bearer <key>').",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
-
-
-def invalid_json(reason: str) -> APIError:
-    """The 400 for a body that is not JSON (``reason``: why)."""
-    return APIError(400, f"the request body is not valid JSON: {reason}", code="invalid_json")
-
-
-def check_model(served: str, model: str | None) -> None:
-    """404 when the request names another model than the ``served`` one (None: any)."""
-    if model is not None and model != served:
-        raise APIError(
-            404, f"The model `{clip(model)}` does not exist.", param="model", code="model_not_found"
-        )
-
-
-_PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
-_PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
-_PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority"}
 # Parameters that change the answer and are not implemented: a 400 naming them, unless at their default
 # (tools and tool_choice are chat's own fields: refused here on /v1/completions only).
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -195,38 +119,15 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "echo": (None, False),  # on chat (vLLM's: the last message before the answer): completions take it
+    # vLLM's sampling extensions kvtier does not have: refused when they would change the answer
+    "use_beam_search": (None, False),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "chat_template": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "spaces_between_special_tokens": (None, True),
 }
-
-
-def bad_request(exc: ConfigError | str, param: str | None = None) -> APIError:
-    """A 400 for invalid input; ``param`` is guessed from a ``"name must ..."`` message when not given."""
-    message = " ".join(str(exc).split())
-    if param is None:
-        first = message.split(" ", 1)[0].rstrip(":")
-        param = first if first in _PARAM_NAMES else None
-    return APIError(400, message, param=param, code="invalid_value" if param else None)
-
-
-_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
-
-
-def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """FastAPI's 422 (a pydantic error list) as OpenAI's 400."""
-    if not errors:
-        return APIError(400, "invalid request")
-    # A union (prompt: str | list[...]) reports each member's error; our own check's is the useful one.
-    err = next((e for e in errors if e.get("type") == "value_error"), errors[0])
-    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-    # Union members show up in the location ("prompt.str"); keep the request's own field path.
-    path = ".".join(
-        x for x in loc if not re.fullmatch(r"[a-z]+\[.*\]|str|int|float|bool|list|function-.*", x)
-    )
-    message = err.get("msg", "invalid value")
-    if err.get("type") == "json_invalid":
-        return invalid_json(message)
-    text = f"{path}: {message}" if path else message
-    code = "invalid_value" if err.get("type") in _RANGE_ERRORS else "invalid_type"
-    return APIError(400, text, param=loc[0] if loc else None, code=code)
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -325,6 +226,8 @@ class GenerationRequest(_Request):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     priority: int = 0  # lower runs first (vLLM's meaning)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def retention(self) -> tuple[RetentionSpan, ...]:
@@ -382,6 +285,8 @@ class GenerationRequest(_Request):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
         try:
             return SamplingParams(**kwargs)
