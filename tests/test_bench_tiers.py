@@ -39,7 +39,7 @@ def test_source_of() -> None:
 
 
 def test_percentile() -> None:
-    from kvtier.bench.multiturn import percentile
+    from kvtier.bench.quantiles import percentile
 
     xs = [float(x) for x in range(1, 11)]
     assert percentile(xs, 0.5) == pytest.approx(5.5)

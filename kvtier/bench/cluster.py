@@ -53,7 +53,7 @@ from kvtier.bench.cluster_workload import (
     probe_latency,
     run_workload,
 )
-from kvtier.bench.multiturn import percentile
+from kvtier.bench.quantiles import percentile
 
 SCENARIOS = {
     "a": ("round-robin, no remote tier", "round_robin", False),

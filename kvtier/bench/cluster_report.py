@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.bench.cluster_workload import Record
-from kvtier.bench.multiturn import percentile
+from kvtier.bench.quantiles import percentile
 
 
 @dataclass

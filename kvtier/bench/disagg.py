@@ -44,7 +44,8 @@ from kvtier.bench.cluster_workload import (
     chat_request,
     run_workload,
 )
-from kvtier.bench.multiturn import WORDS, percentile
+from kvtier.bench.multiturn import WORDS
+from kvtier.bench.quantiles import percentile
 
 SPLITS = {"colocated": ("both", "both"), "disaggregated": ("prefill", "decode")}
 

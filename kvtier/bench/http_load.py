@@ -10,7 +10,7 @@ prompt and a fixed output length (``ignore_eos``); the client records, per reque
     completion_tokens   the usage chunk's count
 
 ``run_load`` sends a workload with Poisson arrivals (or all at once) and ``summarize`` turns one rate's
-results into a ``RateRow`` of percentiles (``percentile`` takes ``q`` in 0..100).
+results into a ``RateRow`` of percentiles (:func:`kvtier.bench.quantiles.percentile`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from kvtier.bench.quantiles import percentile
 
 TOKEN_RANGE = (1000, 20000)  # prompt token ids: inside any modern vocabulary, away from special tokens
 
@@ -60,16 +62,6 @@ def workload(
         ([rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(*prompt_len))], rng.randint(*output_len))
         for _ in range(n)
     ]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Result:
@@ -145,13 +137,13 @@ def summarize(rate: float, results: list[Result], seconds: float) -> RateRow:
         errors=len(results) - len(ok),
         seconds=seconds,
         tokens_per_s=tokens / seconds if seconds else 0.0,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p90=percentile(ttfts, 90),
-        ttft_p99=percentile(ttfts, 99),
-        itl_p50=percentile(itls, 50),
-        itl_p90=percentile(itls, 90),
-        itl_p99=percentile(itls, 99),
-        e2e_p50=percentile([r.e2e for r in ok], 50),
+        ttft_p50=percentile(ttfts, 0.50),
+        ttft_p90=percentile(ttfts, 0.90),
+        ttft_p99=percentile(ttfts, 0.99),
+        itl_p50=percentile(itls, 0.50),
+        itl_p90=percentile(itls, 0.90),
+        itl_p99=percentile(itls, 0.99),
+        e2e_p50=percentile([r.e2e for r in ok], 0.50),
     )
 
 

@@ -36,7 +36,6 @@ from typing import Any
 from kvtier.args import add_engine_args
 from kvtier.bench.multiturn_report import TIER_NAMES as TIER_NAMES
 from kvtier.bench.multiturn_report import evaluate_targets, print_tables, print_targets, write_chart
-from kvtier.bench.multiturn_report import percentile as percentile
 
 WORDS = (  # noqa: SIM905 - a word list reads better as text
     "cache block memory tier host disk device token prompt answer model layer attention query key value "

@@ -7,19 +7,12 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from kvtier.bench.quantiles import percentile
+
 if TYPE_CHECKING:
     from kvtier.bench.multiturn import RunResult, Workload
 
 TIER_NAMES = ("device", "host", "disk")  # the media a row's hits are counted by
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def print_tables(rows: list[RunResult], work: Workload) -> None:

@@ -33,7 +33,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.bench.multiturn import Workload, build_workload, percentile
+from kvtier.bench.multiturn import Workload, build_workload
+from kvtier.bench.quantiles import percentile
 
 TIERS = ("device", "host", "remote")
 

@@ -29,12 +29,12 @@ from kvtier.bench.http_load import (
     RateRow,
     Result,
     crossing_rate,
-    percentile,
     print_table_head,
     run_load,
     summarize,
     workload,
 )
+from kvtier.bench.quantiles import percentile
 
 POLICIES = ("legacy", "stall_free")
 NO_LIMIT = "stall_free, no partial limit"
@@ -76,9 +76,9 @@ def _mixed_row(results: list[Result], seconds: float, longs: set[int]) -> dict[s
     return {
         "errors": row.errors,
         "tokens_per_s": row.tokens_per_s,
-        "short_ttft_p50": percentile(short, 50),
-        "short_ttft_p90": percentile(short, 90),
-        "long_ttft_p50": percentile(long, 50),
+        "short_ttft_p50": percentile(short, 0.50),
+        "short_ttft_p90": percentile(short, 0.90),
+        "long_ttft_p50": percentile(long, 0.50),
         "itl_p50": row.itl_p50,
         "itl_p99": row.itl_p99,
     }
