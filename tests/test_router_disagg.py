@@ -378,6 +378,13 @@ def test_the_prefill_body_keeps_the_prompt_and_asks_for_one_token() -> None:
         "stream": False, "max_tokens": 1, "seed": 4, "cache_salt": "s",
     }  # fmt: skip
     assert "n" not in prefill_body({"messages": [], "max_tokens": 50})  # Anthropic's has none
+    responses = {
+        "input": "x",
+        "max_output_tokens": 50,
+        "stream": True,
+        "text": {"format": {"type": "json_object"}},
+    }
+    assert prefill_body(responses, "/v1/responses") == {"input": "x", "max_output_tokens": 1, "stream": False}
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """Tool calls without a model: the request's checks (each a 400 naming its field, before the model is
 needed), the rendering (a template's own tool format, found by probes and equal to transformers'; the
 generic format otherwise), the forced-call grammar llguidance compiles, the streaming parser (any split
-of the text gives the same calls), and ``/v1/responses`` answering 501 on the server and the router."""
+of the text gives the same calls), and ``/v1/responses`` checked on the server and routed by the router."""
 
 from __future__ import annotations
 
@@ -438,21 +438,30 @@ def test_completions_still_refuse_tools(client: TestClient) -> None:
     error(r, 400, "tools")
 
 
-def test_the_responses_api_is_a_clear_501(client: TestClient) -> None:
-    for method, path in (
-        ("POST", "/v1/responses"),
-        ("GET", "/v1/responses/resp_1"),
-        ("DELETE", "/v1/responses/r"),
-    ):
-        err = error(client.request(method, path, json={"model": MODEL, "input": "hi"}), 501, None)
-        assert err["code"] == "not_supported" and "/v1/chat/completions" in err["message"]
+def test_the_responses_api_checks_before_the_model(client: TestClient) -> None:
+    """/v1/responses runs as chat: its own 400s name the Responses field, a good request waits for the
+    model (503 while loading), a stored response's route is a 404 (none is kept)."""
+    body = {"model": MODEL, "input": "hi"}
+    assert error(client.post("/v1/responses", json=body), 503, None)["code"] == "model_not_ready"
+    error(
+        client.post("/v1/responses", json={**body, "previous_response_id": "resp_1"}),
+        400,
+        "previous_response_id",
+    )
+    error(
+        client.post("/v1/responses", json={**body, "tools": [{"type": "web_search"}]}), 400, "tools[0].type"
+    )
+    for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/r")):
+        assert error(client.request(method, path), 404, None)["code"] == "not_found"
 
 
-def test_the_router_answers_the_responses_api_itself() -> None:
+def test_the_router_routes_the_responses_api() -> None:
     from kvtier.router.app import create_app as create_router
     from kvtier.router.core import RouterSettings
 
     router = TestClient(create_router(RouterSettings(replicas=[], api_key="k")))  # no lifespan: no replica
     assert router.post("/v1/responses", json={"input": "hi"}).status_code == 401
-    r = router.post("/v1/responses", json={"input": "hi"}, headers={"Authorization": "Bearer k"})
-    assert error(r, 501, None)["code"] == "not_supported"
+    key = {"Authorization": "Bearer k"}
+    r = router.post("/v1/responses", json={"input": "hi"}, headers=key)
+    assert r.status_code == 503  # routed: no healthy replica
+    assert error(router.get("/v1/responses/resp_1", headers=key), 404, None)["code"] == "not_found"

@@ -20,8 +20,10 @@
     POST /admin/replicas {"url": ...}              admin (404 without         admit a replica (checked:
     DELETE /admin/replicas {"url": ...}              --admin-key)             same model) or remove one
     GET  /dashboard, /dashboard/static/{name}      none (no data in them)     the cluster page
-    *    /v1/responses[/...]                       client                     501 not_supported (OpenAI's
-                                                                               Responses API), answered here
+    POST /v1/responses                             client                     OpenAI's Responses API: routed
+                                                                               as chat
+    *    /v1/responses/{id}[/...]                  client                     404 (the replicas keep no
+                                                                               responses), answered here
 
 Only these routes reach a replica, each to a fixed path: ``/v1/models/{id}`` takes a model id that
 :func:`model_path` accepts (letters, digits, ``._:+@-``; no ``..``, no ``/``, no ``\\``, whatever the
@@ -66,13 +68,13 @@ from kvtier.router.auth import check_admin, check_client, check_metrics, check_r
 from kvtier.router.body import parse_json, read_body, read_json
 from kvtier.router.core import NoReplica, Route, Router, RouterSettings
 from kvtier.router.policy import Decision
-from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH
+from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, RESPONSES_PATH
 from kvtier.router.proxy import forward
 from kvtier.router.replicas import AdmissionRefused
 from kvtier.server.anthropic_errors import anthropic_error, as_anthropic, authorization_of, presents_key
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
-from kvtier.server.protocol import APIError, http_error, not_found, responses_api_unsupported, unauthorized
+from kvtier.server.protocol import APIError, http_error, no_stored_response, not_found, unauthorized
 
 logger = logging.getLogger("kvtier.router")
 
@@ -286,9 +288,14 @@ async def messages_count_tokens(request: Request) -> Response:
     return await _anthropic(request, MESSAGES_PATH + "/count_tokens")
 
 
-async def responses_api(request: Request) -> Response:
-    """OpenAI's Responses API: the replicas do not implement it, so the router answers their 501 itself."""
-    raise responses_api_unsupported()
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API: routed as chat is (the body mapped onto the same conversation and tools)."""
+    return await _generate(request, RESPONSES_PATH)
+
+
+async def stored_response(request: Request) -> Response:
+    """A stored response's route: the replicas keep none, so the router answers their 404 itself."""
+    raise no_stored_response(request.path_params["rest"])
 
 
 async def no_admin_route(request: Request) -> Response:
@@ -305,8 +312,8 @@ ROUTES = [
     Endpoint("/detokenize", guarded(check_client, detokenize), methods=["POST"]),
     Endpoint("/v1/messages", messages, methods=["POST"]),  # its key checked by _anthropic_client
     Endpoint("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
-    Endpoint("/v1/responses", guarded(check_client, responses_api), methods=ALL_METHODS),
-    Endpoint("/v1/responses/{rest:path}", guarded(check_client, responses_api), methods=ALL_METHODS),
+    Endpoint("/v1/responses", guarded(check_client, responses), methods=["POST"]),
+    Endpoint("/v1/responses/{rest:path}", guarded(check_client, stored_response), methods=ALL_METHODS),
     Endpoint("/health", health, methods=["GET"]),
     Endpoint("/metrics", guarded(check_metrics, prometheus_metrics), methods=["GET"]),
     Endpoint("/router/state", guarded(check_reader, state), methods=["GET"]),

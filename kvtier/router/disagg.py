@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from kvtier.router.core import INLINE_BODY_BYTES, NoReplica, Route, Router
-from kvtier.router.prompt import Prompt
+from kvtier.router.prompt import RESPONSES_PATH, Prompt
 from kvtier.router.proxy import RETRY_STATUSES, Hold, forward, opens_chat, unless, until_disconnected
 from kvtier.router.replicas import Replica
 
@@ -57,7 +57,7 @@ MAX_PUBLISH_BLOCKS = 1 << 16  # what one /v1/kv/publish may name (kvtier.server.
 # Fields a prefill does not need: its one token is thrown away (the prompt never depends on them).
 _DROPPED = (
     "stream_options", "max_completion_tokens", "min_tokens", "best_of", "logprobs", "top_logprobs",
-    "echo", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "echo", "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "text",
 )  # fmt: skip
 _TIMEOUT = httpx.Timeout(connect=2.0, read=None, write=30.0, pool=10.0)  # a long prompt takes its time
 
@@ -86,10 +86,12 @@ def active(router: Router) -> bool:
     return any(is_prefill(r) for r in router.replicas.healthy())
 
 
-def prefill_body(given: dict[str, Any]) -> dict[str, Any]:
-    """The request a prefill replica computes: the prompt as the client sent it, one token, no stream."""
+def prefill_body(given: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """The request a prefill replica computes: the prompt as the client sent it, one token, no stream
+    (the Responses API's limit is ``max_output_tokens``)."""
     body = {k: v for k, v in given.items() if k not in _DROPPED}
-    body.update(max_tokens=1, stream=False)
+    limit = "max_output_tokens" if path == RESPONSES_PATH else "max_tokens"
+    body.update({limit: 1, "stream": False})
     if "n" in body:
         body["n"] = 1
     return body
@@ -177,7 +179,7 @@ async def _prefill(
         prefill = router.rank(prompt, given, authorization, among=is_prefill, affinity=False)
     except NoReplica:
         return None
-    content = json.dumps(prefill_body(given)).encode()
+    content = json.dumps(prefill_body(given, path)).encode()
     headers = {k: v for k in ("authorization", "content-type") if (v := request.headers.get(k)) is not None}
     start = time.perf_counter()
     for i, replica in enumerate(prefill.replicas[:2]):

@@ -35,11 +35,13 @@ from kvtier.kv.hashing import BlockHash, hash_full_blocks, root_hash
 from kvtier.router.tokens import PieceEncoder
 from kvtier.server.anthropic import MessagesRequest
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, tenant_salt
+from kvtier.server.responses_api import ResponsesRequest
 from kvtier.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 MESSAGES_PATH = "/v1/messages"  # Anthropic's Messages API
+RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API (run as a chat completion)
 
 
 def load_tokenizer(model: str | None) -> tuple[Tokenizer, str]:
@@ -97,8 +99,12 @@ def parse_prompt(
     tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
     encode = encoder.encode if encoder is not None else None
     try:
-        if path == CHAT_PATH:
-            chat = ChatCompletionRequest.model_validate(body)
+        if path in (CHAT_PATH, RESPONSES_PATH):
+            chat = (
+                ChatCompletionRequest.model_validate(body)
+                if path == CHAT_PATH
+                else ResponsesRequest.model_validate(body).chat()
+            )
             conversation, tools = chat.conversation(), chat.tool_request()[0]
             _, token_ids = tokenizer.encode_chat(
                 conversation, encode=encode, tools=tools, **chat.template_args()

@@ -60,13 +60,13 @@ def http_error(exc: HTTPException) -> APIError:
     return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
-def responses_api_unsupported() -> APIError:
-    """The answer to OpenAI's Responses API (``/v1/responses``), which kvtier does not implement."""
+def no_stored_response(rest: str) -> APIError:
+    """The 404 of a stored-response route (``/v1/responses/{id}...``): kvtier keeps no responses."""
     return APIError(
-        501,
-        "the Responses API (/v1/responses) is not supported by this server: send the conversation to "
-        "/v1/chat/completions (tools included)",
-        code="not_supported",
+        404,
+        f"Response '{clip(rest.split('/')[0])}' not found: this server keeps no responses (store is "
+        "answered false); send the whole conversation in input",
+        code="not_found",
     )
 
 

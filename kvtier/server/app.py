@@ -82,12 +82,12 @@ from kvtier.server.protocol import (
     check_model,
     clip,
     http_error,
-    responses_api_unsupported,
     tenant_of,
     tenant_salt,
     validation_error,
 )
 from kvtier.server.responses import DONE, Formatter, Kind, sse
+from kvtier.server.responses_route import responses_router
 from kvtier.server.tokenize_routes import tokenize_router
 from kvtier.tokenizer import Tokenizer
 
@@ -197,7 +197,9 @@ def create_app(
     app.add_exception_handler(EngineNotReady, _not_ready)
     app.add_exception_handler(Exception, _internal)
     app.include_router(v1)
-    app.include_router(messages_router(Serving(admit, check_open, respond)))  # Anthropic's /v1/messages
+    serving = Serving(admit, check_open, respond)
+    app.include_router(messages_router(serving))  # Anthropic's /v1/messages
+    app.include_router(responses_router(serving))  # OpenAI's /v1/responses
     app.include_router(kv_router())  # GET /v1/kv/info, /v1/kv/blocks, ...; POST /admin/kv/quarantine
     app.include_router(dashboard_router(app, check_kv_reader))  # GET /dashboard, /v1/kv/dashboard
     app.include_router(tokenize_router())  # POST /tokenize, /detokenize
@@ -530,13 +532,6 @@ async def completions(request: Request) -> Response:
     return await opened.complete(
         "text", encoded, "prompt", logprobs=logprobs, echo=body.echo, prompt_only=body.prompt_only
     )
-
-
-@v1.api_route("/responses", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-@v1.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-async def responses_api(request: Request) -> Response:
-    """OpenAI's Responses API: not implemented (501, saying to use chat completions), not a bare 404."""
-    raise responses_api_unsupported()
 
 
 # ---------------------------------------------------------------------------------- other routes

@@ -1,0 +1,207 @@
+"""OpenAI's Responses API on ``kvtier serve``: ``POST /v1/responses``.
+
+The request is mapped onto a chat completion (:mod:`.responses_api`) and runs as one: the same checks,
+template, tools, grammar, admission and prompt caching. Only the answer differs::
+
+    one JSON body    {"id": "resp_...", "object": "response", "created_at", "status": "completed" |
+                      "incomplete", "incomplete_details": {"reason": "max_output_tokens"} | null,
+                      "model", "output": [items], "usage": {"input_tokens", "input_tokens_details":
+                      {"cached_tokens"}, "output_tokens", "output_tokens_details": {"reasoning_tokens"},
+                      "total_tokens"}, the request's settings, "store": false}
+    server-sent      response.created, response.in_progress; each item's events (:mod:`.response_items`);
+    events           response.completed or response.incomplete (the whole response); an engine failure
+                     is an ``error`` event. Every event has its ``sequence_number``.
+
+``reasoning_tokens`` counts the reasoning text's tokens as the tokenizer writes them. Nothing is stored:
+``GET``/``DELETE /v1/responses/{id}`` are 404s, as for an id that does not exist. What the route needs of
+the app comes in a :class:`~kvtier.server.messages.Serving`, so this module never imports the app.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from kvtier.outputs import RequestOutput
+from kvtier.server import bodies, prompts, tools
+from kvtier.server.api_errors import no_stored_response
+from kvtier.server.async_engine import EngineDeadError, EngineNotReady
+from kvtier.server.auth import check_key
+from kvtier.server.messages import Serving
+from kvtier.server.protocol import ChatCompletionRequest, check_model, tenant_of, tenant_salt
+from kvtier.server.response_items import OutputItems, new_id
+from kvtier.server.responses_api import ResponsesRequest, in_responses_names
+
+
+def event(payload: dict[str, Any]) -> str:
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {payload['type']}\ndata: {data}\n\n"
+
+
+class ResponsesFormatter:
+    """One Responses call's answer: the JSON body (``response``) or the events (``stream``), as
+    :func:`kvtier.server.app.respond` asks of a formatter."""
+
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        model: str,
+        tool_names: frozenset[str] | None,
+        reasoning_parser: str | None,
+        count_tokens: Callable[[str], int],
+    ):
+        self.response_id = new_id("resp")
+        self.created_at = int(time.time())
+        self.body = body
+        self.model = model
+        self.tool_names = tool_names
+        self.reasoning_parser = reasoning_parser
+        self.count_tokens = count_tokens
+        self._sequence = 0
+
+    def _response(self, status: str, items: OutputItems | None, out: RequestOutput | None) -> dict[str, Any]:
+        body = self.body
+        incomplete = status == "incomplete"
+        return {
+            "id": self.response_id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.model,
+            "output": items.items if items is not None else [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": body.reasoning,
+            "store": False,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": body.text if isinstance(body.text, dict) else {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [],
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled",
+            "usage": self._usage(out, items) if out is not None and items is not None else None,
+            "user": body.user,
+            "metadata": body.metadata if isinstance(body.metadata, dict) else {},
+        }
+
+    def _usage(self, out: RequestOutput, items: OutputItems) -> dict[str, Any]:
+        prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+        reasoning = items.reasoning_text
+        return {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": min(out.num_cached_tokens, prompt)},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
+            "total_tokens": prompt + completion,
+        }
+
+    def _status(self, out: RequestOutput) -> str:
+        return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
+
+    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = finals
+        items = OutputItems(self.tool_names, self.reasoning_parser)
+        items.feed(out.outputs[0].text)
+        items.finish()
+        return self._response(self._status(out), items, out)
+
+    def _event(self, payload: dict[str, Any]) -> str:
+        self._sequence += 1
+        return event({**payload, "sequence_number": self._sequence - 1})
+
+    async def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
+    ) -> AsyncIterator[str]:
+        """The events as the outputs come; an engine failure is an ``error`` event."""
+        items = OutputItems(self.tool_names, self.reasoning_parser)
+        started = self._response("in_progress", None, None)
+        yield self._event({"type": "response.created", "response": started})
+        yield self._event({"type": "response.in_progress", "response": started})
+        try:
+            async for _, out in outputs:
+                c = out.outputs[0]
+                for payload in items.feed(c.text_delta):
+                    yield self._event(payload)
+                if c.finish_reason is None:
+                    continue
+                for payload in items.finish():
+                    yield self._event(payload)
+                status = self._status(out)
+                yield self._event(
+                    {"type": f"response.{status}", "response": self._response(status, items, out)}
+                )
+                return
+        except (EngineNotReady, EngineDeadError) as exc:
+            yield self._event({"type": "error", "code": "server_error", "message": str(exc), "param": None})
+
+
+async def create_response(request: Request, serving: Serving) -> Response:
+    """``POST /v1/responses``, checked in the chat route's order: body (400), draining (503), model (404),
+    parameters and tools (400), tool schemas (400), loaded (503), length (400), admission (503)."""
+    arrival = time.monotonic()
+    body = await bodies.parse(request, ResponsesRequest)
+    serving.check_open(request)
+    state = request.app.state
+    check_model(state.settings.model_name, body.model)
+    with in_responses_names():
+        chat: ChatCompletionRequest = body.chat()
+        params = chat.sampling_params()
+        conversation = chat.conversation()
+        given_tools, choice = chat.tool_request()
+        if given_tools:
+            await prompts.off_loop(state.pool, tools.check_schemas, given_tools)
+        tokenizer, max_model_len = prompts.loaded_tokenizer(state.engine)
+        num_chars = sum(len(m["content"]) for m in conversation)
+        prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
+        prompt = await prompts.off_loop(
+            state.pool,
+            prompts.render_chat,
+            tokenizer,
+            conversation,
+            params.max_tokens,
+            max_model_len,
+            given_tools,
+            chat.template_args(),
+        )
+        authorization = request.headers.get("authorization", "")
+        salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
+        streams = await serving.admit(
+            state.engine,
+            state.metrics,
+            [prompt],
+            params,
+            cache_salt=salt,
+            arrival=arrival,
+            param="input",
+            tenant=tenant_of(authorization, chat.user),
+            grammar_param="tools" if given_tools else "text.format",
+            retention=chat.retention,
+        )
+    names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    fmt = ResponsesFormatter(body, state.settings.model_name, names, state.settings.reasoning_parser, count)
+    return await serving.respond(request, fmt, streams, body.stream)
+
+
+def responses_router(serving: Serving) -> APIRouter:
+    """``POST /v1/responses`` behind the client key; the stored-response routes answer 404 (none kept)."""
+    router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @router.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(request, serving)
+
+    @router.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def stored_response(request: Request, rest: str) -> Response:
+        raise no_stored_response(rest)
+
+    return router

@@ -1,0 +1,238 @@
+"""OpenAI's Responses API (``POST /v1/responses``): the request mapped onto a chat completion, the answer
+built as output items, and end to end on the real default model with the official ``openai`` SDK,
+directly and through ``kvtier router``: the same greedy text as chat completions, streamed and not; a
+two-step tool loop; cached input tokens on a repeated prompt; refusals naming the Responses field."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from kvtier import LLM
+from kvtier.router.app import create_app as router_app
+from kvtier.router.core import RouterSettings
+from kvtier.router.prompt import RESPONSES_PATH, parse_prompt
+from kvtier.server.api_errors import APIError
+from kvtier.server.app import ServerSettings, create_app
+from kvtier.server.response_items import OutputItems
+from kvtier.server.responses_api import ResponsesRequest, in_responses_names
+from kvtier.server.serve import BackgroundServer, serve_in_thread
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def chat_of(**body: Any) -> Any:
+    with in_responses_names():
+        return ResponsesRequest.model_validate({"model": MODEL, **body}).chat()
+
+
+# ------------------------------------------------------------------------------------ the request
+def test_a_tool_loop_maps_onto_chat_messages() -> None:
+    """instructions first as system; developer is system; text parts joined; consecutive function calls
+    one assistant message; their outputs tool messages; reasoning items dropped."""
+    call = {
+        "type": "function_call",
+        "call_id": "call_1",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+    }
+    chat = chat_of(
+        instructions="Be brief.",
+        input=[
+            {"role": "developer", "content": "Use tools."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "Paris "},
+                    {"type": "input_text", "text": "and Rome?"},
+                ],
+            },
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            call,
+            {**call, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "21 C"},
+        ],
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=7,
+        text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}}},
+        reasoning={"effort": "low"},
+        prompt_cache_retention="24h",
+    )
+    conversation = chat.conversation()
+    assert [m["role"] for m in conversation] == ["system", "system", "user", "assistant", "tool", "tool"]
+    assert conversation[2]["content"] == "Paris and Rome?"
+    assert [c["id"] for c in conversation[3]["tool_calls"]] == ["call_1", "call_2"]
+    assert [m.get("tool_call_id") for m in conversation[4:]] == ["call_1", "call_2"]
+    tools, choice = chat.tool_request()
+    assert [t.name for t in tools] == ["get_weather"] and choice.mode == "function"
+    assert chat.max_tokens == 7 and chat.response_format["json_schema"]["name"] == "w"
+    assert chat.chat_template_kwargs == {"reasoning_effort": "low"} and chat.retention
+    assert chat_of(input="Hi").conversation() == [{"role": "user", "content": "Hi"}]
+
+
+REFUSED = [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"background": True}, "background", "keeps no responses"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stored response"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+        "input[0].content[0]",
+        "text parts",
+    ),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role", "user, assistant"),
+    ({"input": []}, "input", "must not be empty"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "'web_search'"),
+    ({"tools": [{**WEATHER, "name": "a b"}]}, "tools[0].name", "tools[0].name"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input", "nope"),
+    ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+]
+
+
+@pytest.mark.parametrize(("change", "param", "words"), REFUSED)
+def test_what_is_wrong_or_unsupported_names_the_responses_field(change: dict, param: str, words: str) -> None:
+    with pytest.raises(APIError) as info, in_responses_names():  # as the route runs them
+        chat = chat_of(**{"input": "hi", **change})
+        chat.sampling_params()
+        chat.conversation()
+        chat.tool_request()
+    assert info.value.status == 400 and info.value.param == param and words in info.value.message
+
+
+def test_the_router_hashes_the_prompt_the_replica_runs(tiny_tokenizer_dir) -> None:  # noqa: ANN001
+    from kvtier.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir)
+    body = {"input": [{"role": "user", "content": "Hello"}], "instructions": "Be brief."}
+    prompt = parse_prompt(tok, RESPONSES_PATH, body)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    assert prompt is not None and prompt.token_ids == tok.encode_chat(messages)[1]
+    assert parse_prompt(tok, RESPONSES_PATH, {"input": 5}) is None  # the replica answers its own 400
+
+
+# ------------------------------------------------------------------------------------ the answer
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_output_items_are_the_same_fed_whole_or_in_pieces(parser: str | None) -> None:
+    text = "<think>Rain?</think>\n\nLet me check." + CALL
+    whole = OutputItems(frozenset({"get_weather"}), parser)
+    whole.feed(text)
+    whole.finish()
+    pieces = OutputItems(frozenset({"get_weather"}), parser)
+    events = [e for i in range(0, len(text), 3) for e in pieces.feed(text[i : i + 3])] + pieces.finish()
+    strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in whole.items]
+    assert strip == [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in pieces.items]
+    kinds = [item["type"] for item in whole.items]
+    assert kinds == (["reasoning"] if parser else []) + ["message", "function_call"]
+    assert whole.items[-1]["arguments"] == '{"city": "Paris"}' and whole.called
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == ("" if parser else "<think>Rain?</think>\n\n") + "Let me check."
+    added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == done == list(range(len(kinds)))
+
+
+# ------------------------------------------------------------------------------------- served
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    threads = torch.get_num_threads()
+    engine = dict(kv_device_blocks=256, max_num_seqs=8, num_threads=1)
+    srv = serve_in_thread(create_app(lambda: LLM(**engine).engine, ServerSettings(model_name=MODEL)))
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+QUESTION = [{"role": "user", "content": "Say hello in one short sentence."}]
+
+
+@pytest.mark.slow
+def test_the_same_answer_as_chat_streamed_and_not(client: OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
+    want = chat.choices[0].message.content
+    r = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text == want
+    assert r.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    assert (
+        r.usage.input_tokens == chat.usage.prompt_tokens
+        and r.usage.output_tokens == chat.usage.completion_tokens
+    )
+    assert r.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: from the cache
+    with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    numbers = [e.sequence_number for e in events]
+    assert numbers == list(range(len(events))) and events[0].type == "response.created"
+    assert (
+        "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        == want
+        == final.output_text
+    )
+    cut = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.slow
+def test_a_two_step_tool_loop(client: OpenAI) -> None:
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.responses.create(
+        model=MODEL, input=question, tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and "city" in call.arguments
+    back = [
+        *question,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"},
+    ]
+    second = client.responses.create(
+        model=MODEL, input=back, tools=[WEATHER], tool_choice="none", max_output_tokens=30, temperature=0
+    )
+    assert second.output_text and second.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.slow
+def test_refusals_through_the_sdk_and_the_router(server: BackgroundServer, client: OpenAI) -> None:
+    with pytest.raises(BadRequestError, match="keeps no responses"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve("resp_1")
+    router = serve_in_thread(router_app(RouterSettings(replicas=[server.url], poll_interval=0.2)))  # type: ignore[arg-type]
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(router.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the router found no healthy replica"
+            time.sleep(0.1)
+        routed = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        direct = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+        via = routed.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+        assert via.output_text == direct.output_text
+        with pytest.raises(BadRequestError, match="web_search"):
+            routed.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    finally:
+        router.stop()
