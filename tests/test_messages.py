@@ -223,7 +223,8 @@ REFUSED = [
     ),
     ({"tool_choice": {"type": "any"}}, "tool_choice", "needs tools"),
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", '"type"'),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", "extended thinking"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens", "at least 1024"),
+    ({"thinking": {"type": "sometimes"}}, "thinking", "adaptive"),
     ({"output_config": {"effort": "low"}}, "output_config", "not supported"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
     ({"stop_sequences": [""]}, "stop_sequences", "non-empty"),
@@ -368,6 +369,10 @@ def accumulate(events: list[tuple[str, dict]]) -> dict[str, Any]:
             block, delta = message["content"][e["index"]], e["delta"]
             if delta["type"] == "text_delta":
                 block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] += delta["signature"]
             else:
                 partial[e["index"]] = partial.get(e["index"], "") + delta["partial_json"]
         elif kind == "content_block_stop" and e["index"] in partial:
@@ -471,6 +476,46 @@ def test_content_blocks_are_the_same_fed_whole_or_in_pieces() -> None:
     strip = [{k: v for k, v in b.items() if k != "id"} for b in whole.content]
     assert strip == [{k: v for k, v in b.items() if k != "id"} for b in pieces.content]
     assert [b["type"] for b in whole.content] == ["text", "tool_use", "text"] and whole.called
+
+
+def test_with_a_reasoning_parser_the_thinking_is_a_thinking_block() -> None:
+    """--reasoning-parser: the model's <think> block comes back as Anthropic's thinking block (an empty
+    signature: kvtier signs nothing), before the answer's text and calls; streamed as thinking_delta and
+    signature_delta; the same blocks whole."""
+    fmt = MessagesFormatter(MODEL, frozenset({"f"}), [], reasoning_parser="qwen3")
+    pieces = [
+        "<thi",
+        "nk>\nWhy",
+        "?</th",
+        "ink>\n\nBe",
+        "cause.",
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+    ]
+    outs = outputs_of(pieces)
+    events = run_stream(fmt, outs)
+    whole = fmt.response([outs[-1]])
+    assert without_ids(whole) == without_ids(accumulate(events))
+    thinking, text, call = whole["content"]
+    assert thinking == {"type": "thinking", "thinking": "\nWhy?", "signature": ""}
+    assert text == {"type": "text", "text": "Because."} and call["name"] == "f"
+    kinds = [e["delta"]["type"] for k, e in events if k == "content_block_delta" and e["index"] == 0]
+    assert kinds[-1] == "signature_delta" and set(kinds[:-1]) == {"thinking_delta"}
+    plain = MessagesFormatter(MODEL, None, []).response([outputs_of(["<think>Hm</think>Hi"])[-1]])
+    assert plain["content"] == [{"type": "text", "text": "<think>Hm</think>Hi"}]  # no parser: as written
+
+
+def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_dropped() -> None:
+    assert request(thinking={"type": "enabled", "budget_tokens": 2048}).chat().thinking is True
+    off = request(thinking={"type": "disabled"}).chat()
+    assert off.template_args()["template_kwargs"] == {"enable_thinking": False}
+    assert "template_kwargs" not in request().chat().template_args()  # not said: the template's default
+    thought = {"type": "thinking", "thinking": "Hm.", "signature": "abc"}
+    history = [
+        BODY["messages"][0],
+        {"role": "assistant", "content": [thought, {"type": "text", "text": "Hi!"}]},
+    ]
+    chat = request(messages=[*history, {"role": "user", "content": "Again?"}]).chat()
+    assert chat.conversation[1] == {"role": "assistant", "content": "Hi!"}
 
 
 def test_an_engine_failure_ends_the_stream_with_an_error_event() -> None:

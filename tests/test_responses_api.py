@@ -22,6 +22,7 @@ from kvtier.server.api_errors import APIError
 from kvtier.server.app import ServerSettings, create_app
 from kvtier.server.response_items import OutputItems
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
+from kvtier.server.responses_route import reasoning_tokens
 from kvtier.server.serve import BackgroundServer, serve_in_thread
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -148,6 +149,14 @@ def test_output_items_are_the_same_fed_whole_or_in_pieces(parser: str | None) ->
     added = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert added == done == list(range(len(kinds)))
+
+
+def test_reasoning_tokens_are_the_output_tokens_up_to_the_closing_tag() -> None:
+    """One token a character here: the count is where ``</think>`` ends; all of them when it never came."""
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    text = "<think>Hm.</think>\n\nHi"
+    assert reasoning_tokens(decode, [ord(c) for c in text], text) == len("<think>Hm.</think>")
+    assert reasoning_tokens(decode, [ord(c) for c in "Hm, wh"], "Hm, wh") == 6
 
 
 # ------------------------------------------------------------------------------------- served

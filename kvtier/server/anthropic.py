@@ -24,9 +24,11 @@ No torch and no FastAPI (the router imports it); the route and the answer are :m
 
 A final assistant message is a prefill: the answer continues its text (the template leaves it open,
 :mod:`kvtier.chat_format`) and holds only what follows; it may not hold tool_use or end in whitespace.
-Anything else is a 400 naming it, never silently ignored: other content blocks (image, document,
-thinking...), server tools, ``thinking``, ``output_config`` and every
-other top-level field but ``service_tier`` (one tier here) and nulls. Strings inside the request must be
+``thinking`` (enabled, adaptive, disabled) is the template's ``enable_thinking`` (Qwen3's; other
+templates ignore it); an assistant's earlier ``thinking`` and ``redacted_thinking`` blocks are dropped.
+Anything else is a 400 naming it, never silently ignored: other content blocks (image, document...),
+server tools, ``output_config`` and every other top-level field but ``service_tier`` (one tier here) and
+nulls. Strings inside the request must be
 valid Unicode, as on the OpenAI routes.
 
 Errors in Anthropic's shape and the ``x-api-key`` header: :mod:`.anthropic_errors`.
@@ -60,13 +62,18 @@ _BLOCK_KEYS = {
     "text": frozenset({"type", "text", "cache_control", "citations"}),
     "tool_use": frozenset({"type", "id", "name", "input", "cache_control"}),
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"}),
+    "thinking": frozenset({"type", "thinking", "signature", "cache_control"}),
+    "redacted_thinking": frozenset({"type", "data", "cache_control"}),
 }
-_ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+# an assistant's earlier thinking is accepted and dropped (templates drop earlier reasoning too)
+_ROLE_BLOCKS = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
+}
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 _CHOICE_KEYS = frozenset({"type", "name", "disable_parallel_tool_use"})
 _IGNORED = frozenset({"service_tier"})  # accepted whatever its value: kvtier has one tier
 _WHAT = {  # what a refused top-level field is, for its message
-    "thinking": "extended thinking",
     "output_config": "output configuration (structured outputs, effort)",
     "output_format": "structured outputs",
     "container": "code execution containers",
@@ -234,6 +241,26 @@ def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dic
     return chat
 
 
+def _thinking(raw: Any) -> bool | None:
+    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` (n >= 1024, as Anthropic's; not enforced:
+    ``max_tokens`` bounds the whole answer), ``{"type": "adaptive"}`` or ``{"type": "disabled"}``."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "enabled":
+        budget = raw.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise invalid(
+                "thinking.budget_tokens must be an integer of at least 1024", "thinking.budget_tokens"
+            )
+    elif kind not in ("adaptive", "disabled"):
+        raise invalid(
+            'thinking must be {"type": "enabled", "budget_tokens": n} | {"type": "adaptive" | "disabled"}',
+            "thinking",
+        )
+    return kind != "disabled"
+
+
 def _check_prefill(message: dict[str, Any], at: str) -> None:
     """A final assistant message is a prefill the answer continues: text only, and (as Anthropic's API
     says) not ending in whitespace."""
@@ -379,12 +406,17 @@ class Chat:
     choice: ToolChoice
     cache_prefixes: tuple[CachePrefix, ...] = ()  # every breakpoint, the last one last
     continue_final: bool = False  # the last message is the assistant's: the answer continues it (prefill)
+    thinking: bool | None = None  # ``thinking`` enabled or disabled; None: not said
 
     def template_args(self) -> ChatTemplateArgs:
-        """How the template renders it: a new assistant turn, or the prefilled one left open."""
-        return ChatTemplateArgs(
+        """How the template renders it: a new assistant turn, or the prefilled one left open; ``thinking``
+        as the ``enable_thinking`` variable (Qwen3's; a template without it ignores it)."""
+        args = ChatTemplateArgs(
             add_generation_prompt=not self.continue_final, continue_final_message=self.continue_final
         )
+        if self.thinking is not None:
+            args["template_kwargs"] = {"enable_thinking": self.thinking}
+        return args
 
     @property
     def cache_prefix(self) -> CachePrefix | None:
@@ -414,6 +446,7 @@ class CountTokensRequest(_Request):
     tools: JSONValue = None
     tool_choice: JSONValue = None
     cache_control: JSONValue = None
+    thinking: JSONValue = None
 
     def chat(self) -> Chat:
         """The request mapped onto the chat route's internals (the module's table); 400 naming what is
@@ -438,7 +471,7 @@ class CountTokensRequest(_Request):
             conversation = normalize_messages(conversation)
         except ToolError as exc:
             raise invalid(str(exc), "messages") from None
-        return Chat(conversation, tools, choice, tuple(prefixes), continue_final)
+        return Chat(conversation, tools, choice, tuple(prefixes), continue_final, _thinking(self.thinking))
 
 
 class MessagesRequest(CountTokensRequest):

@@ -5,13 +5,15 @@ tool_choice in OpenAI's shape), then runs as a chat completion does: the same ch
 format, call grammar, admission and parser. Only the answer differs::
 
     one JSON body    {"id": "msg_...", "type": "message", "role": "assistant", "model",
-                      "content": [{"type": "text", "text"}, {"type": "tool_use", "id": "toolu_...",
-                                   "name", "input": {...}}, ...],
+                      "content": [{"type": "thinking", "thinking", "signature": ""} (with
+                                   --reasoning-parser), {"type": "text", "text"},
+                                   {"type": "tool_use", "id": "toolu_...", "name", "input": {...}}, ...],
                       "stop_reason": "end_turn" | "max_tokens" | "stop_sequence" | "tool_use",
                       "stop_sequence", "usage"}
     server-sent      message_start (the message, content [], usage), ping,
     events           per block: content_block_start, content_block_delta (text_delta, or input_json_delta
-                     with partial_json for a tool_use), content_block_stop;
+                     with partial_json for a tool_use, or thinking_delta then an empty signature_delta
+                     for a thinking block), content_block_stop;
                      message_delta (stop_reason, stop_sequence, usage), message_stop.
                      An engine failure ends the stream with an ``error`` event.
 
@@ -50,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.config import ConfigError
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.reasoning import ReasoningSplitter, Split
 from kvtier.server import bodies, prompts, tools
 from kvtier.server.anthropic import CachePrefix, Chat, CountTokensRequest, MessagesRequest
 from kvtier.server.anthropic_errors import AnthropicError, anthropic_error, as_anthropic, authorization_of
@@ -138,8 +141,9 @@ class ContentBlocks:
     (:class:`kvtier.tools.ToolCallParser`): the text outside the calls makes text blocks, each call a
     tool_use block; without, the text is one text block. Fed at once or piece by piece, the same content."""
 
-    def __init__(self, tool_names: frozenset[str] | None):
+    def __init__(self, tool_names: frozenset[str] | None, reasoning_parser: str | None = None):
         self._parser = ToolCallParser(tool_names) if tool_names is not None else None
+        self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser is not None else None
         self.content: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the block still open
         self._arguments = ""  # the open tool_use's arguments so far
@@ -149,14 +153,28 @@ class ContentBlocks:
         return any(block["type"] == "tool_use" for block in self.content)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
-        if self._parser is None:
-            return self._apply([ToolEvent("text", delta)] if delta else [])
-        return self._apply(self._parser.feed(delta))
+        split = self._splitter.feed(delta) if self._splitter is not None else Split(content=delta)
+        return self._split(split)
 
     def finish(self) -> list[dict[str, Any]]:
-        """The end of the text: what the parser held back, then the open block closed."""
+        """The end of the text: what the splitter and parser held back, then the open block closed."""
+        out = self._split(self._splitter.finish()) if self._splitter is not None else []
         events = self._parser.finish() if self._parser is not None else []
-        return [*self._apply(events), *self._close()]
+        return [*out, *self._apply(events), *self._close()]
+
+    def _split(self, split: Split) -> list[dict[str, Any]]:
+        """A piece of reasoning (a thinking block) and of answer (text and tool_use blocks)."""
+        out = []
+        if split.reasoning:
+            if self._open != "thinking":
+                out += [*self._close(), self._start({"type": "thinking", "thinking": "", "signature": ""})]
+            self.content[-1]["thinking"] += split.reasoning
+            out.append(self._delta({"type": "thinking_delta", "thinking": split.reasoning}))
+        if not split.content:
+            return out
+        if self._parser is None:
+            return out + self._apply([ToolEvent("text", split.content)])
+        return out + self._apply(self._parser.feed(split.content))
 
     def _apply(self, events: list[ToolEvent]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -186,10 +204,13 @@ class ContentBlocks:
     def _close(self) -> list[dict[str, Any]]:
         if self._open is None:
             return []
+        out = []
         if self._open == "tool_use":
             self.content[-1]["input"] = _input(self._arguments)
+        elif self._open == "thinking":  # kvtier signs nothing: an empty signature, as its delta
+            out.append(self._delta({"type": "signature_delta", "signature": ""}))
         self._open = None
-        return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+        return [*out, {"type": "content_block_stop", "index": len(self.content) - 1}]
 
 
 def usage(out: RequestOutput, cache_write_end: int | None) -> dict[str, Any]:
@@ -222,8 +243,10 @@ class MessagesFormatter:
         stop_sequences: list[str],
         cache_write_end: int | None = None,
         diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.message_id = f"msg_{secrets.token_hex(12)}"
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser: the thinking as a thinking block
         self.model = model
         self.tool_names = tool_names
         self.stop_sequences = stop_sequences
@@ -259,7 +282,7 @@ class MessagesFormatter:
     def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
         c = out.outputs[0]
-        blocks = ContentBlocks(self.tool_names)
+        blocks = ContentBlocks(self.tool_names, self.reasoning_parser)
         blocks.feed(c.text)
         blocks.finish()
         return self._message(blocks.content, out, self._stop(c, blocks.called))
@@ -268,7 +291,7 @@ class MessagesFormatter:
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
     ) -> AsyncIterator[str]:
         """The events as the outputs come; an engine failure is an ``error`` event."""
-        blocks = ContentBlocks(self.tool_names)
+        blocks = ContentBlocks(self.tool_names, self.reasoning_parser)
         started = False
         try:
             async for _, out in outputs:
@@ -371,7 +394,12 @@ async def create_message(request: Request, serving: Serving) -> Response:
         before, block_size = log.get(previous), state.engine.block_size or 16
         diagnose = lambda out: miss_reason(before, ids, salt, out.num_cached_tokens, block_size)  # noqa: E731
     fmt = MessagesFormatter(
-        state.settings.model_name, chat.tool_names, body.stop_sequences or [], cache_write_end, diagnose
+        state.settings.model_name,
+        chat.tool_names,
+        body.stop_sequences or [],
+        cache_write_end,
+        diagnose,
+        state.settings.reasoning_parser,
     )
     log.record(fmt.message_id, ids, salt, max((r.ttl_s for r in retention), default=None))
     return await serving.respond(request, fmt, streams, body.stream)

@@ -12,7 +12,8 @@ template, tools, grammar, admission and prompt caching. Only the answer differs:
     events           response.completed or response.incomplete (the whole response); an engine failure
                      is an ``error`` event. Every event has its ``sequence_number``.
 
-``reasoning_tokens`` counts the reasoning text's tokens as the tokenizer writes them. Nothing is stored:
+``reasoning_tokens`` counts the output tokens up to the end of the reasoning (all of them when the
+answer was cut while thinking). Nothing is stored:
 ``GET``/``DELETE /v1/responses/{id}`` are 404s, as for an id that does not exist. What the route needs of
 the app comes in a :class:`~kvtier.server.messages.Serving`, so this module never imports the app.
 """
@@ -28,6 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from kvtier.outputs import RequestOutput
+from kvtier.reasoning import CLOSE
 from kvtier.server import bodies, prompts, tools
 from kvtier.server.api_errors import no_stored_response
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
@@ -43,6 +45,22 @@ def event(payload: dict[str, Any]) -> str:
     return f"event: {payload['type']}\ndata: {data}\n\n"
 
 
+def reasoning_tokens(decode: Callable[[list[int]], str], token_ids: list[int], text: str) -> int:
+    """How many of the output's tokens wrote its reasoning: the fewest whose text reaches past the
+    closing tag (all of them when the answer was cut while thinking)."""
+    at = text.find(CLOSE)
+    if at < 0:
+        return len(token_ids)
+    end, lo, hi = at + len(CLOSE), 0, len(token_ids)
+    while lo < hi:  # the smallest k with len(decode(token_ids[:k])) >= end
+        mid = (lo + hi) // 2
+        if len(decode(token_ids[:mid])) >= end:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 class ResponsesFormatter:
     """One Responses call's answer: the JSON body (``response``) or the events (``stream``), as
     :func:`kvtier.server.app.respond` asks of a formatter."""
@@ -53,7 +71,7 @@ class ResponsesFormatter:
         model: str,
         tool_names: frozenset[str] | None,
         reasoning_parser: str | None,
-        count_tokens: Callable[[str], int],
+        decode: Callable[[list[int]], str],
     ):
         self.response_id = new_id("resp")
         self.created_at = int(time.time())
@@ -61,7 +79,7 @@ class ResponsesFormatter:
         self.model = model
         self.tool_names = tool_names
         self.reasoning_parser = reasoning_parser
-        self.count_tokens = count_tokens
+        self.decode = decode
         self._sequence = 0
 
     def _response(self, status: str, items: OutputItems | None, out: RequestOutput | None) -> dict[str, Any]:
@@ -95,12 +113,16 @@ class ResponsesFormatter:
 
     def _usage(self, out: RequestOutput, items: OutputItems) -> dict[str, Any]:
         prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-        reasoning = items.reasoning_text
+        reasoning = (
+            reasoning_tokens(self.decode, out.outputs[0].token_ids, out.outputs[0].text)
+            if items.reasoning_text
+            else 0
+        )
         return {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": min(out.num_cached_tokens, prompt)},
             "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": self.count_tokens(reasoning) if reasoning else 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion,
         }
 
@@ -187,8 +209,9 @@ async def create_response(request: Request, serving: Serving) -> Response:
             retention=chat.retention,
         )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
-    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    fmt = ResponsesFormatter(body, state.settings.model_name, names, state.settings.reasoning_parser, count)
+    fmt = ResponsesFormatter(
+        body, state.settings.model_name, names, state.settings.reasoning_parser, tokenizer.decode
+    )
     return await serving.respond(request, fmt, streams, body.stream)
 
 
