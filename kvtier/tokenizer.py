@@ -351,6 +351,11 @@ class Tokenizer:
                 "markup: remove the special token",
                 "chat_template_kwargs",
             )
+        for m in messages:  # a template writes reasoning as markup: it may not spell a special token
+            if isinstance(m, dict) and any(
+                self.has_special_text(str(m.get(k) or "")) for k in REASONING_FIELDS
+            ):
+                raise ConfigError("a message's reasoning spells a special token: remove the special token")
         messages, template_tools = self._tool_chat(messages, tools)
         if continue_final_message:
             messages = tag_final_message(list(messages))
@@ -455,8 +460,20 @@ def _plain_messages(messages: Any, roles: frozenset[str]) -> list[dict[str, Any]
                 f"chat message {i} has role {role!r}; this model's chat template takes "
                 + ", ".join(sorted(roles))
             )
-        chat.append(dict(message))
+        chat.append(_aliased_reasoning(dict(message)))
     return chat
+
+
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names for it
+
+
+def _aliased_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """A message's reasoning under every name a template reads (``reasoning_content``, and ``thinking`` for
+    gpt-oss's), as transformers fills them."""
+    reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def check_chat_template(source: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvtier.chat_format import CONTINUE_TAG, ChatFormatError, check_template_args, continue_at
+from kvtier.config import ConfigError
 from kvtier.tokenizer import GEMMA3_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE, Tokenizer
 from tests.conftest import CHATML_TEMPLATE, write_tiny_tokenizer
 
@@ -67,6 +68,32 @@ def test_template_variables_reach_the_template(tokenizers: tuple[Tokenizer, Any]
         assert off == on + "<think>\n\n</think>\n\n"
     else:
         assert off == on
+
+
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_an_assistants_reasoning_reaches_the_template_under_every_name(tmp_path: Path) -> None:
+    """As transformers aliases them: reasoning given as reasoning_content, reasoning or thinking is there
+    as reasoning_content and as thinking (gpt-oss's name); a special token in it is refused (markup)."""
+    from transformers import AutoTokenizer
+
+    write_tiny_tokenizer(tmp_path, chat_template=REASONING_TEMPLATE)
+    ours, hf = Tokenizer.from_dir(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for name in ("reasoning_content", "reasoning", "thinking"):
+        messages = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", name: "Greet."},
+        ]
+        text, _ = ours.encode_chat(messages, add_generation_prompt=False)
+        assert text == hf.apply_chat_template(messages, tokenize=False)
+        assert "<think>Greet.</think>[Greet.]Hello" in text
+    with pytest.raises(ConfigError, match="reasoning spells a special token"):
+        ours.encode_chat([{"role": "assistant", "content": "x", "reasoning_content": "<|im_end|>"}])
 
 
 def test_the_continued_message_is_still_text_not_markup(tmp_path: Path) -> None:

@@ -504,7 +504,7 @@ def test_with_a_reasoning_parser_the_thinking_is_a_thinking_block() -> None:
     assert plain["content"] == [{"type": "text", "text": "<think>Hm</think>Hi"}]  # no parser: as written
 
 
-def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_dropped() -> None:
+def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_reasoning() -> None:
     assert request(thinking={"type": "enabled", "budget_tokens": 2048}).chat().thinking is True
     off = request(thinking={"type": "disabled"}).chat()
     assert off.template_args()["template_kwargs"] == {"enable_thinking": False}
@@ -515,6 +515,9 @@ def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_dropped
         {"role": "assistant", "content": [thought, {"type": "text", "text": "Hi!"}]},
     ]
     chat = request(messages=[*history, {"role": "user", "content": "Again?"}]).chat()
+    assert chat.conversation[1] == {"role": "assistant", "content": "Hi!", "reasoning_content": "Hm."}
+    redacted = [{"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "Hi!"}]
+    chat = request(messages=[history[0], {"role": "assistant", "content": redacted}, history[0]]).chat()
     assert chat.conversation[1] == {"role": "assistant", "content": "Hi!"}
 
 

@@ -42,7 +42,7 @@ def chat_of(**body: Any) -> Any:
 # ------------------------------------------------------------------------------------ the request
 def test_a_tool_loop_maps_onto_chat_messages() -> None:
     """instructions first as system; developer is system; text parts joined; consecutive function calls
-    one assistant message; their outputs tool messages; reasoning items dropped."""
+    one assistant message (a reasoning item before them its reasoning_content); outputs tool messages."""
     call = {
         "type": "function_call",
         "call_id": "call_1",
@@ -61,7 +61,12 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
                     {"type": "input_text", "text": "and Rome?"},
                 ],
             },
-            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "Both."}],
+            },
             call,
             {**call, "call_id": "call_2", "arguments": '{"city": "Rome"}'},
             {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
@@ -78,6 +83,7 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
     assert [m["role"] for m in conversation] == ["system", "system", "user", "assistant", "tool", "tool"]
     assert conversation[2]["content"] == "Paris and Rome?"
     assert [c["id"] for c in conversation[3]["tool_calls"]] == ["call_1", "call_2"]
+    assert conversation[3]["reasoning_content"] == "Both."  # the reasoning item before the calls
     assert [m.get("tool_call_id") for m in conversation[4:]] == ["call_1", "call_2"]
     tools, choice = chat.tool_request()
     assert [t.name for t in tools] == ["get_weather"] and choice.mode == "function"

@@ -214,6 +214,25 @@ def test_too_many_prompts_is_400_before_tokenizing(client: TestClient) -> None:
     assert_error(r, 400, param="prompt")
 
 
+def test_an_assistants_reasoning_is_passed_to_the_template() -> None:
+    """vLLM's reasoning_content (or reasoning) on an assistant message goes to the template, which
+    writes it or drops it (Qwen3's writes it within the current turn: the prompt the model saw)."""
+    from kvtier.server.protocol import conversation_of
+
+    body = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello", "reasoning": "Greet."},
+        ]
+    }
+    chat = ChatCompletionRequest.model_validate(body)
+    assert conversation_of(chat.messages)[1] == {
+        "role": "assistant",
+        "content": "Hello",
+        "reasoning_content": "Greet.",
+    }
+
+
 def test_vllms_output_fields_reach_the_sampling_params() -> None:
     body = {"messages": [{"role": "user", "content": "Hi"}], "stop": "x"}
     given = {"skip_special_tokens": False, "include_stop_str_in_output": True}

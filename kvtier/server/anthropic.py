@@ -25,7 +25,9 @@ No torch and no FastAPI (the router imports it); the route and the answer are :m
 A final assistant message is a prefill: the answer continues its text (the template leaves it open,
 :mod:`kvtier.chat_format`) and holds only what follows; it may not hold tool_use or end in whitespace.
 ``thinking`` (enabled, adaptive, disabled) is the template's ``enable_thinking`` (Qwen3's; other
-templates ignore it); an assistant's earlier ``thinking`` and ``redacted_thinking`` blocks are dropped.
+templates ignore it); an assistant's earlier ``thinking`` blocks are its ``reasoning_content`` (a template
+that writes it, Qwen3's within the current turn, renders the prompt the model saw), ``redacted_thinking``
+is dropped.
 Anything else is a 400 naming it, never silently ignored: other content blocks (image, document...),
 server tools, ``output_config`` and every other top-level field but ``service_tier`` (one tier here) and
 nulls. Strings inside the request must be
@@ -65,7 +67,7 @@ _BLOCK_KEYS = {
     "thinking": frozenset({"type", "thinking", "signature", "cache_control"}),
     "redacted_thinking": frozenset({"type", "data", "cache_control"}),
 }
-# an assistant's earlier thinking is accepted and dropped (templates drop earlier reasoning too)
+# an assistant's earlier thinking is its reasoning_content (the template writes it or drops it)
 _ROLE_BLOCKS = {
     "user": ("text", "tool_result"),
     "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
@@ -206,6 +208,9 @@ def _message(message: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
             "role": "assistant",
             "content": _texts([b for b in blocks if b["type"] == "text"]),
         }
+        thinking = "".join(str(b.get("thinking") or "") for b in blocks if b["type"] == "thinking")
+        if thinking:  # the template decides whether to write it (Qwen3's: within the current turn)
+            out["reasoning_content"] = thinking
         return [out | {"tool_calls": used}] if used else [out]
     chat: list[dict[str, Any]] = []
     texts: list[dict[str, Any]] = []

@@ -177,6 +177,8 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[JSONValue] | None = None  # an assistant's calls (checked by kvtier.tools)
     tool_call_id: Text | None = None  # a tool message: the call it answers
+    reasoning_content: Text | None = None  # an assistant's earlier thinking (vLLM's; "reasoning" too)
+    reasoning: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -424,6 +426,9 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:  # the template decides whether to write it (Qwen3's: in the current turn)
+            message["reasoning_content"] = reasoning
         chat.append(message)
     try:
         return normalize_messages(chat)

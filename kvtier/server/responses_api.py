@@ -14,7 +14,8 @@ the route and its events are :mod:`.responses_route`.
     input: function_call {call_id, name,            an assistant message's tool_calls (consecutive calls
       arguments}                                      one message)
     input: function_call_output {call_id, output}   a tool message
-    input: reasoning                                dropped (a template drops earlier thinking too)
+    input: reasoning {content | summary}            the next assistant turn's reasoning_content (the
+                                                      template writes it or drops it)
     tools [{type: function, name, description,      tools [{type: function, function: {...}}]
       parameters, strict}]
     tool_choice auto | none | required |            the same; {type: function, function: {name}}
@@ -155,8 +156,15 @@ class ResponsesRequest(BaseModel):
             messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
+        reasoning = ""  # a reasoning item's text, for the assistant turn after it
         for i, item in enumerate(self.input):
+            if isinstance(item, dict) and item.get("type") == "reasoning":
+                reasoning += _reasoning_text(item)
+                continue
             _add_item(messages, item, f"input[{i}]")
+            if reasoning and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("reasoning_content", reasoning)
+            reasoning = ""  # it belongs to the item right after it
         if not messages:
             raise bad_request("input must not be empty", "input")
         return messages
@@ -184,11 +192,22 @@ def _add_item(messages: list[dict[str, Any]], item: Any, at: str) -> None:
         output = item.get("output")
         content = output if isinstance(output, str) else _text(output, f"{at}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
-    elif kind != "reasoning":
+    else:
         why = " (it needs a stored response)" if kind == "item_reference" else ""
         raise bad_request(
             f"{at}: input items of type '{clip(kind)}' are not supported by this server{why}", at
         )
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` parts, else its summary's (none: "")."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            if text:
+                return text
+    return ""
 
 
 def _text(content: Any, at: str) -> str:
