@@ -199,6 +199,11 @@ def test_many_empty_messages_are_a_400_before_validation() -> None:
         parts = [{"type": "text", "text": ""}] * 3000
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        items = [{"type": "function_call_output", "call_id": "c", "output": ""}] * 5000  # no "role"
+        r = client.post("/v1/responses", json={"model": MODEL, "input": items})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input" and "5000" in r.text
+        r = client.post("/v1/responses", json={"input": [{"role": "user", "content": parts}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input"
         deep = (
             b'{"messages": [{"role": "user", "content": "x"}], "guided_json": '
             + b"[" * 10_000

@@ -21,7 +21,8 @@ other reason than its depth (a lone surrogate such as ``"\\ud800"``, which it do
 again by ``json`` for OpenAI-compatible errors. Errors take the shape FastAPI's would (so the app's
 ``RequestValidationError`` handler answers them: a JSON error, a wrong ``Content-Type``).
 
-The bounds (``MAX_COUNTS``): 2048 messages (OpenAI's limit), 2048 content parts and 2048 tool calls in all;
+The bounds (``MAX_COUNTS``): 2048 messages (OpenAI's limit) or Responses input items, 2048 content parts
+and 2048 tool calls in all;
 2048 prompts; 16 stop strings; 256 stop token ids; 300 logit_bias entries and 128 tools (OpenAI's); JSON
 nested at most 200 deep.
 """
@@ -63,9 +64,10 @@ MAX_COUNTS = {
     "stop_token_ids": MAX_STOP_TOKEN_IDS,
     "logit_bias": MAX_LOGIT_BIAS,
     "tools": MAX_TOOLS,
+    "input": MAX_MESSAGES,  # the Responses API's items (messages, calls, their outputs)
 }
 _COUNTED = {"messages": "messages", "prompt": "prompts", "stop": "entries", "stop_token_ids": "entries"}
-_COUNTED |= {"tools": "tools"}
+_COUNTED |= {"tools": "tools", "input": "items"}
 _PER_MESSAGE = (("content", MAX_CONTENT_PARTS, "content parts"), ("tool_calls", MAX_TOOL_CALLS, "tool calls"))
 
 
@@ -98,13 +100,15 @@ def check_counts(data: Any) -> None:
         if isinstance(value, list | dict) and len(value) > limit:
             what = _COUNTED.get(name, "tokens")
             raise bad_request(f"{name} holds at most {limit} {what}, got {len(value)}", name)
-    messages = data.get("messages")
-    if isinstance(messages, list):
+    for field in ("messages", "input"):
+        messages = data.get(field)
+        if not isinstance(messages, list):
+            continue
         for key, limit, what in _PER_MESSAGE:
             lists = (m.get(key) for m in messages if isinstance(m, dict))
             num = sum(len(c) for c in lists if isinstance(c, list))
             if num > limit:
-                raise bad_request(f"messages hold at most {limit} {what} in all, got {num}", "messages")
+                raise bad_request(f"{field} hold at most {limit} {what} in all, got {num}", field)
 
 
 def precount(raw: bytes) -> None:
