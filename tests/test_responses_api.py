@@ -197,6 +197,7 @@ def test_the_same_answer_as_chat_streamed_and_not(client: OpenAI) -> None:
         and r.usage.output_tokens == chat.usage.completion_tokens
     )
     assert r.usage.input_tokens_details.cached_tokens > 0  # the same prompt again: from the cache
+    assert sum(r.usage.kvtier["cached_tokens_by_tier"].values()) == r.usage.input_tokens_details.cached_tokens
     with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()

@@ -7,7 +7,8 @@ template, tools, grammar, admission and prompt caching. Only the answer differs:
                       "incomplete", "incomplete_details": {"reason": "max_output_tokens"} | null,
                       "model", "output": [items], "usage": {"input_tokens", "input_tokens_details":
                       {"cached_tokens"}, "output_tokens", "output_tokens_details": {"reasoning_tokens"},
-                      "total_tokens"}, the request's settings, "store": false}
+                      "total_tokens", "kvtier": {"cached_tokens_by_tier", "retained_tokens"}},
+                      the request's settings, "store": false}
     server-sent      response.created, response.in_progress; each item's events (:mod:`.response_items`);
     events           response.completed or response.incomplete (the whole response); an engine failure
                      is an ``error`` event. Every event has its ``sequence_number``.
@@ -37,6 +38,7 @@ from kvtier.server.auth import check_key
 from kvtier.server.messages import Serving
 from kvtier.server.protocol import ChatCompletionRequest, check_model, tenant_of, tenant_salt
 from kvtier.server.response_items import OutputItems, new_id
+from kvtier.server.responses import usage
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
 
 
@@ -124,6 +126,7 @@ class ResponsesFormatter:
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion,
+            "kvtier": usage([out])["kvtier"],  # the cached tokens by tier, the retained ones (as chat's)
         }
 
     def _status(self, out: RequestOutput) -> str:
