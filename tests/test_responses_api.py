@@ -227,9 +227,15 @@ def test_a_two_step_tool_loop(client: OpenAI) -> None:
         {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"},
     ]
     second = client.responses.create(
-        model=MODEL, input=back, tools=[WEATHER], tool_choice="none", max_output_tokens=30, temperature=0
-    )
+        model=MODEL, input=back, tools=[WEATHER], tool_choice="none", max_output_tokens=30, temperature=0,
+        extra_body={"diagnostics": {"previous_response_id": first.id}},
+    )  # fmt: skip
     assert second.output_text and second.usage.input_tokens_details.cached_tokens > 0
+    why = second.usage.kvtier["cache_miss_reason"]  # against the first step: its prompt, then more
+    assert (
+        why["type"] == "none"
+        and why["cached_tokens"] == second.usage.input_tokens_details.cached_tokens
+    )
 
 
 @pytest.mark.slow

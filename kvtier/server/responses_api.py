@@ -107,6 +107,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    diagnostics: JSONValue = None  # kvtier's {"previous_response_id"}: why this one missed the cache
 
     def chat(self) -> ChatCompletionRequest:
         """The chat-completions request this one runs as (the module's table); a 400 for what is wrong
@@ -129,6 +130,7 @@ class ResponsesRequest(BaseModel):
             ("tool_choice", _tool_choice(self.tool_choice)),
             ("response_format", _format(self.text)),
             ("chat_template_kwargs", _effort(self.reasoning)),
+            ("diagnostics", self.diagnostics),
         ):
             if value is not None:
                 chat[name] = value

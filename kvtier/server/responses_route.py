@@ -31,7 +31,7 @@ from fastapi.responses import Response
 
 from kvtier.outputs import RequestOutput
 from kvtier.reasoning import CLOSE
-from kvtier.server import bodies, prompts, tools
+from kvtier.server import bodies, diagnostics, prompts, tools
 from kvtier.server.api_errors import no_stored_response
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
 from kvtier.server.auth import check_key
@@ -74,6 +74,7 @@ class ResponsesFormatter:
         tool_names: frozenset[str] | None,
         reasoning_parser: str | None,
         decode: Callable[[list[int]], str],
+        diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
     ):
         self.response_id = new_id("resp")
         self.created_at = int(time.time())
@@ -82,6 +83,7 @@ class ResponsesFormatter:
         self.tool_names = tool_names
         self.reasoning_parser = reasoning_parser
         self.decode = decode
+        self.diagnose = diagnose  # diagnostics.previous_response_id asked: the cache_miss_reason
         self._sequence = 0
 
     def _response(self, status: str, items: OutputItems | None, out: RequestOutput | None) -> dict[str, Any]:
@@ -126,8 +128,15 @@ class ResponsesFormatter:
             "output_tokens": completion,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion,
-            "kvtier": usage([out])["kvtier"],  # the cached tokens by tier, the retained ones (as chat's)
+            "kvtier": self._kvtier(out),
         }
+
+    def _kvtier(self, out: RequestOutput) -> dict[str, Any]:
+        """The cached tokens by tier, the retained ones and (diagnostics asked) why it missed: chat's."""
+        body = usage([out])["kvtier"]
+        if self.diagnose is not None:
+            body["cache_miss_reason"] = self.diagnose(out)
+        return body
 
     def _status(self, out: RequestOutput) -> str:
         return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
@@ -199,6 +208,9 @@ async def create_response(request: Request, serving: Serving) -> Response:
         )
         authorization = request.headers.get("authorization", "")
         salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
+        log = diagnostics.prompt_log(state)  # the chat routes' record: either's id may be asked
+        previous = diagnostics.previous_response_id(chat.diagnostics)
+        diagnose = diagnostics.explain(log, previous, [prompt], salt, state.engine.block_size or 16)
         streams = await serving.admit(
             state.engine,
             state.metrics,
@@ -213,8 +225,10 @@ async def create_response(request: Request, serving: Serving) -> Response:
         )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
     fmt = ResponsesFormatter(
-        body, state.settings.model_name, names, state.settings.reasoning_parser, tokenizer.decode
+        body, state.settings.model_name, names, state.settings.reasoning_parser, tokenizer.decode, diagnose
     )
+    ttl_s = max((r.ttl_s for r in chat.retention), default=None)
+    diagnostics.record_answer(log, fmt.response_id, [prompt], salt, ttl_s)
     return await serving.respond(request, fmt, streams, body.stream)
 
 
