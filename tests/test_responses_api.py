@@ -107,7 +107,21 @@ REFUSED = [
     ({"tools": [{**WEATHER, "name": "a b"}]}, "tools[0].name", "tools[0].name"),
     ({"text": {"format": {"type": "xml"}}}, "text.format", "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
-    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input", "nope"),
+    (
+        {"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+        "input[0].call_id",
+        "nope",
+    ),
+    (
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "name": "f", "arguments": "{}"},
+            ]
+        },
+        "input[1].call_id",
+        "non-empty",
+    ),
     ({"top_logprobs": 3}, "top_logprobs", "not supported"),
 ]
 
@@ -232,10 +246,7 @@ def test_a_two_step_tool_loop(client: OpenAI) -> None:
     )  # fmt: skip
     assert second.output_text and second.usage.input_tokens_details.cached_tokens > 0
     why = second.usage.kvtier["cache_miss_reason"]  # against the first step: its prompt, then more
-    assert (
-        why["type"] == "none"
-        and why["cached_tokens"] == second.usage.input_tokens_details.cached_tokens
-    )
+    assert why["type"] == "none" and why["cached_tokens"] == second.usage.input_tokens_details.cached_tokens
 
 
 @pytest.mark.slow

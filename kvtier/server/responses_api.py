@@ -159,11 +159,12 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         reasoning = ""  # a reasoning item's text, for the assistant turn after it
+        calls: set[str] = set()  # the call_ids of the function calls so far
         for i, item in enumerate(self.input):
             if isinstance(item, dict) and item.get("type") == "reasoning":
                 reasoning += _reasoning_text(item)
                 continue
-            _add_item(messages, item, f"input[{i}]")
+            _add_item(messages, item, f"input[{i}]", calls)
             if reasoning and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("reasoning_content", reasoning)
             reasoning = ""  # it belongs to the item right after it
@@ -172,8 +173,16 @@ class ResponsesRequest(BaseModel):
         return messages
 
 
-def _add_item(messages: list[dict[str, Any]], item: Any, at: str) -> None:
-    """One input item onto the chat messages (a function call joins the assistant message before it)."""
+def _call_id(item: dict[str, Any], at: str) -> str:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad_request(f"{at}.call_id must be a non-empty string", f"{at}.call_id")
+    return call_id
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, at: str, calls: set[str]) -> None:
+    """One input item onto the chat messages (a function call joins the assistant message before it; an
+    output must answer an earlier call: ``calls``)."""
     if not isinstance(item, dict):
         raise bad_request(f"{at} must be an object (a message or a function call or its output)", at)
     kind = item.get("type", "message")
@@ -183,6 +192,9 @@ def _add_item(messages: list[dict[str, Any]], item: Any, at: str) -> None:
             raise bad_request(f"{at}.role must be user, assistant, system or developer", f"{at}.role")
         messages.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
     elif kind == "function_call":
+        calls.add(_call_id(item, at))
+        if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments"), str):
+            raise bad_request(f"{at}: a function_call has a string name and arguments (JSON text)", at)
         call = {"id": item.get("call_id"), "type": "function"}
         call["function"] = {"name": item.get("name"), "arguments": item.get("arguments")}
         last = messages[-1] if messages else None
@@ -191,6 +203,9 @@ def _add_item(messages: list[dict[str, Any]], item: Any, at: str) -> None:
         else:
             messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
     elif kind == "function_call_output":
+        if _call_id(item, at) not in calls:
+            message = f"{at}.call_id {clip(item['call_id'])!r} matches no function_call before it"
+            raise bad_request(message, f"{at}.call_id")
         output = item.get("output")
         content = output if isinstance(output, str) else _text(output, f"{at}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
