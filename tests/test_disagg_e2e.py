@@ -2,8 +2,8 @@
 a ``kvtier serve --role decode`` replica (a tiny random model, block size 4) behind ``kvtier router``,
 each its own process on loopback, and a lone ``kvtier serve`` (role both, no Redis) as the reference.
 
-    exact      greedy answers through the handoff equal the lone server's: chat and completions,
-               streamed and not, n > 1, stop strings, logprobs, a JSON schema, a choice
+    exact      greedy answers through the handoff equal the lone server's: chat, completions and the
+               Responses API, streamed and not, n > 1, stop strings, logprobs, a JSON schema, a choice
     served     the decode replica's usage and /metrics show the prompt's blocks loaded from Redis
     faults     Redis killed: the next handoffs fail nothing (the decode replica computes the prompt);
                the prefill replica killed: neither (the router sends the request straight to decode)
@@ -140,6 +140,27 @@ def test_streams_and_completions_through_a_handoff_equal_the_lone_server(cluster
         ):
             assert a == pytest.approx(b, abs=1e-4)
     assert remote_tokens(got.json()) > 0
+
+
+def test_the_responses_api_through_a_handoff_equals_the_lone_server(cluster: dict[str, Any]) -> None:
+    """/v1/responses is routed as chat: the prefill replica computes it with max_output_tokens 1, the
+    decode replica answers from the prompt's blocks in Redis, the same items as the lone server."""
+    messages = chat("responses")["messages"]
+    body = {
+        "model": None,
+        "instructions": messages[0]["content"],
+        "input": messages[1:],
+        "max_output_tokens": 12,
+    }
+    body["temperature"] = 0
+    got = post(cluster["router"].url, body, "/v1/responses")
+    assert got.headers[PREFILL_HEADER] == cluster["prefill"].url
+    want = post(cluster["reference"].url, body, "/v1/responses").json()
+    strip = lambda r: [{k: v for k, v in i.items() if k != "id"} for i in r["output"]]  # noqa: E731
+    assert strip(got.json()) == strip(want) and got.json()["status"] == want["status"]
+    usage = got.json()["usage"]
+    assert usage["input_tokens"] == want["usage"]["input_tokens"]
+    assert usage["kvtier"]["cached_tokens_by_tier"]["remote"] > 0
 
 
 SCHEMA = {
