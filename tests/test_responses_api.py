@@ -255,6 +255,9 @@ def test_refusals_through_the_sdk_and_the_router(server: BackgroundServer, clien
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
     with pytest.raises(NotFoundError):
         client.responses.retrieve("resp_1")
+    counted = httpx.post(server.url + "/v1/responses/input_tokens", json={"model": MODEL, "input": QUESTION})
+    direct = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=1)
+    assert counted.json() == {"object": "response.input_tokens", "input_tokens": direct.usage.input_tokens}
     router = serve_in_thread(router_app(RouterSettings(replicas=[server.url], poll_interval=0.2)))  # type: ignore[arg-type]
     try:
         deadline = time.monotonic() + 60
@@ -265,6 +268,8 @@ def test_refusals_through_the_sdk_and_the_router(server: BackgroundServer, clien
         direct = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
         via = routed.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
         assert via.output_text == direct.output_text
+        through = httpx.post(router.url + "/v1/responses/input_tokens", json={"input": QUESTION}).json()
+        assert through["input_tokens"] == direct.usage.input_tokens
         with pytest.raises(BadRequestError, match="web_search"):
             routed.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
     finally:

@@ -22,6 +22,7 @@
     GET  /dashboard, /dashboard/static/{name}      none (no data in them)     the cluster page
     POST /v1/responses                             client                     OpenAI's Responses API: routed
                                                                                as chat
+    POST /v1/responses/input_tokens                client                     forwarded to a healthy replica
     *    /v1/responses/{id}[/...]                  client                     404 (the replicas keep no
                                                                                responses), answered here
 
@@ -293,6 +294,10 @@ async def responses(request: Request) -> Response:
     return await _generate(request, RESPONSES_PATH)
 
 
+async def responses_input_tokens(request: Request) -> Response:
+    return await _pass(request, RESPONSES_PATH + "/input_tokens", "POST")
+
+
 async def stored_response(request: Request) -> Response:
     """A stored response's route: the replicas keep none, so the router answers their 404 itself."""
     raise no_stored_response(request.path_params["rest"])
@@ -313,6 +318,7 @@ ROUTES = [
     Endpoint("/v1/messages", messages, methods=["POST"]),  # its key checked by _anthropic_client
     Endpoint("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
     Endpoint("/v1/responses", guarded(check_client, responses), methods=["POST"]),
+    Endpoint("/v1/responses/input_tokens", guarded(check_client, responses_input_tokens), methods=["POST"]),
     Endpoint("/v1/responses/{rest:path}", guarded(check_client, stored_response), methods=ALL_METHODS),
     Endpoint("/health", health, methods=["GET"]),
     Endpoint("/metrics", guarded(check_metrics, prometheus_metrics), methods=["GET"]),

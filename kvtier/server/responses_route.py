@@ -1,4 +1,4 @@
-"""OpenAI's Responses API on ``kvtier serve``: ``POST /v1/responses``.
+"""OpenAI's Responses API on ``kvtier serve``: ``POST /v1/responses`` and ``/v1/responses/input_tokens``.
 
 The request is mapped onto a chat completion (:mod:`.responses_api`) and runs as one: the same checks,
 template, tools, grammar, admission and prompt caching. Only the answer differs::
@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.outputs import RequestOutput
 from kvtier.reasoning import CLOSE
+from kvtier.sampling_params import SamplingParams
 from kvtier.server import bodies, diagnostics, prompts, tools
 from kvtier.server.api_errors import no_stored_response
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
@@ -40,6 +42,8 @@ from kvtier.server.protocol import ChatCompletionRequest, check_model, tenant_of
 from kvtier.server.response_items import OutputItems, new_id
 from kvtier.server.responses import usage
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
+from kvtier.tokenizer import Tokenizer
+from kvtier.tools import Tool
 
 
 def event(payload: dict[str, Any]) -> str:
@@ -178,12 +182,20 @@ class ResponsesFormatter:
             yield self._event({"type": "error", "code": "server_error", "message": str(exc), "param": None})
 
 
-async def create_response(request: Request, serving: Serving) -> Response:
-    """``POST /v1/responses``, checked in the chat route's order: body (400), draining (503), model (404),
-    parameters and tools (400), tool schemas (400), loaded (503), length (400), admission (503)."""
-    arrival = time.monotonic()
-    body = await bodies.parse(request, ResponsesRequest)
-    serving.check_open(request)
+@dataclass(frozen=True)
+class _Prepared:
+    """A Responses request past its checks, as the chat route runs it: rendered and tokenized."""
+
+    chat: ChatCompletionRequest
+    params: SamplingParams
+    tools: list[Tool]
+    tool_names: frozenset[str] | None  # the calls parsed out of the answer (None: tool_choice none)
+    tokenizer: Tokenizer
+    prompt: dict[str, Any]
+
+
+async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
+    """Model (404), parameters and tools (400), tool schemas (400), loaded (503), length (400)."""
     state = request.app.state
     check_model(state.settings.model_name, body.model)
     with in_responses_names():
@@ -206,39 +218,66 @@ async def create_response(request: Request, serving: Serving) -> Response:
             given_tools,
             chat.template_args(),
         )
-        authorization = request.headers.get("authorization", "")
-        salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
-        log = diagnostics.prompt_log(state)  # the chat routes' record: either's id may be asked
+    names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
+    return _Prepared(chat, params, given_tools, names, tokenizer, prompt)
+
+
+async def create_response(request: Request, serving: Serving) -> Response:
+    """``POST /v1/responses``, checked in the chat route's order: body (400), draining (503), then
+    :func:`_prepare`'s, then admission (503)."""
+    arrival = time.monotonic()
+    body = await bodies.parse(request, ResponsesRequest)
+    serving.check_open(request)
+    state = request.app.state
+    run = await _prepare(request, body)
+    chat = run.chat
+    authorization = request.headers.get("authorization", "")
+    salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
+    log = diagnostics.prompt_log(state)  # the chat routes' record: either's id may be asked
+    with in_responses_names():
         previous = diagnostics.previous_response_id(chat.diagnostics)
-        diagnose = diagnostics.explain(log, previous, [prompt], salt, state.engine.block_size or 16)
+        diagnose = diagnostics.explain(log, previous, [run.prompt], salt, state.engine.block_size or 16)
         streams = await serving.admit(
             state.engine,
             state.metrics,
-            [prompt],
-            params,
+            [run.prompt],
+            run.params,
             cache_salt=salt,
             arrival=arrival,
             param="input",
             tenant=tenant_of(authorization, chat.user),
-            grammar_param="tools" if given_tools else "text.format",
+            grammar_param="tools" if run.tools else "text.format",
             retention=chat.retention,
         )
-    names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
+    decode = run.tokenizer.decode
     fmt = ResponsesFormatter(
-        body, state.settings.model_name, names, state.settings.reasoning_parser, tokenizer.decode, diagnose
+        body, state.settings.model_name, run.tool_names, state.settings.reasoning_parser, decode, diagnose
     )
     ttl_s = max((r.ttl_s for r in chat.retention), default=None)
-    diagnostics.record_answer(log, fmt.response_id, [prompt], salt, ttl_s)
+    diagnostics.record_answer(log, fmt.response_id, [run.prompt], salt, ttl_s)
     return await serving.respond(request, fmt, streams, body.stream)
 
 
+async def count_input_tokens(request: Request) -> JSONResponse:
+    """``POST /v1/responses/input_tokens``: the prompt tokens the same request would run."""
+    body = await bodies.parse(request, ResponsesRequest)
+    run = await _prepare(request, body)
+    count = len(run.prompt["prompt_token_ids"])
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+
 def responses_router(serving: Serving) -> APIRouter:
-    """``POST /v1/responses`` behind the client key; the stored-response routes answer 404 (none kept)."""
+    """``POST /v1/responses`` and ``/v1/responses/input_tokens`` behind the client key; the
+    stored-response routes answer 404 (none kept)."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @router.post("/responses")
     async def responses(request: Request) -> Response:
         return await create_response(request, serving)
+
+    @router.post("/responses/input_tokens")
+    async def input_tokens(request: Request) -> JSONResponse:
+        return await count_input_tokens(request)
 
     @router.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
     async def stored_response(request: Request, rest: str) -> Response:
