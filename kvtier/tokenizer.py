@@ -351,11 +351,7 @@ class Tokenizer:
                 "markup: remove the special token",
                 "chat_template_kwargs",
             )
-        for m in messages:  # a template writes reasoning as markup: it may not spell a special token
-            if isinstance(m, dict) and any(
-                self.has_special_text(str(m.get(k) or "")) for k in REASONING_FIELDS
-            ):
-                raise ConfigError("a message's reasoning spells a special token: remove the special token")
+        self._check_reasoning(messages)
         messages, template_tools = self._tool_chat(messages, tools)
         if continue_final_message:
             messages = tag_final_message(list(messages))
@@ -386,6 +382,13 @@ class Tokenizer:
             pos = stop
         ids += self.encode(text[pos:end], add_special_tokens=False)
         return text[:end], ids
+
+    def _check_reasoning(self, messages: Any) -> None:
+        """ConfigError when a message's reasoning spells a special token (a template writes it as markup)."""
+        for m in messages if isinstance(messages, list | tuple) else ():
+            reasoning = [str(m.get(k) or "") for k in REASONING_FIELDS] if isinstance(m, dict) else []
+            if any(self.has_special_text(text) for text in reasoning):
+                raise ConfigError("a message's reasoning spells a special token: remove the special token")
 
     def _content_spans(
         self, messages: list[dict[str, Any]], render: Callable[[list[dict[str, Any]]], str], text: str
