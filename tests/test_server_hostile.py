@@ -422,6 +422,42 @@ completion_body = hostile(
     st.fixed_dictionaries({"model": st.just(MODEL), "prompt": prompt, "max_tokens": st.integers(1, 4)}),
     completion_fields,
 )
+item = st.one_of(
+    message,
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": text, "name": text, "arguments": st.one_of(text, junk)}
+    ),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": text, "output": junk}),
+    st.fixed_dictionaries({"type": st.one_of(st.just("reasoning"), text), "content": junk}),
+    junk,
+)
+responses_body = hostile(
+    st.fixed_dictionaries(
+        {
+            "model": st.just(MODEL),
+            "input": st.one_of(text, st.lists(message, min_size=1, max_size=3)),
+            "max_output_tokens": st.integers(1, 4),
+        }
+    ),
+    {
+        "model": common["model"],
+        "input": st.one_of(text, junk, st.lists(item, max_size=4)),
+        "instructions": st.one_of(text, junk),
+        "max_output_tokens": small_max_tokens,
+        "temperature": common["temperature"],
+        "top_p": floats,
+        "stream": st.booleans(),
+        "tools": st.one_of(
+            st.just([{"type": "function", "name": "f"}]), st.just([{"type": "web_search"}]), junk
+        ),
+        "tool_choice": st.one_of(st.sampled_from(["auto", "none", "required"]), junk),
+        "text": st.one_of(st.just({"format": {"type": "json_object"}}), junk),
+        "reasoning": st.one_of(st.just({"effort": "low"}), junk),
+        "previous_response_id": st.one_of(st.none(), text),
+        "store": junk,
+        "user": text,
+    },
+)
 raw_body = st.one_of(st.binary(max_size=64), st.just(b"{" * 10_000), st.just(b'{"prompt": "\\ud800"}'))
 
 
@@ -429,11 +465,23 @@ def check_answer(r: httpx.Response) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500])
     if r.status_code >= 400:
         assert_openai_error(r)
+    elif r.request.url.path == "/v1/responses":
+        check_response(r)
     elif r.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), r.text[-500:]
     else:
         assert r.json()["choices"]
+
+
+def check_response(r: httpx.Response) -> None:
+    """A Responses API answer: one response object, or events ending with the whole response."""
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert r.json()["object"] == "response" and r.json()["status"] in ("completed", "incomplete")
+        return
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), r.text[-500:]
+    assert not any(e["type"] == "error" for e in events), r.text[-500:]
 
 
 class Bystander:
@@ -489,6 +537,7 @@ def fuzz_health(server: BackgroundServer) -> Iterator[HealthWatch]:
     body=st.one_of(
         chat_body.map(lambda b: ("/v1/chat/completions", b)),
         completion_body.map(lambda b: ("/v1/completions", b)),
+        responses_body.map(lambda b: ("/v1/responses", b)),
     )
 )
 @example(body=("/v1/completions", {"model": MODEL, "prompt": "0", "max_tokens": 1, "temperature": 2e-246}))
@@ -510,7 +559,10 @@ def test_hostile_requests_are_never_5xx(
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-@given(content=raw_body, path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models/x"]))
+@given(
+    content=raw_body,
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models/x"]),
+)
 def test_malformed_bodies_are_never_5xx(
     server: BackgroundServer, fuzz_health: HealthWatch, content: bytes, path: str
 ) -> None:
