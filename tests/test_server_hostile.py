@@ -387,6 +387,11 @@ prompt = st.one_of(
 chat_fields = {
     **common,
     "messages": st.lists(message, max_size=4),
+    "continue_final_message": st.one_of(st.booleans(), junk),
+    "add_generation_prompt": st.one_of(st.booleans(), junk),
+    "chat_template_kwargs": st.one_of(st.dictionaries(text, junk, max_size=3), junk),
+    "skip_special_tokens": st.one_of(st.booleans(), junk),
+    "include_stop_str_in_output": st.one_of(st.booleans(), junk),
     "max_tokens": small_max_tokens,
     "logprobs": st.booleans(),
     "top_logprobs": ints,
