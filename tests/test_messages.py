@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from kvtier.config import ConfigError
 from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.sampling_params import StructuredOutputs
 from kvtier.server.anthropic import CachePrefix, MessagesRequest
 from kvtier.server.anthropic_errors import AnthropicError, as_anthropic, authorization_of, presents_key
 from kvtier.server.app import ServerSettings, create_app
@@ -225,7 +226,10 @@ REFUSED = [
     ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", '"type"'),
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens", "at least 1024"),
     ({"thinking": {"type": "sometimes"}}, "thinking", "adaptive"),
-    ({"output_config": {"effort": "low"}}, "output_config", "not supported"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort", "one of"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format", "json_schema"),
+    ({"output_config": {"verbosity": 1}}, "output_config", "format"),
+    ({"output_format": {"type": "json_schema", "schema": {}}}, "output_format", "output_config.format"),
     ({"max_tokens": 0}, "max_tokens", "at least 1"),
     ({"stop_sequences": [""]}, "stop_sequences", "non-empty"),
     ({"stop_sequences": ["x"] * 17}, "stop_sequences", "at most 16"),
@@ -502,6 +506,17 @@ def test_with_a_reasoning_parser_the_thinking_is_a_thinking_block() -> None:
     assert kinds[-1] == "signature_delta" and set(kinds[:-1]) == {"thinking_delta"}
     plain = MessagesFormatter(MODEL, None, []).response([outputs_of(["<think>Hm</think>Hi"])[-1]])
     assert plain["content"] == [{"type": "text", "text": "<think>Hm</think>Hi"}]  # no parser: as written
+
+
+def test_output_config_holds_the_answer_to_a_schema_and_passes_the_effort() -> None:
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    r = request(output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"})
+    chat = r.chat()
+    assert r.sampling_params(chat).structured_outputs == StructuredOutputs(json=schema)
+    assert chat.template_args()["template_kwargs"] == {"reasoning_effort": "low"}
+    forced = {"tools": [WEATHER], "tool_choice": {"type": "any"}}
+    error = refused(output_config={"format": {"type": "json_schema", "schema": schema}}, **forced)
+    assert error.param == "output_config.format" and "tool calls" in error.message
 
 
 def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_reasoning() -> None:

@@ -6,6 +6,7 @@ shape, and the key as ``x-api-key``."""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Iterator
@@ -257,6 +258,25 @@ def test_a_prefill_is_continued(
     spaced = [prefill[0], {"role": "assistant", "content": "Blue "}]
     with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
         client.messages.create(model=MODEL, max_tokens=2, messages=spaced)  # type: ignore[arg-type]
+
+
+def test_output_config_holds_the_answer_to_a_json_schema(client: anthropic.Anthropic) -> None:
+    """Anthropic's structured outputs: the text parses and matches the schema, streamed or not."""
+    schema = {**WEATHER["input_schema"], "additionalProperties": False}
+    schema["properties"] = {
+        **schema["properties"],
+        "city": {"type": "string", "minLength": 1, "maxLength": 20},
+    }
+    fmt = {"type": "json_schema", "schema": schema}
+    whole = client.messages.create(
+        model=MODEL, max_tokens=120, messages=QUESTION, output_config={"format": fmt}, extra_body=GREEDY
+    )
+    assert whole.stop_reason == "end_turn", whole.content
+    assert_valid(json.loads(whole.content[0].text))  # type: ignore[union-attr]
+    with client.messages.stream(
+        model=MODEL, max_tokens=120, messages=QUESTION, output_config={"format": fmt}, extra_body=GREEDY
+    ) as stream:
+        assert stream.get_final_text() == whole.content[0].text  # type: ignore[union-attr]
 
 
 def test_stop_sequences(client: anthropic.Anthropic) -> None:

@@ -24,14 +24,15 @@ No torch and no FastAPI (the router imports it); the route and the answer are :m
 
 A final assistant message is a prefill: the answer continues its text (the template leaves it open,
 :mod:`kvtier.chat_format`) and holds only what follows; it may not hold tool_use or end in whitespace.
+``output_config.format`` (a JSON schema) holds the answer to it, as chat's ``response_format``;
+``output_config.effort`` is the template's ``reasoning_effort``.
 ``thinking`` (enabled, adaptive, disabled) is the template's ``enable_thinking`` (Qwen3's; other
 templates ignore it); an assistant's earlier ``thinking`` blocks are its ``reasoning_content`` (a template
 that writes it, Qwen3's within the current turn, renders the prompt the model saw), ``redacted_thinking``
 is dropped.
 Anything else is a 400 naming it, never silently ignored: other content blocks (image, document...),
-server tools, ``output_config`` and every other top-level field but ``service_tier`` (one tier here) and
-nulls. Strings inside the request must be
-valid Unicode, as on the OpenAI routes.
+server tools, the beta's ``output_format`` and every other top-level field but ``service_tier`` (one
+tier here) and nulls. Strings inside the request must be valid Unicode, as on the OpenAI routes.
 
 Errors in Anthropic's shape and the ``x-api-key`` header: :mod:`.anthropic_errors`.
 """
@@ -39,7 +40,7 @@ Errors in Anthropic's shape and the ``x-api-key`` header: :mod:`.anthropic_error
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -48,6 +49,7 @@ from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.server.anthropic_errors import invalid, renamed
+from kvtier.server.anthropic_output import OutputConfig, check_prefill, output_config_of, thinking_of
 from kvtier.server.protocol import (
     MAX_STOP,
     JSONValue,
@@ -76,8 +78,7 @@ _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_co
 _CHOICE_KEYS = frozenset({"type", "name", "disable_parallel_tool_use"})
 _IGNORED = frozenset({"service_tier"})  # accepted whatever its value: kvtier has one tier
 _WHAT = {  # what a refused top-level field is, for its message
-    "output_config": "output configuration (structured outputs, effort)",
-    "output_format": "structured outputs",
+    "output_format": "the beta's structured outputs: send output_config.format",
     "container": "code execution containers",
     "mcp_servers": "MCP servers",
     "context_management": "context management",
@@ -246,39 +247,6 @@ def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dic
     return chat
 
 
-def _thinking(raw: Any) -> bool | None:
-    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` (n >= 1024, as Anthropic's; not enforced:
-    ``max_tokens`` bounds the whole answer), ``{"type": "adaptive"}`` or ``{"type": "disabled"}``."""
-    if raw is None:
-        return None
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    if kind == "enabled":
-        budget = raw.get("budget_tokens")
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
-            raise invalid(
-                "thinking.budget_tokens must be an integer of at least 1024", "thinking.budget_tokens"
-            )
-    elif kind not in ("adaptive", "disabled"):
-        raise invalid(
-            'thinking must be {"type": "enabled", "budget_tokens": n} | {"type": "adaptive" | "disabled"}',
-            "thinking",
-        )
-    return kind != "disabled"
-
-
-def _check_prefill(message: dict[str, Any], at: str) -> None:
-    """A final assistant message is a prefill the answer continues: text only, and (as Anthropic's API
-    says) not ending in whitespace."""
-    if message.get("tool_calls"):
-        raise invalid(
-            "the last message is the assistant's and holds tool_use blocks: a prefill continues text; "
-            "send the tool results in a user message",
-            at,
-        )
-    if message["content"] != message["content"].rstrip():
-        raise invalid("messages: final assistant content cannot end with trailing whitespace", at)
-
-
 def _tools(raw: Any) -> list[Tool]:
     """Anthropic's custom tools as :class:`Tool` s (input_schema: the parameters)."""
     if raw is None:
@@ -412,6 +380,7 @@ class Chat:
     cache_prefixes: tuple[CachePrefix, ...] = ()  # every breakpoint, the last one last
     continue_final: bool = False  # the last message is the assistant's: the answer continues it (prefill)
     thinking: bool | None = None  # ``thinking`` enabled or disabled; None: not said
+    output: OutputConfig = field(default_factory=OutputConfig)  # output_config
 
     def template_args(self) -> ChatTemplateArgs:
         """How the template renders it: a new assistant turn, or the prefilled one left open; ``thinking``
@@ -419,8 +388,13 @@ class Chat:
         args = ChatTemplateArgs(
             add_generation_prompt=not self.continue_final, continue_final_message=self.continue_final
         )
+        variables: dict[str, Any] = {}
         if self.thinking is not None:
-            args["template_kwargs"] = {"enable_thinking": self.thinking}
+            variables["enable_thinking"] = self.thinking
+        if self.output.effort is not None:
+            variables["reasoning_effort"] = self.output.effort
+        if variables:
+            args["template_kwargs"] = variables
         return args
 
     @property
@@ -452,6 +426,7 @@ class CountTokensRequest(_Request):
     tool_choice: JSONValue = None
     cache_control: JSONValue = None
     thinking: JSONValue = None
+    output_config: JSONValue = None
 
     def chat(self) -> Chat:
         """The request mapped onto the chat route's internals (the module's table); 400 naming what is
@@ -468,7 +443,7 @@ class CountTokensRequest(_Request):
         conversation = _conversation(system, self.messages)
         continue_final = self.messages[-1].get("role") == "assistant"
         if continue_final:
-            _check_prefill(conversation[-1], f"messages[{len(self.messages) - 1}]")
+            check_prefill(conversation[-1], f"messages[{len(self.messages) - 1}]")
         prefixes = _breakpoints(system, self.tools, tools, self.messages)
         if check_cache_control(self.cache_control, "cache_control"):  # a marker on the last block
             prefixes.append(CachePrefix(whole=True, ttl_s=_TTL_S[self.cache_control.get("ttl") or "5m"]))
@@ -476,7 +451,15 @@ class CountTokensRequest(_Request):
             conversation = normalize_messages(conversation)
         except ToolError as exc:
             raise invalid(str(exc), "messages") from None
-        return Chat(conversation, tools, choice, tuple(prefixes), continue_final, _thinking(self.thinking))
+        output = output_config_of(self.output_config)
+        if output.schema is not None and choice.constrained:
+            raise invalid(
+                "output_config.format cannot be combined with tool_choice any or tool: the answer is the "
+                "tool calls",
+                "output_config.format",
+            )
+        thinking = thinking_of(self.thinking)
+        return Chat(conversation, tools, choice, tuple(prefixes), continue_final, thinking, output)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -533,6 +516,12 @@ class MessagesRequest(CountTokensRequest):
         if chat.choice.mode == "auto" and not chat.choice.parallel:
             stop.append(CLOSE)
         grammar = call_grammar(chat.tools, chat.choice) if chat.choice.constrained else None
+        if grammar is not None:
+            structured: StructuredOutputs | None = StructuredOutputs(grammar=grammar)
+        elif chat.output.schema is not None:
+            structured = StructuredOutputs(json=chat.output.schema)
+        else:
+            structured = None
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -540,7 +529,7 @@ class MessagesRequest(CountTokensRequest):
                 top_k=0 if self.top_k is None else self.top_k,
                 max_tokens=self.max_tokens,
                 stop=stop,
-                structured_outputs=StructuredOutputs(grammar=grammar) if grammar is not None else None,
+                structured_outputs=structured,
             )
         except ConfigError as exc:
             message = " ".join(str(exc).split())

@@ -384,7 +384,7 @@ async def create_message(request: Request, serving: Serving) -> Response:
         arrival=arrival,
         param="messages",
         tenant=tenant_of(authorization, user),
-        grammar_param="tools",
+        grammar_param="output_config.format" if chat.output.schema is not None else "tools",
         retention=retention,
     )
     log = _prompt_log(state)
