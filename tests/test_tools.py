@@ -465,3 +465,9 @@ def test_the_router_routes_the_responses_api() -> None:
     r = router.post("/v1/responses", json={"input": "hi"}, headers=key)
     assert r.status_code == 503  # routed: no healthy replica
     assert error(router.get("/v1/responses/resp_1", headers=key), 404, None)["code"] == "not_found"
+    explained = router.post(
+        "/router/explain", json={"endpoint": "responses", "request": {"input": "hi"}}, headers=key
+    )
+    assert explained.status_code == 503  # a known endpoint: no replica to explain it against
+    bogus = router.post("/router/explain", json={"endpoint": "embeddings", "request": {}}, headers=key)
+    assert '"responses"' in error(bogus, 400, "endpoint")["message"]

@@ -14,7 +14,7 @@
                                                                                healthy, else 503
     GET  /metrics                                  metrics (or admin), if set the router's own metrics
     GET  /router/state                             client or admin            mode, policy, each replica
-    POST /router/explain  {"endpoint": "chat"|"completions", "request": {...}}
+    POST /router/explain  {"endpoint": "chat"|"completions"|"messages"|"responses", "request": {...}}
                                                    client or admin            the decision and block
                                                                                hashes, without sending
     POST /admin/replicas {"url": ...}              admin (404 without         admit a replica (checked:
@@ -213,13 +213,18 @@ async def state(request: Request) -> Response:
     return JSONResponse(request.app.state.router.state())
 
 
+EXPLAINED = {"chat": CHAT_PATH, "completions": COMPLETIONS_PATH, "messages": MESSAGES_PATH}
+EXPLAINED["responses"] = RESPONSES_PATH
+
+
 async def explain(request: Request) -> Response:
     """What ``choose`` decides for ``request`` (nothing is sent), with the block hashes per replica."""
     router: Router = request.app.state.router
     given = await read_json(request)
-    if not isinstance(given, dict) or given.get("endpoint") not in ("chat", "completions"):
-        raise APIError(400, 'send {"endpoint": "chat" | "completions", "request": {...}}', param="endpoint")
-    path = CHAT_PATH if given["endpoint"] == "chat" else COMPLETIONS_PATH
+    if not isinstance(given, dict) or given.get("endpoint") not in EXPLAINED:
+        endpoints = " | ".join(f'"{e}"' for e in EXPLAINED)
+        raise APIError(400, f'send {{"endpoint": {endpoints}, "request": {{...}}}}', param="endpoint")
+    path = EXPLAINED[given["endpoint"]]
     authorization = request.headers.get("authorization", "")
     route = await router.choose(path, given.get("request"), authorization)
     hashes = await router.block_hashes(path, given.get("request"), authorization)
