@@ -605,6 +605,12 @@ def test_errors_from_the_app_are_anthropics() -> None:
             400,
             "invalid_request_error",
         )
+        huge = {**BODY, "system": "x" * (5 << 20)}  # over --max-request-bytes: the middleware's 413
+        assert "--max-request-bytes" in assert_anthropic_error(
+            post("/v1/messages", json=huge), 413, "request_too_large"
+        )
+        openai_shaped = client.post("/v1/chat/completions", json=huge).json()["error"]
+        assert openai_shaped["code"] == "request_too_large"  # OpenAI's shape elsewhere
         r = post("/v1/messages", json=BODY, headers={"anthropic-version": "2023-06-01"})
         assert_anthropic_error(r, 503, "api_error")  # the model is loading
         assert r.headers["retry-after"] == "1"

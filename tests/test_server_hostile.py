@@ -463,18 +463,67 @@ responses_body = hostile(
         "user": text,
     },
 )
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": text, "signature": text}),
+    st.fixed_dictionaries({"type": st.sampled_from(["tool_use", "tool_result", "image"]), "id": text}),
+    junk,
+)
+anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant"]), text),
+        "content": st.one_of(text, st.lists(block, max_size=3), junk),
+    }
+)
+messages_body = hostile(
+    st.fixed_dictionaries(
+        {
+            "model": st.just(MODEL),
+            "messages": st.lists(anthropic_message, min_size=1, max_size=3),
+            "max_tokens": st.integers(1, 4),
+        }
+    ),
+    {
+        "system": st.one_of(text, junk),
+        "max_tokens": small_max_tokens,
+        "temperature": common["temperature"],
+        "stream": st.booleans(),
+        "stop_sequences": st.one_of(st.lists(text, max_size=3), junk),
+        "thinking": st.one_of(
+            st.just({"type": "enabled", "budget_tokens": 2048}), st.just({"type": "disabled"}), junk
+        ),
+        "output_config": st.one_of(
+            st.just({"format": {"type": "json_schema", "schema": {"type": "object"}}}),
+            st.just({"effort": "low"}),
+            junk,
+        ),
+        "tools": st.one_of(st.just([{"name": "f", "input_schema": {"type": "object"}}]), junk),
+        "tool_choice": st.one_of(st.just({"type": "any"}), junk),
+        "cache_control": st.one_of(st.just({"type": "ephemeral"}), junk),
+    },
+)
 raw_body = st.one_of(st.binary(max_size=64), st.just(b"{" * 10_000), st.just(b'{"prompt": "\\ud800"}'))
+
+
+def is_error_event(line: str) -> bool:
+    """An SSE ``data:`` line that is an error object (not text that happens to say "error": the model
+    may write the word)."""
+    return line != "data: [DONE]" and "error" in json.loads(line[6:])
 
 
 def check_answer(r: httpx.Response) -> None:
     assert r.status_code < 500, (r.status_code, r.text[:500])
-    if r.status_code >= 400:
+    if r.status_code >= 400 and r.request.url.path == "/v1/messages":
+        assert r.json()["type"] == "error" and r.json()["error"]["message"], r.text[:500]
+    elif r.status_code >= 400:
         assert_openai_error(r)
     elif r.request.url.path == "/v1/responses":
         check_response(r)
+    elif r.request.url.path == "/v1/messages":
+        check_message(r)
     elif r.headers.get("content-type", "").startswith("text/event-stream"):
         events = [line for line in r.text.splitlines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), r.text[-500:]
+        assert events[-1] == "data: [DONE]" and not any(is_error_event(e) for e in events), r.text[-500:]
     else:
         assert r.json()["choices"]
 
@@ -487,6 +536,15 @@ def check_response(r: httpx.Response) -> None:
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] in ("response.completed", "response.incomplete"), r.text[-500:]
     assert not any(e["type"] == "error" for e in events), r.text[-500:]
+
+
+def check_message(r: httpx.Response) -> None:
+    """A Messages API answer: one message, or events ending with message_stop and no error."""
+    if not r.headers.get("content-type", "").startswith("text/event-stream"):
+        assert r.json()["type"] == "message", r.text[:500]
+        return
+    kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+    assert kinds[-1] == "message_stop" and "error" not in kinds, r.text[-500:]
 
 
 class Bystander:
@@ -514,7 +572,9 @@ class Bystander:
             if r.status_code == 503:  # the queue is full of the fuzzer's requests: wait, not harm
                 time.sleep(0.05)
             elif (
-                r.status_code != 200 or events[-1:] != ["data: [DONE]"] or any('"error"' in e for e in events)
+                r.status_code != 200
+                or events[-1:] != ["data: [DONE]"]
+                or any(is_error_event(e) for e in events)
             ):
                 self.harmed.append(f"{r.status_code} {events[-2:]}")
             else:
@@ -543,6 +603,7 @@ def fuzz_health(server: BackgroundServer) -> Iterator[HealthWatch]:
         chat_body.map(lambda b: ("/v1/chat/completions", b)),
         completion_body.map(lambda b: ("/v1/completions", b)),
         responses_body.map(lambda b: ("/v1/responses", b)),
+        messages_body.map(lambda b: ("/v1/messages", b)),
     )
 )
 @example(body=("/v1/completions", {"model": MODEL, "prompt": "0", "max_tokens": 1, "temperature": 2e-246}))

@@ -28,6 +28,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kvtier.server.anthropic_errors import as_anthropic
 from kvtier.server.protocol import APIError
 
 Scope = dict[str, Any]
@@ -37,6 +38,9 @@ Message = dict[str, Any]
 class _Refused(Exception):
     def __init__(self, error: APIError):
         self.error = error
+
+
+MESSAGES_PREFIX = "/v1/messages"  # Anthropic's routes: their errors in Anthropic's shape
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -58,8 +62,11 @@ def too_large(num_bytes: int | None, max_bytes: int) -> APIError:
     )
 
 
-async def send_error(send: Any, error: APIError) -> None:
-    """Answer ``error`` in OpenAI's shape and close the connection (the unread body is never read)."""
+async def send_error(send: Any, error: APIError, scope: Scope | None = None) -> None:
+    """Answer ``error`` in OpenAI's shape (Anthropic's on ``/v1/messages``: the path of ``scope``) and
+    close the connection (the unread body is never read)."""
+    if scope is not None and str(scope.get("path", "")).startswith(MESSAGES_PREFIX):
+        error = as_anthropic(error)
     body = json.dumps(error.body()).encode()
     headers = [
         (b"content-type", b"application/json"),
@@ -85,12 +92,12 @@ class RequestLimits:
             return
         length = _content_length(scope)
         if length is not None and length > self.max_bytes:
-            await send_error(send, too_large(length, self.max_bytes))
+            await send_error(send, too_large(length, self.max_bytes), scope)
             return
         try:
             body = await self._read_body(receive)
         except _Refused as refused:
-            await send_error(send, refused.error)
+            await send_error(send, refused.error, scope)
             return
         if body is None:
             return  # the client left before sending its body: nobody to answer
