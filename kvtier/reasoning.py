@@ -15,13 +15,16 @@ answer. With a parser the chat route returns it apart: ``message.reasoning_conte
 
 The whitespace between ``</think>`` and the answer is dropped. The split is made as text streams
 (``ReasoningSplitter.feed``): a tag cut between two deltas is held back until it is whole, so a streamed
-answer's pieces join to the whole answer's fields. Torch-free.
+answer's pieces join to the whole answer's fields. ``AnswerStream`` puts the splitter before the tool
+call parser, the one order every API's answer uses. Torch-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from kvtier.tools import ToolCallParser, ToolEvent
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
@@ -117,3 +120,30 @@ def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
     splitter = ReasoningSplitter(parser)
     first, rest = splitter.feed(text), splitter.finish()
     return splitter.reasoning, first.content + rest.content
+
+
+class AnswerStream:
+    """One choice's text as every API's answer takes it: its reasoning split off first (with a
+    ``reasoning_parser``), then the answer's text parsed for calls (with ``tool_names``). ``feed`` and
+    ``finish`` return :class:`~kvtier.tools.ToolEvent` s, reasoning as ``kind="reasoning"``; fed whole or in
+    pieces, the same events joined."""
+
+    def __init__(self, tool_names: frozenset[str] | None, reasoning_parser: str | None):
+        self.parser = ToolCallParser(tool_names) if tool_names is not None else None
+        self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser is not None else None
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return self._events(self._splitter.feed(text) if self._splitter is not None else Split(content=text))
+
+    def finish(self) -> list[ToolEvent]:
+        """What the splitter and the parser held back."""
+        events = self._events(self._splitter.finish()) if self._splitter is not None else []
+        return events + (self.parser.finish() if self.parser is not None else [])
+
+    def _events(self, split: Split) -> list[ToolEvent]:
+        events = [ToolEvent("reasoning", split.reasoning)] if split.reasoning else []
+        if not split.content:
+            return events
+        if self.parser is None:
+            return [*events, ToolEvent("text", split.content)]
+        return events + self.parser.feed(split.content)

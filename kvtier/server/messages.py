@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.config import ConfigError
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import CompletionOutput, RequestOutput
-from kvtier.reasoning import ReasoningSplitter, Split
+from kvtier.reasoning import AnswerStream
 from kvtier.server import bodies, prompts, tools
 from kvtier.server.anthropic import CachePrefix, Chat, CountTokensRequest, MessagesRequest
 from kvtier.server.anthropic_errors import AnthropicError, anthropic_error, as_anthropic, authorization_of
@@ -62,7 +62,7 @@ from kvtier.server.diagnostics import PromptLog, miss_reason, shared_prefix
 from kvtier.server.metrics import TIERS
 from kvtier.server.protocol import APIError, check_model, http_error, tenant_of, tenant_salt, validation_error
 from kvtier.tokenizer import Tokenizer
-from kvtier.tools import ToolCallParser, ToolEvent
+from kvtier.tools import ToolEvent
 
 logger = logging.getLogger("kvtier.server")
 RETRY_AFTER = {"Retry-After": "1"}
@@ -142,8 +142,7 @@ class ContentBlocks:
     tool_use block; without, the text is one text block. Fed at once or piece by piece, the same content."""
 
     def __init__(self, tool_names: frozenset[str] | None, reasoning_parser: str | None = None):
-        self._parser = ToolCallParser(tool_names) if tool_names is not None else None
-        self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser is not None else None
+        self._answer = AnswerStream(tool_names, reasoning_parser)
         self.content: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the block still open
         self._arguments = ""  # the open tool_use's arguments so far
@@ -153,33 +152,24 @@ class ContentBlocks:
         return any(block["type"] == "tool_use" for block in self.content)
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
-        split = self._splitter.feed(delta) if self._splitter is not None else Split(content=delta)
-        return self._split(split)
+        return self._apply(self._answer.feed(delta))
 
     def finish(self) -> list[dict[str, Any]]:
-        """The end of the text: what the splitter and parser held back, then the open block closed."""
-        out = self._split(self._splitter.finish()) if self._splitter is not None else []
-        events = self._parser.finish() if self._parser is not None else []
-        return [*out, *self._apply(events), *self._close()]
-
-    def _split(self, split: Split) -> list[dict[str, Any]]:
-        """A piece of reasoning (a thinking block) and of answer (text and tool_use blocks)."""
-        out = []
-        if split.reasoning:
-            if self._open != "thinking":
-                out += [*self._close(), self._start({"type": "thinking", "thinking": "", "signature": ""})]
-            self.content[-1]["thinking"] += split.reasoning
-            out.append(self._delta({"type": "thinking_delta", "thinking": split.reasoning}))
-        if not split.content:
-            return out
-        if self._parser is None:
-            return out + self._apply([ToolEvent("text", split.content)])
-        return out + self._apply(self._parser.feed(split.content))
+        """The end of the text: what the stream held back, then the open block closed."""
+        return [*self._apply(self._answer.finish()), *self._close()]
 
     def _apply(self, events: list[ToolEvent]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for e in events:
-            if e.kind == "text":
+            if e.kind == "reasoning":
+                if self._open != "thinking":
+                    out += [
+                        *self._close(),
+                        self._start({"type": "thinking", "thinking": "", "signature": ""}),
+                    ]
+                self.content[-1]["thinking"] += e.text
+                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+            elif e.kind == "text":
                 if self._open != "text":
                     out += [*self._close(), self._start({"type": "text", "text": ""})]
                 self.content[-1]["text"] += e.text

@@ -28,8 +28,8 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from kvtier.reasoning import ReasoningSplitter, Split
-from kvtier.tools import ToolCallParser, ToolEvent
+from kvtier.reasoning import AnswerStream
+from kvtier.tools import ToolEvent
 
 
 def new_id(prefix: str) -> str:
@@ -41,8 +41,7 @@ class OutputItems:
     without ``sequence_number``), ``items`` holds the items (each ``completed`` once closed)."""
 
     def __init__(self, tool_names: frozenset[str] | None, reasoning_parser: str | None):
-        self._parser = ToolCallParser(tool_names) if tool_names is not None else None
-        self._splitter = ReasoningSplitter(reasoning_parser) if reasoning_parser is not None else None
+        self._answer = AnswerStream(tool_names, reasoning_parser)
         self.items: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the item still open
 
@@ -55,23 +54,11 @@ class OutputItems:
         return "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
-        split = self._splitter.feed(delta) if self._splitter is not None else Split(content=delta)
-        return self._apply(split)
+        return self._apply(self._answer.feed(delta))
 
     def finish(self) -> list[dict[str, Any]]:
-        """The end of the text: what the splitter and parser held back, then the open item closed."""
-        events = self._apply(self._splitter.finish()) if self._splitter is not None else []
-        if self._parser is not None:
-            events += self._answer(self._parser.finish())
-        return [*events, *self._close()]
-
-    def _apply(self, split: Split) -> list[dict[str, Any]]:
-        events = self._reasoning(split.reasoning) if split.reasoning else []
-        if not split.content:
-            return events
-        if self._parser is None:
-            return events + self._answer([ToolEvent("text", split.content)])
-        return events + self._answer(self._parser.feed(split.content))
+        """The end of the text: what the stream held back, then the open item closed."""
+        return [*self._apply(self._answer.finish()), *self._close()]
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events = []
@@ -83,10 +70,12 @@ class OutputItems:
         events.append({"type": "response.reasoning_text.delta", **self._place(), "delta": text})
         return events
 
-    def _answer(self, parsed: list[ToolEvent]) -> list[dict[str, Any]]:
+    def _apply(self, parsed: list[ToolEvent]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for e in parsed:
-            if e.kind == "text":
+            if e.kind == "reasoning":
+                events += self._reasoning(e.text)
+            elif e.kind == "text":
                 if self._open != "message":
                     events += self._open_message()
                 self.items[-1]["content"][0]["text"] += e.text

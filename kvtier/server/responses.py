@@ -24,12 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from kvtier.outputs import CompletionOutput, RequestOutput
-from kvtier.reasoning import ReasoningSplitter, Split, split_reasoning
+from kvtier.reasoning import AnswerStream, split_reasoning
 from kvtier.sequence import TokenLogprobs
 from kvtier.server import tools
 from kvtier.server.metrics import TIERS
 from kvtier.tokenizer import Tokenizer
-from kvtier.tools import ToolCallParser
 
 Kind = Literal["chat", "text"]
 DONE = "data: [DONE]\n\n"
@@ -100,9 +99,8 @@ class Formatter:
         self._text_offset: dict[int, int] = {}  # choice -> characters already sent (text logprobs)
         self._token_text: dict[int, str] = {}
         self.tool_names = tool_names  # chat with tools: calls are parsed out of the text
-        self._parsers: dict[int, ToolCallParser] = {}  # choice -> its streaming parser
         self.reasoning_parser = reasoning_parser if kind == "chat" else None  # --reasoning-parser
-        self._splitters: dict[int, ReasoningSplitter] = {}  # choice -> its reasoning splitter
+        self._answers: dict[int, AnswerStream] = {}  # choice -> its text's stream (calls, reasoning)
         self.diagnose = diagnose  # diagnostics asked: the cache_miss_reason of the (one) final output
 
     def _usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
@@ -197,38 +195,23 @@ class Formatter:
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
-    def _parser(self, index: int) -> ToolCallParser | None:
-        if self.tool_names is None:
+    def _answer(self, index: int) -> AnswerStream | None:
+        """A choice's stream (tools' calls, reasoning); None when its text is sent as it is."""
+        if self.tool_names is None and self.reasoning_parser is None:
             return None
-        parser = self._parsers.get(index)
-        if parser is None:
-            parser = self._parsers[index] = ToolCallParser(self.tool_names)
-        return parser
-
-    def _splitter(self, index: int) -> ReasoningSplitter | None:
-        if self.reasoning_parser is None:
-            return None
-        splitter = self._splitters.get(index)
-        if splitter is None:
-            splitter = self._splitters[index] = ReasoningSplitter(self.reasoning_parser)
-        return splitter
-
-    def _answer_deltas(self, split: Split, parser: ToolCallParser | None) -> list[dict[str, Any]]:
-        """``delta`` objects of a choice's new reasoning and answer (the answer's calls parsed with tools)."""
-        deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
-        if parser is not None:
-            return deltas + tools.deltas(parser.feed(split.content))
-        return deltas + ([{"content": split.content}] if split.content else [])
+        answer = self._answers.get(index)
+        if answer is None:
+            answer = self._answers[index] = AnswerStream(self.tool_names, self.reasoning_parser)
+        return answer
 
     def _content_chunks(self, index: int, text: str, lp: Any) -> list[str]:
         """A choice's new text (and its tokens' logprobs ``lp``) as chunks: one, or with tools or a
         reasoning parser one per delta (the logprobs on the first; an empty delta carries them when the
         text is held)."""
-        parser, splitter = self._parser(index), self._splitter(index)
-        if parser is None and splitter is None:
+        answer = self._answer(index)
+        if answer is None:
             return [self._chunk([self._delta_choice(index, text, lp, None)])]
-        split = splitter.feed(text) if splitter is not None else Split(content=text)
-        found = self._answer_deltas(split, parser)
+        found = tools.deltas(answer.feed(text))
         if not found and lp is not None:
             found = [{}]
         chunks = []
@@ -240,12 +223,11 @@ class Formatter:
         return chunks
 
     def _finish_chunks(self, index: int, reason: str) -> list[str]:
-        """A choice's last chunks: what its splitter and parser held back, then the finish reason."""
-        parser, splitter = self._parser(index), self._splitter(index)
-        deltas = self._answer_deltas(splitter.finish(), parser) if splitter is not None else []
-        if parser is not None:
-            deltas += tools.deltas(parser.finish())
-            reason = tools.finish_reason(parser.calls, reason) or reason
+        """A choice's last chunks: what its stream held back, then the finish reason."""
+        answer = self._answer(index)
+        deltas = tools.deltas(answer.finish()) if answer is not None else []
+        if answer is not None and answer.parser is not None:
+            reason = tools.finish_reason(answer.parser.calls, reason) or reason
         chunks = [
             self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
             for delta in deltas

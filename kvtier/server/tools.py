@@ -8,6 +8,7 @@
                                                   reason "tool_calls" when the model stopped after calls
     the answer, streamed                          deltas(): OpenAI's chunks, per parser event:
         text                                        {"content": "..."}
+        reasoning (kvtier.reasoning.AnswerStream)   {"reasoning_content": "..."}
         a call starts                               {"tool_calls": [{"index", "id", "type": "function",
                                                                      "function": {"name", "arguments": ""}}]}
         more of its arguments                       {"tool_calls": [{"index", "function": {"arguments"}}]}
@@ -55,6 +56,8 @@ def deltas(events: list[ToolEvent]) -> list[dict[str, Any]]:
     for event in events:
         if event.kind == "text":
             out.append({"content": event.text})
+        elif event.kind == "reasoning":
+            out.append({"reasoning_content": event.text})
         elif event.kind == "call":
             function = {"name": event.name, "arguments": ""}
             call = {"index": event.index, "id": event.call_id, "type": "function", "function": function}

@@ -37,9 +37,10 @@ def new_call_id() -> str:
 @dataclass(frozen=True)
 class ToolEvent:
     """One step of a parse: ``text`` outside the calls, a call's start (``index``, ``call_id``, ``name``)
-    or more of its arguments (``text``)."""
+    or more of its arguments (``text``); ``reasoning`` text comes from :class:`kvtier.reasoning.AnswerStream`
+    (the parser itself never emits it)."""
 
-    kind: Literal["text", "call", "arguments"]
+    kind: Literal["text", "call", "arguments", "reasoning"]
     text: str = ""
     index: int = 0
     call_id: str = ""
