@@ -209,6 +209,11 @@ class LLMEngine:
             for t in ids:
                 if not 0 <= t < vocab:
                     raise ConfigError(f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
+        spec = params.structured_outputs
+        if params.thinking_token_budget is not None and (spec is None or spec.reasoning is None):
+            raise ConfigError(
+                "thinking_token_budget needs a reasoning parser: SamplingParams.reason_first(parser)"
+            )
         if params.structured_outputs is not None:  # a bad schema fails before queueing
             assert self.sampler.grammars is not None
             # pinned to params: compiled here only when the caller (the server) did not compile it first

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtier.config import ConfigError
+from kvtier.reasoning import REASONING_PARSERS
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 300  # OpenAI's limit
@@ -20,17 +21,25 @@ _MAX_INT = 2**63 - 1  # integer parameters (max_tokens, min_tokens, top_k, seed)
 _GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 
 
+FREE_ANSWER = "start: /(.|\\n)*/"  # any text (a thinking budget's constraint when the answer has none)
+
+
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What the output must match (exactly one field): a JSON schema, any JSON object, a regex, one of
     some strings, or a Lark grammar (llguidance's dialect). Enforced token by token by masking the
-    logits to what keeps the output valid (``kvtier.worker.structured``)."""
+    logits to what keeps the output valid (``kvtier.worker.structured``).
+
+    ``reasoning`` (a :mod:`kvtier.reasoning` parser's name) holds the answer alone to it: the model's
+    think block comes first, free (qwen3: if it writes one; deepseek_r1: the prompt opened it, so the
+    output closes it before the answer), as vLLM does with a reasoning parser."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -43,13 +52,17 @@ class StructuredOutputs:
             )
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ConfigError("structured output choice must be a non-empty list of strings")
+        if self.reasoning is not None and self.reasoning not in REASONING_PARSERS:
+            raise ConfigError(
+                f"structured output reasoning must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning!r}"
+            )
 
     @property
     def key(self) -> str:
         """A stable text of the constraint (grammars are compiled once per key)."""
-        return json.dumps(
-            [self.json, self.json_object, self.regex, self.choice, self.grammar], sort_keys=True, default=str
-        )
+        fields = [self.json, self.json_object, self.regex, self.choice, self.grammar, self.reasoning]
+        return json.dumps(fields, sort_keys=True, default=str)
 
 
 @dataclass
@@ -87,9 +100,29 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputs | None = None  # the output must match it (JSON, regex, ...)
+    # At most this many tokens of thought (with ``structured_outputs.reasoning``: ``reason_first``); then
+    # the closing tag is forced and the answer follows (vLLM's; Anthropic's thinking.budget_tokens).
+    thinking_token_budget: int | None = None
     # The compiled grammar of ``structured_outputs`` (kvtier.worker.structured.CompiledGrammar), pinned
     # here when it is compiled (off the engine thread when served), so the engine never compiles again.
     compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def reason_first(self, parser: str | None) -> None:
+        """With a reasoning ``parser`` (the server's ``--reasoning-parser``), the constraint (if any) holds
+        the answer alone: the think block before it is the model's own. A ``thinking_token_budget`` without a
+        constraint gets a free answer's, which only counts the thought (ConfigError without a parser)."""
+        if parser is None:
+            if self.thinking_token_budget is not None:
+                raise ConfigError(
+                    "thinking_token_budget needs a reasoning parser (kvtier serve --reasoning-parser)"
+                )
+            return
+        spec = self.structured_outputs
+        if spec is None and self.thinking_token_budget is not None:
+            spec = StructuredOutputs(grammar=FREE_ANSWER)
+        if spec is not None and spec.reasoning is None:
+            self.structured_outputs = replace(spec, reasoning=parser)
+            self.compiled_grammar = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +146,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ConfigError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and _integer("thinking_token_budget", budget) < 0:
+            raise ConfigError(f"thinking_token_budget must be >= 0, got {budget}")
         if self.logprobs is not None and not 0 <= _integer("logprobs", self.logprobs) <= _MAX_LOGPROBS:
             raise ConfigError(f"logprobs must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         top = self.prompt_logprobs

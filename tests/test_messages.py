@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from kvtier.config import ConfigError
 from kvtier.outputs import CompletionOutput, RequestOutput
-from kvtier.sampling_params import StructuredOutputs
+from kvtier.sampling_params import FREE_ANSWER, StructuredOutputs
 from kvtier.server.anthropic import CachePrefix, MessagesRequest
 from kvtier.server.anthropic_errors import AnthropicError, as_anthropic, authorization_of, presents_key
 from kvtier.server.app import ServerSettings, create_app
@@ -520,7 +520,7 @@ def test_output_config_holds_the_answer_to_a_schema_and_passes_the_effort() -> N
 
 
 def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_reasoning() -> None:
-    assert request(thinking={"type": "enabled", "budget_tokens": 2048}).chat().thinking is True
+    assert request(thinking={"type": "enabled", "budget_tokens": 2048}).chat().thinking.enabled is True
     off = request(thinking={"type": "disabled"}).chat()
     assert off.template_args()["template_kwargs"] == {"enable_thinking": False}
     assert "template_kwargs" not in request().chat().template_args()  # not said: the template's default
@@ -534,6 +534,20 @@ def test_thinking_maps_to_the_templates_variable_and_earlier_thinking_is_reasoni
     redacted = [{"type": "redacted_thinking", "data": "xyz"}, {"type": "text", "text": "Hi!"}]
     chat = request(messages=[history[0], {"role": "assistant", "content": redacted}, history[0]]).chat()
     assert chat.conversation[1] == {"role": "assistant", "content": "Hi!"}
+
+
+def test_the_thinking_budget_bounds_the_thought_with_a_reasoning_parser() -> None:
+    """budget_tokens is the thought's bound where the server splits thinking off (--reasoning-parser),
+    and, as Anthropic's, under max_tokens; without a parser the thinking is text and max_tokens bounds all."""
+    r = request(max_tokens=4096, thinking={"type": "enabled", "budget_tokens": 2048})
+    params = r.sampling_params(r.chat(), "qwen3")
+    assert params.thinking_token_budget == 2048
+    assert params.structured_outputs == StructuredOutputs(grammar=FREE_ANSWER, reasoning="qwen3")
+    assert r.sampling_params(r.chat()).thinking_token_budget is None
+    forced = request(max_tokens=4096, tools=[WEATHER], tool_choice={"type": "any"})
+    assert forced.sampling_params(forced.chat(), "qwen3").structured_outputs.reasoning == "qwen3"
+    error = refused(max_tokens=2048, thinking={"type": "enabled", "budget_tokens": 2048})
+    assert error.param == "max_tokens" and "greater than thinking.budget_tokens" in error.message
 
 
 def test_an_engine_failure_ends_the_stream_with_an_error_event() -> None:

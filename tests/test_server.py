@@ -445,6 +445,9 @@ def test_bad_requests_are_400_and_do_not_disturb_others(server: BackgroundServer
         assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["param"] == "prompt"
         empty = httpx.post(url, json={"model": MODEL, "prompt": "", "max_tokens": 4})
         assert empty.status_code == 400
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "thinking_token_budget": 8}
+        unparsed = httpx.post(server.url + "/v1/chat/completions", json=chat)  # no --reasoning-parser here
+        assert unparsed.status_code == 400 and unparsed.json()["error"]["param"] == "thinking_token_budget"
         lines = [line for line in stream.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 3
     assert engine_idle_check(server) == (0.0, False)

@@ -98,7 +98,12 @@ class LogRecords(logging.Handler):
 def server() -> Iterator[BackgroundServer]:
     threads = torch.get_num_threads()
     settings = ServerSettings(
-        model_name=MODEL, max_queue=MAX_QUEUE, max_n=MAX_N, max_request_bytes=MAX_BYTES, timeout_body=1.0
+        model_name=MODEL,
+        max_queue=MAX_QUEUE,
+        max_n=MAX_N,
+        max_request_bytes=MAX_BYTES,
+        timeout_body=1.0,
+        reasoning_parser="qwen3",  # every chat constraint then holds the answer after a thought
     )
     app = create_app(lambda: LLM(**ENGINE).engine, settings)
     srv = serve_in_thread(app, timeout_keep_alive=1, timeout_header=1, shutdown_timeout=1.0)
@@ -392,6 +397,7 @@ chat_fields = {
     "chat_template_kwargs": st.one_of(st.dictionaries(text, junk, max_size=3), junk),
     "skip_special_tokens": st.one_of(st.booleans(), junk),
     "include_stop_str_in_output": st.one_of(st.booleans(), junk),
+    "thinking_token_budget": st.one_of(st.integers(0, 4), ints, junk),
     "max_tokens": small_max_tokens,
     "logprobs": st.booleans(),
     "top_logprobs": ints,

@@ -27,9 +27,10 @@ A final assistant message is a prefill: the answer continues its text (the templ
 ``output_config.format`` (a JSON schema) holds the answer to it, as chat's ``response_format``;
 ``output_config.effort`` is the template's ``reasoning_effort``.
 ``thinking`` (enabled, adaptive, disabled) is the template's ``enable_thinking`` (Qwen3's; other
-templates ignore it); an assistant's earlier ``thinking`` blocks are its ``reasoning_content`` (a template
-that writes it, Qwen3's within the current turn, renders the prompt the model saw), ``redacted_thinking``
-is dropped.
+templates ignore it), and with ``--reasoning-parser`` its ``budget_tokens`` bounds the thought
+(``SamplingParams.thinking_token_budget``); an assistant's earlier ``thinking`` blocks are its
+``reasoning_content`` (a template that writes it, Qwen3's within the current turn, renders the prompt the
+model saw), ``redacted_thinking`` is dropped.
 Anything else is a 400 naming it, never silently ignored: other content blocks (image, document...),
 server tools, the beta's ``output_format`` and every other top-level field but ``service_tier`` (one
 tier here) and nulls. Strings inside the request must be valid Unicode, as on the OpenAI routes.
@@ -49,7 +50,13 @@ from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.server.anthropic_errors import invalid, renamed
-from kvtier.server.anthropic_output import OutputConfig, check_prefill, output_config_of, thinking_of
+from kvtier.server.anthropic_output import (
+    OutputConfig,
+    Thinking,
+    check_prefill,
+    output_config_of,
+    thinking_of,
+)
 from kvtier.server.protocol import (
     MAX_STOP,
     JSONValue,
@@ -379,7 +386,7 @@ class Chat:
     choice: ToolChoice
     cache_prefixes: tuple[CachePrefix, ...] = ()  # every breakpoint, the last one last
     continue_final: bool = False  # the last message is the assistant's: the answer continues it (prefill)
-    thinking: bool | None = None  # ``thinking`` enabled or disabled; None: not said
+    thinking: Thinking = field(default_factory=Thinking)  # ``thinking``: enabled, its budget
     output: OutputConfig = field(default_factory=OutputConfig)  # output_config
 
     def template_args(self) -> ChatTemplateArgs:
@@ -389,8 +396,8 @@ class Chat:
             add_generation_prompt=not self.continue_final, continue_final_message=self.continue_final
         )
         variables: dict[str, Any] = {}
-        if self.thinking is not None:
-            variables["enable_thinking"] = self.thinking
+        if self.thinking.enabled is not None:
+            variables["enable_thinking"] = self.thinking.enabled
         if self.output.effort is not None:
             variables["reasoning_effort"] = self.output.effort
         if variables:
@@ -501,11 +508,19 @@ class MessagesRequest(CountTokensRequest):
             raise invalid("metadata.user_id must be a string", "metadata.user_id")
         return user
 
-    def sampling_params(self, chat: Chat) -> SamplingParams:
+    def sampling_params(self, chat: Chat, reasoning_parser: str | None = None) -> SamplingParams:
         """The request's sampling parameters: a forced call (tool_choice any or tool) held to the calls'
-        grammar; ``auto`` with disable_parallel_tool_use ends after the first call."""
+        grammar; ``auto`` with disable_parallel_tool_use ends after the first call. With a
+        ``reasoning_parser`` the constraint holds the answer alone, and ``thinking.budget_tokens`` bounds
+        the thought (without one, the thinking is text of the answer, and ``max_tokens`` bounds both)."""
         if self.max_tokens < 1:
             raise invalid(f"max_tokens must be at least 1, got {clip(self.max_tokens)}", "max_tokens")
+        budget = chat.thinking.budget_tokens
+        if budget is not None and budget >= self.max_tokens:
+            raise invalid(
+                f"max_tokens must be greater than thinking.budget_tokens ({budget}), got {self.max_tokens}",
+                "max_tokens",
+            )
         stop = list(self.stop_sequences or [])
         if len(stop) > MAX_STOP:
             raise invalid(
@@ -523,14 +538,17 @@ class MessagesRequest(CountTokensRequest):
         else:
             structured = None
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=0 if self.top_k is None else self.top_k,
                 max_tokens=self.max_tokens,
                 stop=stop,
                 structured_outputs=structured,
+                thinking_token_budget=budget if reasoning_parser is not None else None,
             )
+            params.reason_first(reasoning_parser)
+            return params
         except ConfigError as exc:
             message = " ".join(str(exc).split())
             raise invalid(message, message.split(" ", 1)[0]) from None

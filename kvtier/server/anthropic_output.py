@@ -52,11 +52,20 @@ def output_config_of(raw: Any) -> OutputConfig:
     return OutputConfig(fmt["schema"], effort)
 
 
-def thinking_of(raw: Any) -> bool | None:
-    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` (n >= 1024, as Anthropic's; not enforced:
-    ``max_tokens`` bounds the whole answer), ``{"type": "adaptive"}`` or ``{"type": "disabled"}``."""
+@dataclass(frozen=True)
+class Thinking:
+    """``thinking``: enabled or disabled (None: not said; the template's ``enable_thinking``), and its
+    ``budget_tokens`` (with ``--reasoning-parser``: the thought's most tokens, then it is closed)."""
+
+    enabled: bool | None = None
+    budget_tokens: int | None = None
+
+
+def thinking_of(raw: Any) -> Thinking:
+    """``thinking``: ``{"type": "enabled", "budget_tokens": n}`` (n >= 1024, as Anthropic's),
+    ``{"type": "adaptive"}`` or ``{"type": "disabled"}``."""
     if raw is None:
-        return None
+        return Thinking()
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind == "enabled":
         budget = raw.get("budget_tokens")
@@ -64,12 +73,13 @@ def thinking_of(raw: Any) -> bool | None:
             raise invalid(
                 "thinking.budget_tokens must be an integer of at least 1024", "thinking.budget_tokens"
             )
-    elif kind not in ("adaptive", "disabled"):
+        return Thinking(True, budget)
+    if kind not in ("adaptive", "disabled"):
         raise invalid(
             'thinking must be {"type": "enabled", "budget_tokens": n} | {"type": "adaptive" | "disabled"}',
             "thinking",
         )
-    return kind != "disabled"
+    return Thinking(kind != "disabled")
 
 
 def check_prefill(message: dict[str, Any], at: str) -> None:

@@ -493,6 +493,10 @@ v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 async def chat_completions(request: Request) -> Response:
     body = await bodies.parse(request, ChatCompletionRequest)  # the body's lists counted, then validated
     opened = _open(request, body)  # tools and tool_choice checked (400), a forced call's grammar built
+    try:  # the constraint holds the answer alone; a thinking budget needs the parser
+        opened.params.reason_first(request.app.state.settings.reasoning_parser)
+    except ConfigError as exc:
+        raise bad_request(exc, "thinking_token_budget") from None
     conversation = body.conversation()  # tool calls and results checked (400)
     given_tools, choice = body.tool_request()
     if given_tools:

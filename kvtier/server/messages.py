@@ -353,7 +353,7 @@ async def create_message(request: Request, serving: Serving) -> Response:
     state = request.app.state
     check_model(state.settings.model_name, body.model)
     chat = body.chat()
-    params = body.sampling_params(chat)
+    params = body.sampling_params(chat, state.settings.reasoning_parser)
     user = body.user_id
     if chat.tools:
         await prompts.off_loop(state.pool, tools.check_schemas, chat.tools)

@@ -368,6 +368,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     tools: JSONValue = None  # OpenAI's function tools (kvtier.tools.parse_tools checks them)
     tool_choice: JSONValue = None  # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     parallel_tool_calls: bool = True
+    thinking_token_budget: int | None = None  # vLLM's: the thought's most tokens (--reasoning-parser)
 
     def sampling_params(self) -> SamplingParams:
         if not self.messages:
@@ -387,6 +388,12 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         _, choice = self.tool_request()
         if choice.mode == "auto" and not choice.parallel:  # one call at most: the output ends with it
             params.stop = [*params.stop, CLOSE]
+        budget = self.thinking_token_budget
+        if budget is not None and budget < 0:
+            raise bad_request(
+                f"thinking_token_budget must be >= 0, got {clip(budget)}", "thinking_token_budget"
+            )
+        params.thinking_token_budget = budget
         return params
 
     def conversation(self) -> list[dict[str, Any]]:

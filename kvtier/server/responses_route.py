@@ -201,6 +201,7 @@ async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
     with in_responses_names():
         chat: ChatCompletionRequest = body.chat()
         params = chat.sampling_params()
+        params.reason_first(state.settings.reasoning_parser)  # text.format or a forced call: the answer's
         conversation = chat.conversation()
         given_tools, choice = chat.tool_request()
         if given_tools:

@@ -14,6 +14,12 @@
         consume(seq, token)        the sampled token moves the matcher on
         release(seq)               a finished or aborted sequence's matcher goes
 
+With ``spec.reasoning`` (the server's ``--reasoning-parser``) the grammar is the answer's after the think
+block: a top-level Lark grammar lets the thought come first, one lazy lexeme up to ``</think>``, then
+names the answer's as ``@answer``. A ``thinking_token_budget`` counts the thought's tokens (reading the
+output's text as :mod:`kvtier.reasoning` does) and, once it is spent, ``allowed`` holds only the closing
+tag's next token.
+
 The sampler masks the row to ``allowed`` after penalties, bias and bans, so the model's own choice
 among the valid tokens decides (greedy stays greedy). llguidance (a Rust library; its first token mask
 took 1.6 ms on this vocabulary here) is imported only when a request asks for it.
@@ -29,16 +35,18 @@ compiled, even if the cache evicted it meanwhile.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvtier.config import ConfigError
+from kvtier.reasoning import CLOSE, OPEN
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.tools import Tool, ToolError
 
@@ -62,6 +70,37 @@ _LIMITS = dict(
 
 class GrammarError(RuntimeError):
     """A sequence's matcher failed mid-generation (its request ends with an error, no other)."""
+
+
+@dataclass
+class _Thinking:
+    """A sequence's thinking budget (``SamplingParams.thinking_token_budget``): its output's text while
+    the thought may still open or run (read as :mod:`kvtier.reasoning` reads it), the tokens the thought
+    has taken, and the closing tag's tokens still to force once the budget is spent."""
+
+    budget: int
+    opened_by_prompt: bool  # deepseek_r1: the output starts inside the thought
+    text: bytearray = field(default_factory=bytearray)
+    spent: int = 0
+    forcing: list[int] = field(default_factory=list)
+    over: bool = False  # closed, or never opened: nothing more to count
+
+    def where(self) -> str:
+        """ "before" the thought (it may still open), in the "thought", or "over"."""
+        if self.over:
+            return "over"
+        body = bytes(self.text).lstrip()
+        if body.startswith(_OPEN_BYTES):
+            start = len(_OPEN_BYTES)
+        elif self.opened_by_prompt:
+            start = 0
+        elif not _OPEN_BYTES.startswith(body):
+            self.over = True  # an answer without a thought
+            return "over"
+        else:
+            return "before"
+        self.over = _CLOSE_BYTES in body[start:]
+        return "over" if self.over else "thought"
 
 
 @dataclass(frozen=True)
@@ -140,8 +179,8 @@ def check_spec(spec: StructuredOutputs) -> None:
         raise _too_big(kind, size, MAX_SPEC_BYTES, "bytes")
 
 
-def _grammar_text(spec: StructuredOutputs) -> str:
-    """llguidance's grammar for ``spec`` (ValueError/TypeError when it is not valid)."""
+def _answer_grammar(spec: StructuredOutputs) -> str:
+    """llguidance's grammar for ``spec``'s answer (ValueError/TypeError when it is not valid)."""
     from llguidance import LLMatcher
 
     if spec.json is not None or spec.json_object:
@@ -154,6 +193,31 @@ def _grammar_text(spec: StructuredOutputs) -> str:
             "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in spec.choice)
         )
     return LLMatcher.grammar_from_lark(spec.grammar or "")
+
+
+# The think block before the answer, per reasoning parser (kvtier.reasoning splits the text the same way).
+# The thought is one lazy lexeme that ends at the first closing tag: a greedy one would swallow the tag.
+_CLOSE_RE = re.escape(CLOSE).replace("/", "\\/")  # inside a Lark /regex/, a slash is escaped
+_THOUGHT = "thought[lazy]: /(.|\\n)*" + _CLOSE_RE + "/\nWS: /[ \\t\\n]*/\n"
+_THINK_FIRST = {
+    "qwen3": f'start: think? @answer\nthink: WS "{OPEN}" thought WS\n' + _THOUGHT,  # if it writes one
+    "deepseek_r1": f'start: open? thought WS @answer\nopen: WS "{OPEN}"\n' + _THOUGHT,  # opened already
+}
+_OPENED_BY_PROMPT = {"qwen3": False, "deepseek_r1": True}
+_OPEN_BYTES, _CLOSE_BYTES = OPEN.encode(), CLOSE.encode()
+
+
+def _grammar_text(spec: StructuredOutputs) -> str:
+    """llguidance's grammar for ``spec``: its answer's, after the think block when ``spec.reasoning``
+    (a top-level Lark grammar naming the answer's as ``@answer``)."""
+    answer = _answer_grammar(spec)
+    if spec.reasoning is None:
+        return answer
+    # llguidance's builders return a top-level grammar's JSON, except grammar_from_lark: the Lark text
+    top = json.loads(answer) if answer.lstrip().startswith("{") else {"grammars": [{"lark_grammar": answer}]}
+    grammars = top["grammars"]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    return json.dumps({**top, "grammars": [{"lark_grammar": _THINK_FIRST[spec.reasoning]}, *grammars]})
 
 
 def schema_error(schema: dict[str, Any]) -> str | None:
@@ -200,6 +264,8 @@ class Grammars:
         self._inflight: dict[str, Future[CompiledGrammar]] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._matchers: dict[str, Any] = {}  # seq id -> its LLMatcher (engine thread)
+        self._thinking: dict[str, _Thinking] = {}  # seq id -> its thinking budget (engine thread)
+        self._close_ids: list[int] | None = None  # the closing tag's tokens (forced at a spent budget)
 
     def _llg_tokenizer(self):  # noqa: ANN202 - llguidance.LLTokenizer, built once (~0.3 s)
         with self._lock:
@@ -278,7 +344,8 @@ class Grammars:
         return matcher
 
     def allowed(self, seq_id: str, params: SamplingParams, vocab: int) -> torch.Tensor:  # bool [vocab]
-        """The tokens the sequence's grammar allows next (bit i of the mask is token i)."""
+        """The tokens the sequence's grammar allows next (bit i of the mask is token i); only the closing
+        tag's next token once its thinking budget is spent."""
         matcher = self._matcher(seq_id, params)
         mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
         if matcher.is_error():
@@ -287,14 +354,44 @@ class Grammars:
         if bits.numel() < vocab:  # logits past the tokenizer's ids: never allowed
             bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
         bits = bits[:vocab]
+        forced = self._forced(seq_id, params, matcher)
+        if forced is not None and bool(bits[forced]):
+            bits = torch.zeros_like(bits)
+            bits[forced] = True
         if not bool(bits.any()):
             raise GrammarError("structured output failed: the grammar allows no next token")
         return bits
 
+    def _forced(self, seq_id: str, params: SamplingParams, matcher: Any) -> int | None:
+        """The closing tag's next token when the sequence's thought has spent its budget, else None."""
+        thinking = self._thinking.get(seq_id)
+        if thinking is None:
+            spec = params.structured_outputs
+            if params.thinking_token_budget is None or spec is None or spec.reasoning is None:
+                return None
+            opened = _OPENED_BY_PROMPT[spec.reasoning]
+            thinking = self._thinking[seq_id] = _Thinking(params.thinking_token_budget, opened)
+        if not thinking.forcing and thinking.spent >= thinking.budget and thinking.where() == "thought":
+            if self._close_ids is None:
+                self._close_ids = list(self._source[0].encode(CLOSE, add_special_tokens=False).ids)
+            thinking.forcing = list(self._close_ids)
+        return thinking.forcing[0] if thinking.forcing else None
+
     def consume(self, seq_id: str, token: int) -> None:
         matcher = self._matchers.get(seq_id)
-        if matcher is not None and not matcher.consume_token(token):
+        if matcher is None:
+            return
+        thinking = self._thinking.get(seq_id)
+        if thinking is not None:
+            if thinking.forcing and thinking.forcing[0] == token:
+                thinking.forcing.pop(0)  # the tag closing a spent budget: not the thought's
+            elif thinking.where() == "thought":
+                thinking.spent += 1
+            if not thinking.over:
+                thinking.text += self._llg_tokenizer().decode_bytes([token])
+        if not matcher.consume_token(token):
             raise GrammarError(f"structured output failed: {' '.join(matcher.get_error().split())[:300]}")
 
     def release(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
+        self._thinking.pop(seq_id, None)
