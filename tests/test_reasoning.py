@@ -209,8 +209,15 @@ def test_story_a_reasoning_model_thinks_within_its_budget_then_answers_in_json()
     params.reason_first("deepseek_r1")
     out = llm.chat([{"role": "user", "content": "Pick a number a. Think first."}], params)[0].outputs[0]
     reasoning, content = split_reasoning("deepseek_r1", out.text)
-    assert reasoning is not None and len(llm.tokenizer.encode(reasoning, add_special_tokens=False)) >= 8
+    assert reasoning is not None and 8 <= len(llm.tokenizer.encode(reasoning, add_special_tokens=False)) <= 14
     assert out.finish_reason == "stop" and isinstance(json.loads(content)["a"], int)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=64, thinking_token_budget=4)
+    sampled.structured_outputs = StructuredOutputs(json=JSON_A)
+    sampled.reason_first("deepseek_r1")  # each fork counts its own thought
+    for fork in llm.chat([{"role": "user", "content": "Pick a number a."}], sampled)[0].outputs:
+        thought, answer = split_reasoning("deepseek_r1", fork.text)
+        assert thought is not None and len(llm.tokenizer.encode(thought, add_special_tokens=False)) <= 6
+        assert fork.finish_reason == "stop" and isinstance(json.loads(answer)["a"], int)
     unparsed = SamplingParams(max_tokens=8, thinking_token_budget=12)
     with pytest.raises(ConfigError, match="reasoning parser"):
         llm.generate("Hi", unparsed)
