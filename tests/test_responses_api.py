@@ -93,9 +93,8 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
 
 
 REFUSED = [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
-    ({"background": True}, "background", "keeps no responses"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stored response"),
+    ({"background": True}, "background", "leave it out"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "send the item itself"),
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0]",
@@ -250,8 +249,10 @@ def test_a_two_step_tool_loop(client: OpenAI) -> None:
 
 
 @pytest.mark.slow
-def test_refusals_through_the_sdk_and_the_router(server: BackgroundServer, client: OpenAI) -> None:
-    with pytest.raises(BadRequestError, match="keeps no responses"):
+def test_refusals_and_stored_responses_through_the_sdk_and_the_router(
+    server: BackgroundServer, client: OpenAI
+) -> None:
+    with pytest.raises(NotFoundError, match="Previous response with id"):
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
     with pytest.raises(NotFoundError):
         client.responses.retrieve("resp_1")
@@ -272,5 +273,87 @@ def test_refusals_through_the_sdk_and_the_router(server: BackgroundServer, clien
         assert through["input_tokens"] == direct.usage.input_tokens
         with pytest.raises(BadRequestError, match="web_search"):
             routed.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+        # a conversation through the router: continued on the replica that keeps it, read back there
+        then = routed.responses.create(
+            model=MODEL,
+            input="And in French?",
+            previous_response_id=via.id,
+            max_output_tokens=12,
+            temperature=0,
+        )
+        assert then.previous_response_id == via.id and then.usage.input_tokens_details.cached_tokens > 0
+        assert routed.responses.retrieve(then.id).output_text == then.output_text
+        assert [i.id for i in routed.responses.input_items.list(then.id, order="asc")] == [
+            i.id for i in client.responses.input_items.list(then.id, order="asc")
+        ]
+        routed.responses.delete(then.id)
+        with pytest.raises(NotFoundError):
+            client.responses.retrieve(then.id)
     finally:
         router.stop()
+
+
+@pytest.mark.slow
+def test_story_a_conversation_continued_by_previous_response_id(
+    server: BackgroundServer, client: OpenAI
+) -> None:
+    """A user asks, then asks again naming the first response: the server puts the stored turn before
+    the new input (its instructions given again, as OpenAI's do not carry over), the answer equals the
+    whole conversation sent inline, and the first turn's blocks are reused."""
+    first = client.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input="Name a colour.",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    assert first.store is True and client.responses.retrieve(first.id).output_text == first.output_text
+    then = client.responses.create(
+        model=MODEL, instructions="Answer briefly.", input="And another one?", previous_response_id=first.id,
+        max_output_tokens=12, temperature=0,
+    )  # fmt: skip
+    inline = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And another one?"},
+    ]
+    whole = client.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input=inline,
+        max_output_tokens=12,
+        temperature=0,
+        store=False,
+    )
+    assert then.output_text == whole.output_text and then.usage.input_tokens == whole.usage.input_tokens
+    assert then.usage.input_tokens_details.cached_tokens > 0
+    assert whole.store is False
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(whole.id)  # store: false keeps nothing
+    items = client.responses.input_items.list(then.id, order="asc")  # the stored turn, then the new input
+    assert [(i.type, i.role) for i in items.data] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    newest = client.responses.input_items.list(then.id, limit=1)
+    assert newest.data[0].id == items.data[-1].id and newest.has_more
+    rest = client.responses.input_items.list(then.id, limit=5, after=newest.data[0].id)
+    assert [i.id for i in rest.data] == [i.id for i in items.data[:2]][::-1] and not rest.has_more
+    other = httpx.get(
+        server.url + f"/v1/responses/{then.id}", headers={"Authorization": "Bearer someone-else"}
+    )
+    assert other.status_code == 404  # another key's request: not found
+    client.responses.delete(first.id)
+    with pytest.raises(NotFoundError, match="Previous response with id"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
+    assert client.responses.retrieve(then.id).output_text == then.output_text  # stored whole, no chain
+
+
+@pytest.mark.slow
+def test_a_streamed_answer_is_stored_before_its_last_event(client: OpenAI) -> None:
+    events = list(
+        client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, stream=True)
+    )
+    final = events[-1].response
+    assert final.store is True and client.responses.retrieve(final.id).output_text == final.output_text

@@ -440,14 +440,15 @@ def test_completions_still_refuse_tools(client: TestClient) -> None:
 
 def test_the_responses_api_checks_before_the_model(client: TestClient) -> None:
     """/v1/responses runs as chat: its own 400s name the Responses field, a good request waits for the
-    model (503 while loading), a stored response's route is a 404 (none is kept)."""
+    model (503 while loading), a response it does not keep is a 404 (continued or read)."""
     body = {"model": MODEL, "input": "hi"}
     assert error(client.post("/v1/responses", json=body), 503, None)["code"] == "model_not_ready"
-    error(
+    unknown = error(
         client.post("/v1/responses", json={**body, "previous_response_id": "resp_1"}),
-        400,
+        404,
         "previous_response_id",
     )
+    assert unknown["code"] == "previous_response_not_found"
     error(
         client.post("/v1/responses", json={**body, "tools": [{"type": "web_search"}]}), 400, "tools[0].type"
     )
@@ -464,7 +465,8 @@ def test_the_router_routes_the_responses_api() -> None:
     key = {"Authorization": "Bearer k"}
     r = router.post("/v1/responses", json={"input": "hi"}, headers=key)
     assert r.status_code == 503  # routed: no healthy replica
-    assert error(router.get("/v1/responses/resp_1", headers=key), 404, None)["code"] == "not_found"
+    stored = router.get("/v1/responses/resp_1", headers=key)  # to the replica keeping it: none here
+    assert error(stored, 503, None)["code"] == "no_healthy_replica"
     explained = router.post(
         "/router/explain", json={"endpoint": "responses", "request": {"input": "hi"}}, headers=key
     )

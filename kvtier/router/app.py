@@ -23,8 +23,8 @@
     POST /v1/responses                             client                     OpenAI's Responses API: routed
                                                                                as chat
     POST /v1/responses/input_tokens                client                     forwarded to a healthy replica
-    *    /v1/responses/{id}[/...]                  client                     404 (the replicas keep no
-                                                                               responses), answered here
+    *    /v1/responses/{id}[/...]                  client                     to the replica that made it
+                                                                               (its id names it), else any
 
 Only these routes reach a replica, each to a fixed path: ``/v1/models/{id}`` takes a model id that
 :func:`model_path` accepts (letters, digits, ``._:+@-``; no ``..``, no ``/``, no ``\\``, whatever the
@@ -75,7 +75,7 @@ from kvtier.router.replicas import AdmissionRefused
 from kvtier.server.anthropic_errors import anthropic_error, as_anthropic, authorization_of, presents_key
 from kvtier.server.dashboard import page_routes
 from kvtier.server.limits import RequestLimits
-from kvtier.server.protocol import APIError, http_error, no_stored_response, not_found, unauthorized
+from kvtier.server.protocol import APIError, http_error, not_found, unauthorized
 
 logger = logging.getLogger("kvtier.router")
 
@@ -159,7 +159,8 @@ async def _generate(request: Request, path: str) -> Response:
     body = await read_body(request)
     given = parse_json(body)  # a bad or too deeply nested body: our 400, the replica never sees it
     authorization = request.headers.get("authorization", "")
-    if disagg.active(router):  # some replica computes prompts for the others: a two-step route
+    continues = isinstance(given, dict) and given.get("previous_response_id") is not None
+    if disagg.active(router) and not continues:  # some replica computes prompts for the others
         return await disagg.route(router, request, path, body, given, authorization)
     route = await router.choose(path, given, authorization, body_bytes=len(body))
     return await forward(router, request, route, path, body)
@@ -304,8 +305,17 @@ async def responses_input_tokens(request: Request) -> Response:
 
 
 async def stored_response(request: Request) -> Response:
-    """A stored response's route: the replicas keep none, so the router answers their 404 itself."""
-    raise no_stored_response(request.path_params["rest"])
+    """A stored response's route (``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``): to the
+    replica whose id it bears first (its store), then the others (a shared store answers there too)."""
+    router: Router = request.app.state.router
+    rest = request.path_params["rest"]
+    replicas = router.stored_response_replicas(rest.split("/", 1)[0])
+    route = Route(replicas, Decision((), "stored_response", 0))
+    query = f"?{request.url.query}" if request.url.query else ""
+    body = await read_body(request) if request.method == "POST" else b""
+    return await forward(
+        router, request, route, f"{RESPONSES_PATH}/{rest}{query}", body, request.method, count=False
+    )
 
 
 async def no_admin_route(request: Request) -> Response:

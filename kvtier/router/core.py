@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -38,6 +38,7 @@ from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
 from kvtier.router.sync import IndexSync
 from kvtier.router.tokens import PieceEncoder
+from kvtier.server.response_store import owner_tag, replica_tag
 from kvtier.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvtier.router")
@@ -79,6 +80,27 @@ class Route:
     replicas: list[Replica]  # best first; a retry takes the next
     decision: policies.Decision
     work: tuple[int, ...] = ()  # per replica in ``replicas``: estimated prefill tokens (0: unknown)
+
+
+def owner_index(healthy: list[Replica], response_id: Any) -> int | None:
+    """Which of ``healthy`` made the stored response ``response_id`` (its id names it), or None."""
+    tag = owner_tag(response_id)
+    if tag is None:
+        return None
+    ids = [(r.info or {}).get("replica_id") for r in healthy]
+    return next((i for i, rid in enumerate(ids) if isinstance(rid, str) and replica_tag(rid) == tag), None)
+
+
+def owner_first(decision: policies.Decision, healthy: list[Replica], body: Any) -> policies.Decision:
+    """A Responses request continuing a stored response (``previous_response_id``) first to the replica
+    that made it, while it is healthy: the conversation is kept there (unless the replicas share a
+    store) and so is its KV."""
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    owner = owner_index(healthy, previous)
+    if owner is None:
+        return decision
+    ranking = (owner, *(i for i in decision.ranking if i != owner))
+    return replace(decision, ranking=ranking, reason="stored_response")
 
 
 class Router:
@@ -178,6 +200,7 @@ class Router:
         decision = policies.decide(self.settings.policy, candidates, num_tokens, self.settings.cost, turn)
         if affinity:
             decision = self._keep_affinity(decision, healthy, candidates, num_tokens, body, authorization)
+        decision = owner_first(decision, healthy, body)
         if decision.reason in ("cache_hit", "load") and self.settings.policy == "cache_aware":
             self.metrics.cached_tokens.observe(decision.cached_tokens)
         work = tuple(decision.work[i] for i in decision.ranking) if decision.work else ()
@@ -202,6 +225,13 @@ class Router:
         decision = policies.keep_affinity(decision, candidates, preferred, num_tokens, self.settings.cost)
         self.affinity.put(key, healthy[decision.choice].url)
         return decision
+
+    def stored_response_replicas(self, response_id: str) -> list[Replica]:
+        """Healthy replicas for a stored response's route: the one that made it first (its store, unless
+        the replicas share one)."""
+        healthy = self.any_replicas()
+        owner = owner_index(healthy, response_id)
+        return healthy if owner is None else [healthy[owner], *healthy[:owner], *healthy[owner + 1 :]]
 
     async def prompt(self, path: str, body: Any, authorization: str, inline: bool = False) -> Prompt | None:
         """The request's token ids and salt (on the tokenizer pool, or here when ``inline``); None

@@ -98,6 +98,8 @@ def parse_prompt(
     run (the replica then answers its own 400; the router routes such a request by load). ``encoder``
     tokenizes a rendered chat from cached pieces (:mod:`kvtier.router.tokens`), with the same ids."""
     encode = encoder.encode if encoder is not None else None
+    if path == RESPONSES_PATH and isinstance(body, dict) and body.get("previous_response_id") is not None:
+        return None  # the conversation before it is stored on a replica: routed to that one, by load
     try:
         if path in (CHAT_PATH, RESPONSES_PATH):
             chat = (

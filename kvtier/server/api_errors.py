@@ -60,16 +60,6 @@ def http_error(exc: HTTPException) -> APIError:
     return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers)
 
 
-def no_stored_response(rest: str) -> APIError:
-    """The 404 of a stored-response route (``/v1/responses/{id}...``): kvtier keeps no responses."""
-    return APIError(
-        404,
-        f"Response '{clip(rest.split('/')[0])}' not found: this server keeps no responses (store is "
-        "answered false); send the whole conversation in input",
-        code="not_found",
-    )
-
-
 def not_found() -> APIError:
     """The 404 of a route that does not exist (an ``/admin`` route while the admin role is off)."""
     return APIError(404, "Not Found", code="not_found")

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -86,6 +87,8 @@ from kvtier.server.protocol import (
     tenant_salt,
     validation_error,
 )
+from kvtier.server.response_store import MAX_ENTRIES as MAX_STORED
+from kvtier.server.response_store import open_response_store
 from kvtier.server.responses import DONE, Formatter, Kind, sse
 from kvtier.server.responses_route import responses_router
 from kvtier.server.tokenize_routes import tokenize_router
@@ -109,6 +112,12 @@ class ServerSettings:
     kv_read_key: str | None = None  # /v1/kv/blocks, canary, advice, dashboard (else the api key)
     metrics_key: str | None = None  # /metrics (open without it)
     reasoning_parser: str | None = None  # chat answers' <think> block apart (kvtier.reasoning)
+    # Responses API answers kept for previous_response_id (kvtier.server.response_store): "memory" (this
+    # replica's, the most recent max_stored_responses), "redis" (response_store_url's, shared), "off"
+    response_store: str = "memory"
+    response_store_url: str | None = field(default=None, repr=False)  # may hold a password
+    response_store_secret: str | None = field(default=None, repr=False)  # signs what redis keeps
+    max_stored_responses: int = MAX_STORED
 
 
 class ShuttingDown(EngineNotReady):
@@ -186,6 +195,12 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.responses = open_response_store(
+        settings.response_store,
+        settings.response_store_url,
+        settings.max_stored_responses,
+        settings.response_store_secret,
+    )
     app.state.started = int(time.time())
     app.state.draining = False  # set on SIGTERM (kvtier.server.shutdown)
     app.add_middleware(
@@ -399,7 +414,8 @@ async def _json_body(request: Request, fmt: Formatter, streams: list[RequestStre
         raise _not_ready_error(exc) from None
     except EngineDeadError as exc:
         raise APIError(500, str(exc), type="server_error") from None
-    return JSONResponse(fmt.response(finals))
+    body = fmt.response(finals)
+    return JSONResponse(await body if inspect.isawaitable(body) else body)  # Responses: stored first
 
 
 # ------------------------------------------------------------------------------ completion routes

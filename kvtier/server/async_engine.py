@@ -209,6 +209,11 @@ class AsyncEngine:
         return self._engine is not None and not self._stopped
 
     @property
+    def replica_id(self) -> str | None:
+        """The engine's replica id (KV events, response ids); None before the model has loaded."""
+        return self._engine.replica_id if self._engine is not None else None
+
+    @property
     def loading(self) -> bool:
         return not self._loaded.is_set()
 

@@ -69,7 +69,6 @@ from kvtier.server.api_errors import check_model as check_model
 from kvtier.server.api_errors import clip as clip
 from kvtier.server.api_errors import http_error as http_error
 from kvtier.server.api_errors import invalid_json as invalid_json
-from kvtier.server.api_errors import no_stored_response as no_stored_response
 from kvtier.server.api_errors import not_found as not_found
 from kvtier.server.api_errors import unauthorized as unauthorized
 from kvtier.server.api_errors import validation_error as validation_error

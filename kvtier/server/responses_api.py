@@ -26,10 +26,11 @@ the route and its events are :mod:`.responses_route`.
     reasoning.effort                                chat_template_kwargs.reasoning_effort (templates
                                                       that read it, as vLLM passes it)
 
-kvtier keeps no responses: ``store`` is answered false, and what needs a stored one is a 400
-(``previous_response_id``, an ``item_reference``, ``background``); so are other tools (web search,
-files...), images and files in the input, ``top_logprobs`` and ``max_tool_calls``. Errors name the
-Responses field (``input[2].call_id``, ``max_output_tokens``, ``tools[0].parameters``).
+``previous_response_id`` continues a stored response (:mod:`.response_store`): its input and output
+items come first (``chat(history)``), its ``instructions`` do not carry over, as OpenAI's. A 400: an
+``item_reference``, ``background``, other tools (web search, files...), images and files in the input,
+``top_logprobs`` and ``max_tool_calls``. Errors name the Responses field (``input[2].call_id``,
+``max_output_tokens``, ``tools[0].parameters``).
 """
 
 from __future__ import annotations
@@ -109,13 +110,22 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: int | None = None
     diagnostics: JSONValue = None  # kvtier's {"previous_response_id"}: why this one missed the cache
 
-    def chat(self) -> ChatCompletionRequest:
-        """The chat-completions request this one runs as (the module's table); a 400 for what is wrong
-        or needs a stored response (call it, and the chat request's checks, ``in_responses_names``)."""
+    def input_items(self) -> list[Any]:
+        """``input`` as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}
+            ]
+        return list(self.input)
+
+    def chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat-completions request this one runs as (the module's table), after the ``history``
+        items of the response it continues; a 400 for what is wrong (call it, and the chat request's
+        checks, ``in_responses_names``)."""
         self._check_unsupported()
         chat: dict[str, Any] = {
             "model": self.model,
-            "messages": self._messages(),
+            "messages": self._messages(history or []),
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
         }
@@ -138,33 +148,29 @@ class ResponsesRequest(BaseModel):
 
     def _check_unsupported(self) -> None:
         refused = (
-            (
-                "previous_response_id",
-                self.previous_response_id is not None,
-                "it keeps no responses: ",
-            ),
-            ("background", self.background, "it keeps no responses: "),
-            ("top_logprobs", bool(self.top_logprobs), ""),
-            ("max_tool_calls", self.max_tool_calls is not None, ""),
+            ("background", self.background),
+            ("top_logprobs", bool(self.top_logprobs)),
+            ("max_tool_calls", self.max_tool_calls is not None),
         )
-        for name, given, why in refused:
+        for name, given in refused:
             if given:
-                send = "send the whole conversation in input" if why else "leave it out"
-                raise bad_request(f"{name} is not supported by this server ({why}{send})", name)
+                raise bad_request(f"{name} is not supported by this server (leave it out)", name)
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat messages of ``history`` (a stored response's items: checked when it was made) and
+        ``input`` (its items named ``input[i]`` in errors)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
         reasoning = ""  # a reasoning item's text, for the assistant turn after it
         calls: set[str] = set()  # the call_ids of the function calls so far
-        for i, item in enumerate(self.input):
+        items = [(f"history[{i}]", item) for i, item in enumerate(history)]
+        items += [(f"input[{i}]", item) for i, item in enumerate(self.input_items())]
+        for at, item in items:
             if isinstance(item, dict) and item.get("type") == "reasoning":
                 reasoning += _reasoning_text(item)
                 continue
-            _add_item(messages, item, f"input[{i}]", calls)
+            _add_item(messages, item, at, calls)
             if reasoning and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("reasoning_content", reasoning)
             reasoning = ""  # it belongs to the item right after it
@@ -210,7 +216,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, at: str, calls: set[str
         content = output if isinstance(output, str) else _text(output, f"{at}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
     else:
-        why = " (it needs a stored response)" if kind == "item_reference" else ""
+        why = " (send the item itself)" if kind == "item_reference" else ""
         raise bad_request(
             f"{at}: input items of type '{clip(kind)}' are not supported by this server{why}", at
         )

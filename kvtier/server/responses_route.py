@@ -8,15 +8,16 @@ template, tools, grammar, admission and prompt caching. Only the answer differs:
                       "model", "output": [items], "usage": {"input_tokens", "input_tokens_details":
                       {"cached_tokens"}, "output_tokens", "output_tokens_details": {"reasoning_tokens"},
                       "total_tokens", "kvtier": {"cached_tokens_by_tier", "retained_tokens"}},
-                      the request's settings, "store": false}
+                      the request's settings, "previous_response_id", "store": true when it was kept}
     server-sent      response.created, response.in_progress; each item's events (:mod:`.response_items`);
     events           response.completed or response.incomplete (the whole response); an engine failure
                      is an ``error`` event. Every event has its ``sequence_number``.
 
 ``reasoning_tokens`` counts the output tokens up to the end of the reasoning (all of them when the
-answer was cut while thinking). Nothing is stored:
-``GET``/``DELETE /v1/responses/{id}`` are 404s, as for an id that does not exist. What the route needs of
-the app comes in a :class:`~kvtier.server.messages.Serving`, so this module never imports the app.
+answer was cut while thinking). ``store`` (true unless the request says false) keeps the answer, and
+``previous_response_id`` continues a kept one (:mod:`.responses_stored`: the stored routes too). What the
+route needs of the app comes in a :class:`~kvtier.server.messages.Serving`, so this module never imports
+the app.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from fastapi.responses import JSONResponse, Response
 from kvtier.outputs import RequestOutput
 from kvtier.reasoning import CLOSE
 from kvtier.sampling_params import SamplingParams
-from kvtier.server import bodies, diagnostics, prompts, tools
-from kvtier.server.api_errors import no_stored_response
+from kvtier.server import bodies, diagnostics, prompts, responses_stored, tools
+from kvtier.server.api_errors import not_found
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
 from kvtier.server.auth import check_key
 from kvtier.server.messages import Serving
 from kvtier.server.protocol import ChatCompletionRequest, check_model, tenant_of, tenant_salt
-from kvtier.server.response_items import OutputItems, new_id
+from kvtier.server.response_items import OutputItems
+from kvtier.server.response_store import new_response_id
 from kvtier.server.responses import usage
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
 from kvtier.tokenizer import Tokenizer
@@ -79,8 +81,12 @@ class ResponsesFormatter:
         reasoning_parser: str | None,
         decode: Callable[[list[int]], str],
         diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
+        response_id: str | None = None,
+        keeper: responses_stored.Keeper | None = None,
     ):
-        self.response_id = new_id("resp")
+        self.response_id = response_id or new_response_id(None)
+        self.keeper = keeper  # stores the answer before the client has it whole (None: store false)
+        self.stored = keeper is not None
         self.created_at = int(time.time())
         self.body = body
         self.model = model
@@ -105,9 +111,9 @@ class ResponsesFormatter:
             "model": self.model,
             "output": items.items if items is not None else [],
             "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning,
-            "store": False,
+            "store": self.stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": body.text if isinstance(body.text, dict) else {"format": {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
@@ -145,12 +151,18 @@ class ResponsesFormatter:
     def _status(self, out: RequestOutput) -> str:
         return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
 
-    def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+    async def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """``response``, stored first when it is to be (``store`` false if that failed)."""
+        if self.keeper is not None:
+            self.stored = await self.keeper.keep(self.response_id, response)
+        return {**response, "store": self.stored}
+
+    async def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
         items = OutputItems(self.tool_names, self.reasoning_parser)
         items.feed(out.outputs[0].text)
         items.finish()
-        return self._response(self._status(out), items, out)
+        return await self._kept(self._response(self._status(out), items, out))
 
     def _event(self, payload: dict[str, Any]) -> str:
         self._sequence += 1
@@ -174,9 +186,8 @@ class ResponsesFormatter:
                 for payload in items.finish():
                     yield self._event(payload)
                 status = self._status(out)
-                yield self._event(
-                    {"type": f"response.{status}", "response": self._response(status, items, out)}
-                )
+                final = await self._kept(self._response(status, items, out))
+                yield self._event({"type": f"response.{status}", "response": final})
                 return
         except (EngineNotReady, EngineDeadError) as exc:
             yield self._event({"type": "error", "code": "server_error", "message": str(exc), "param": None})
@@ -192,14 +203,18 @@ class _Prepared:
     tool_names: frozenset[str] | None  # the calls parsed out of the answer (None: tool_choice none)
     tokenizer: Tokenizer
     prompt: dict[str, Any]
+    items: list[dict[str, Any]]  # the input items it runs on: a continued response's, then its own
 
 
 async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
-    """Model (404), parameters and tools (400), tool schemas (400), loaded (503), length (400)."""
+    """Model (404), the response it continues (400, 404), parameters and tools (400), tool schemas (400),
+    loaded (503), length (400)."""
     state = request.app.state
     check_model(state.settings.model_name, body.model)
     with in_responses_names():
-        chat: ChatCompletionRequest = body.chat()
+        continued = await responses_stored.previous(request, body)
+        history = continued.conversation() if continued is not None else []
+        chat: ChatCompletionRequest = body.chat(history)
         params = chat.sampling_params()
         params.reason_first(state.settings.reasoning_parser)  # text.format or a forced call: the answer's
         conversation = chat.conversation()
@@ -220,7 +235,8 @@ async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
             chat.template_args(),
         )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
-    return _Prepared(chat, params, given_tools, names, tokenizer, prompt)
+    items = [*history, *responses_stored.with_ids(body.input_items())]
+    return _Prepared(chat, params, given_tools, names, tokenizer, prompt, items)
 
 
 async def create_response(request: Request, serving: Serving) -> Response:
@@ -251,8 +267,16 @@ async def create_response(request: Request, serving: Serving) -> Response:
             retention=chat.retention,
         )
     decode = run.tokenizer.decode
+    keeper = responses_stored.Keeper(request, run.items)
     fmt = ResponsesFormatter(
-        body, state.settings.model_name, run.tool_names, state.settings.reasoning_parser, decode, diagnose
+        body,
+        state.settings.model_name,
+        run.tool_names,
+        state.settings.reasoning_parser,
+        decode,
+        diagnose,
+        new_response_id(state.engine.replica_id),
+        keeper if body.store and keeper.enabled else None,
     )
     ttl_s = max((r.ttl_s for r in chat.retention), default=None)
     diagnostics.record_answer(log, fmt.response_id, [run.prompt], salt, ttl_s)
@@ -268,8 +292,8 @@ async def count_input_tokens(request: Request) -> JSONResponse:
 
 
 def responses_router(serving: Serving) -> APIRouter:
-    """``POST /v1/responses`` and ``/v1/responses/input_tokens`` behind the client key; the
-    stored-response routes answer 404 (none kept)."""
+    """``POST /v1/responses`` and ``/v1/responses/input_tokens``, and the stored responses' routes, behind
+    the client key."""
     router = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
 
     @router.post("/responses")
@@ -280,8 +304,20 @@ def responses_router(serving: Serving) -> APIRouter:
     async def input_tokens(request: Request) -> JSONResponse:
         return await count_input_tokens(request)
 
+    @router.get("/responses/{response_id}")
+    async def retrieve(request: Request, response_id: str) -> JSONResponse:
+        return await responses_stored.retrieve(request, response_id)
+
+    @router.delete("/responses/{response_id}")
+    async def delete(request: Request, response_id: str) -> JSONResponse:
+        return await responses_stored.delete(request, response_id)
+
+    @router.get("/responses/{response_id}/input_items")
+    async def input_items(request: Request, response_id: str) -> JSONResponse:
+        return await responses_stored.input_items(request, response_id)
+
     @router.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
-    async def stored_response(request: Request, rest: str) -> Response:
-        raise no_stored_response(rest)
+    async def other(request: Request, rest: str) -> Response:
+        raise not_found()  # cancel (nothing runs in the background) and the like
 
     return router

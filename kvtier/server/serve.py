@@ -23,6 +23,8 @@ from kvtier.args import add_engine_args, engine_args_from
 from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv_events import default_replica_id
 from kvtier.reasoning import REASONING_PARSERS
+from kvtier.server.response_store import MAX_ENTRIES as MAX_STORED
+from kvtier.server.response_store import RESPONSE_STORES
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -88,6 +90,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="return a reasoning model's <think>...</think> apart, as message.reasoning_content (qwen3: "
         "the model opens the block; deepseek_r1: the prompt opened it) (default: the text as written)",
+    )
+    g.add_argument(
+        "--response-store",
+        choices=("auto", *RESPONSE_STORES),
+        default="auto",
+        help="where Responses API answers are kept for previous_response_id: memory (this replica's), "
+        "redis (--kv-remote-url's, shared by the replicas), off (default auto: redis with "
+        "--kv-remote-url, else memory)",
+    )
+    g.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=MAX_STORED,
+        help="with --response-store memory: the most recently stored kept (default %(default)s)",
     )
     g.add_argument(
         "--log-level",
@@ -325,6 +341,9 @@ def describe_tiers(engine: LLMEngine) -> str:
 def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSettings, imported lazily)
     from kvtier.server.app import ServerSettings
 
+    store = ns.response_store
+    if store == "auto":
+        store = "redis" if ns.kv_remote_url else "memory"
     return ServerSettings(
         model_name=name,
         api_key=ns.api_key,
@@ -337,6 +356,10 @@ def _settings(ns: argparse.Namespace, name: str):  # noqa: ANN202 (ServerSetting
         timeout_body=ns.timeout_body or None,
         prefix_cache_scope=ns.prefix_cache_scope,
         reasoning_parser=ns.reasoning_parser,
+        response_store=store,
+        response_store_url=ns.kv_remote_url,
+        response_store_secret=ns.kv_remote_secret or os.environ.get("KVTIER_REMOTE_SECRET"),
+        max_stored_responses=ns.max_stored_responses,
     )
 
 

@@ -1,0 +1,161 @@
+"""The stored side of ``kvtier serve``'s Responses API: ``previous_response_id``, keeping an answer,
+and the stored-response routes.
+
+::
+
+    previous(...)            the response a request continues (404 previous_response_not_found: none,
+                             expired, deleted, or another key's; 400 when this server keeps none)
+    Keeper.keep(response)    stores an answer (store: true) with the input it ran on, before the client
+                             sees it whole; false when the store failed (the answer says store: false)
+    GET    /v1/responses/{id}                 the response object
+    DELETE /v1/responses/{id}                 {"id", "object": "response", "deleted": true}
+    GET    /v1/responses/{id}/input_items     {"object": "list", "data": [items], "first_id", "last_id",
+                                               "has_more"}; ``order`` (desc, the default | asc), ``limit``
+                                               (1-100, 20), ``after`` (an item id)
+
+The store (:mod:`.response_store`) is ``app.state.responses``: None when the server keeps none
+(``--response-store off``). Its calls run on the server's thread pool (Redis blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from kvtier.server import prompts
+from kvtier.server.api_errors import APIError, bad_request, clip
+from kvtier.server.response_items import new_id
+from kvtier.server.response_store import ResponseStore, StoredResponse, StoreUnavailable, owner_of
+from kvtier.server.responses_api import ResponsesRequest
+
+logger = logging.getLogger("kvtier.server.responses")
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    code = "previous_response_not_found" if param else "not_found"
+    message = f"{'Previous response' if param else 'Response'} with id '{clip(response_id)}' not found."
+    return APIError(404, message, param=param, code=code)
+
+
+def _unavailable(exc: StoreUnavailable) -> APIError:
+    return APIError(
+        503, str(exc), type="server_error", code="store_unavailable", headers={"Retry-After": "1"}
+    )
+
+
+def _store(request: Request) -> ResponseStore | None:
+    return request.app.state.responses
+
+
+async def _get(request: Request, response_id: str, param: str | None = None) -> StoredResponse:
+    """The stored response ``response_id`` of this request's credentials (404 otherwise)."""
+    store = _store(request)
+    if store is None:
+        raise _not_found(response_id, param)
+    try:
+        stored = await prompts.off_loop(request.app.state.pool, store.get, response_id)
+    except StoreUnavailable as exc:
+        raise _unavailable(exc) from None
+    if stored is None or stored.owner != owner_of(request.headers.get("authorization", "")):
+        raise _not_found(response_id, param)
+    return stored
+
+
+async def previous(request: Request, body: ResponsesRequest) -> StoredResponse | None:
+    """The response ``body`` continues (None: it continues none)."""
+    if body.previous_response_id is None:
+        return None
+    if _store(request) is None:
+        raise bad_request(
+            "previous_response_id is not supported by this server (it keeps no responses: "
+            "--response-store off); send the whole conversation in input",
+            "previous_response_id",
+        )
+    return await _get(request, body.previous_response_id, "previous_response_id")
+
+
+def with_ids(items: list[Any]) -> list[dict[str, Any]]:
+    """Input items as stored: each with an id (``msg_...``, ``fc_...``: its own when it has one)."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        out.append(item if "id" in item else {"id": new_id(_ITEM_PREFIX.get(kind, "item")), **item})
+    return out
+
+
+@dataclass
+class Keeper:
+    """Stores one request's answer (``store: true`` and a store to keep it in)."""
+
+    request: Request
+    input: list[dict[str, Any]]  # the items it ran on: the continued conversation's, then its own
+
+    @property
+    def enabled(self) -> bool:
+        return _store(self.request) is not None
+
+    async def keep(self, response_id: str, response: dict[str, Any]) -> bool:
+        """Whether ``response`` is stored now (a store that failed is logged: the answer still goes)."""
+        store = _store(self.request)
+        if store is None:
+            return False
+        owner = owner_of(self.request.headers.get("authorization", ""))
+        stored = StoredResponse(owner, self.input, {**response, "store": True})
+        try:
+            await prompts.off_loop(self.request.app.state.pool, store.put, response_id, stored)
+        except StoreUnavailable as exc:
+            logger.warning("response %s not stored: %s", response_id, exc)
+            return False
+        return True
+
+
+async def retrieve(request: Request, response_id: str) -> JSONResponse:
+    if request.query_params.get("stream") in ("true", "1"):
+        raise bad_request("stream is not supported when retrieving a response (leave it out)", "stream")
+    return JSONResponse((await _get(request, response_id)).response)
+
+
+async def delete(request: Request, response_id: str) -> JSONResponse:
+    await _get(request, response_id)  # none kept, or someone else's: 404, never deleted
+    store = _store(request)
+    assert store is not None  # _get found it there
+    try:
+        await prompts.off_loop(request.app.state.pool, store.delete, response_id)
+    except StoreUnavailable as exc:
+        raise _unavailable(exc) from None
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def input_items(request: Request, response_id: str) -> JSONResponse:
+    """The input items a response ran on, newest first unless ``order=asc``, ``limit`` at a time after
+    the item ``after``."""
+    items = (await _get(request, response_id)).input
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be asc or desc, got {clip(order)!r}", "order")
+    limit_text = query.get("limit", "20")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        raise bad_request(f"limit must be an integer in [1, 100], got {clip(limit_text)!r}", "limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after: no input item '{clip(after)}' in this response", "after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(limit_text)]
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > len(page),
+        }
+    )
