@@ -53,6 +53,7 @@ from kvtier.scheduler.inspection import describe_requests
 from kvtier.scheduler.scheduler import SchedulerOutput
 from kvtier.sequence import Request, Sequence, SequenceStatus, seq_id_for
 from kvtier.stats import EngineStats, KVGroupUsage, Medium
+from kvtier.tokenizer import Tokenizer
 from kvtier.worker.runner import StepLogits
 from kvtier.worker.sampler import RowError, SampleRequest
 from kvtier.worker.structured import Grammars
@@ -205,10 +206,13 @@ class LLMEngine:
     def _check_token_params(self, params: SamplingParams) -> None:
         """Token ids named by the parameters must be in the vocabulary (the sampler indexes by them)."""
         vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)):
+        named = [("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)]
+        named.append(("allowed_token_ids", params.allowed_token_ids or []))
+        for name, ids in named:
             for t in ids:
                 if not 0 <= t < vocab:
                     raise ConfigError(f"{name}: token id {t} is outside the vocabulary [0, {vocab})")
+        params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         spec = params.structured_outputs
         if params.thinking_token_budget is not None and (spec is None or spec.reasoning is None):
             raise ConfigError(
@@ -408,12 +412,18 @@ class LLMEngine:
         return child
 
     def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens ``seq`` may not take next: EOS and stop ids before ``min_tokens``, and the last token
+        of a bad word whose other tokens end the output."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return ()
-        banned = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            banned |= set(self.eos_token_ids)
+        banned: set[int] = set()
+        if seq.num_output_tokens < p.min_tokens:
+            banned |= set(p.stop_token_ids)
+            if not p.ignore_eos:
+                banned |= set(self.eos_token_ids)
+        for word in p.bad_words_token_ids:
+            head = len(word) - 1
+            if head == 0 or (head <= seq.num_output_tokens and tuple(seq.token_ids[-head:]) == word[:-1]):
+                banned.add(word[-1])
         return tuple(sorted(banned))
 
     # ------------------------------------------------------------------------------ idle work
@@ -553,3 +563,14 @@ class LLMEngine:
         finally:
             if self.kv_events is not None:
                 self.kv_events.close()  # the last events (the flush's stores) reach Redis first
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[tuple[int, ...]]:
+    """Each bad word's token ids as written and after a space (vLLM's two spellings), once each."""
+    found: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.strip(), " " + word.strip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in found:
+                found.append(ids)
+    return found

@@ -12,6 +12,7 @@ from kvtier.reasoning import REASONING_PARSERS
 
 _MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 300  # OpenAI's limit
+_MAX_BAD_WORDS = 128
 # Every float the sampler applies stays finite in float32 on logits of O(100): a bound on each.
 _MAX_TEMPERATURE = 1e4  # logits / 1e4: a flat distribution already; more is no different
 _REPETITION_PENALTY = (1e-2, 10.0)  # a logit of 100 divided by 1e-2 is 1e4; 1e-300 would be inf
@@ -92,6 +93,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the output stays in it (vLLM's)
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias: -100 bans, 100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's; EOS too if listed)
+    # Words never generated (vLLM's): each one's tokens, as written and after a space; the token that
+    # would complete one is banned. The engine tokenizes them (``bad_words_token_ids``).
+    bad_words: list[str] = field(default_factory=list)
     # Penalties on tokens already there (OpenAI's and vLLM's meanings; 0 / 1 disable them):
     # logit -= frequency_penalty * (times generated) + presence_penalty * (generated at all), and
     # repetition_penalty (HF's, over prompt and output): a positive logit divided by it, a negative one
@@ -106,6 +111,9 @@ class SamplingParams:
     # The compiled grammar of ``structured_outputs`` (kvtier.worker.structured.CompiledGrammar), pinned
     # here when it is compiled (off the engine thread when served), so the engine never compiles again.
     compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
+    bad_words_token_ids: list[tuple[int, ...]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def reason_first(self, parser: str | None) -> None:
         """With a reasoning ``parser`` (the server's ``--reasoning-parser``), the constraint (if any) holds
@@ -155,6 +163,22 @@ class SamplingParams:
         if top is not None and not 0 <= _integer("prompt_logprobs", top) <= _MAX_LOGPROBS:
             raise ConfigError(f"prompt_logprobs must be in [0, {_MAX_LOGPROBS}], got {top}")
         self._validate_logit_bias()
+        self._validate_vocabulary()
+
+    def _validate_vocabulary(self) -> None:
+        """``allowed_token_ids`` and ``bad_words`` (their ids are checked against the vocabulary later)."""
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ConfigError("allowed_token_ids must not be empty (leave it out to allow every token)")
+            for t in self.allowed_token_ids:
+                if _integer("allowed_token_ids", t) < 0:
+                    raise ConfigError(f"allowed_token_ids must be token ids (>= 0), got {t}")
+        self.bad_words = list(self.bad_words or [])
+        if len(self.bad_words) > _MAX_BAD_WORDS:
+            raise ConfigError(f"bad_words holds at most {_MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ConfigError("bad_words must be a list of words (non-blank strings)")
 
     def _validate_counts(self) -> None:
         if _integer("n", self.n) < 1:

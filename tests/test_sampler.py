@@ -113,6 +113,15 @@ def test_logit_bias_moves_the_choice() -> None:
     assert Sampler().sample(logits, [SampleRequest(0, "s", 0, params)])[0][0] == 3
 
 
+def test_allowed_token_ids_hold_the_choice_greedy_and_sampled() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=[0, 3])
+    assert Sampler().sample(logits, [SampleRequest(0, "s", 0, greedy)])[0][0] == 0
+    sampled, sampler = SamplingParams(temperature=5.0, allowed_token_ids=[2, 3]), Sampler()
+    draws = {sampler.sample(logits, [SampleRequest(0, f"s{i}", 0, sampled)])[0][0] for i in range(40)}
+    assert draws == {2, 3}  # a hot draw over the two, never the others
+
+
 def test_bias_and_bans_edit_a_copy_and_plain_rows_are_read_in_place() -> None:
     """A decode step's rows are read in place; a bias or a ban edits a copy, so the logits (the model's
     distribution, which logprobs report) and the other rows are never changed."""

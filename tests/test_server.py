@@ -180,6 +180,13 @@ def test_penalties_reach_the_sampler(client: OpenAI, reference: LLM) -> None:
         extra_body={"repetition_penalty": 1.4},
     )
     assert r.choices[0].text == ref[0].outputs[0].text != plain
+    days = reference.tokenizer.encode(" Wednesday Thursday", add_special_tokens=False)
+    vocabulary = {"bad_words": ["Monday"], "allowed_token_ids": [*days, *reference.tokenizer.encode(",")]}
+    ref = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, **vocabulary))
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=vocabulary
+    )
+    assert r.choices[0].text == ref[0].outputs[0].text != plain and "Monday" not in r.choices[0].text
 
 
 def test_echo_returns_the_prompt_and_its_logprobs(

@@ -186,7 +186,8 @@ UNSUPPORTED = [
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"echo": True}, "echo"),
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"bad_words": ["sea"]}, "bad_words"),
+    ({"bad_words": ["  "]}, "bad_words"),  # not a word
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"logit_bias": {"abc": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),

@@ -378,6 +378,10 @@ common = {
     "repetition_penalty": st.one_of(floats, st.sampled_from([0.01, 0.009, 10.0, 10.5])),
     "guided_choice": st.one_of(st.just(["yes", "no"]), st.lists(text, max_size=3), junk),
     "stop_token_ids": st.lists(ints, max_size=3),
+    "allowed_token_ids": st.one_of(
+        st.lists(st.integers(0, 60_000), max_size=3), st.lists(ints, max_size=2), junk
+    ),
+    "bad_words": st.one_of(st.lists(text, max_size=3), junk),
     "logit_bias": st.dictionaries(st.one_of(text, st.integers(0, 60_000).map(str)), floats, max_size=3),
     "tools": st.one_of(st.just([]), st.just([{"type": "function"}])),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),

@@ -74,3 +74,23 @@ def test_compiled_grammars_are_kept_for_the_recent_specs_only(
     for spec in specs:
         grammars.compile(spec)
     assert list(grammars._grammars) == [s.key for s in specs[-3:]]
+
+
+def test_bad_words_are_never_written_and_allowed_ids_are_all_there_is(llm: LLM) -> None:
+    """vLLM's two vocabulary controls on the real model: a word the greedy answer writes is avoided (as
+    written and after a space), the answer unchanged before it; allowed_token_ids makes a classifier."""
+    prompt = llm.render_chat([{"role": "user", "content": "What colour is the sky?"}])
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert " blue" in plain.text
+    avoided = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, bad_words=["blue"]))[
+        0
+    ].outputs[0]
+    assert "blue" not in avoided.text.lower().replace("blueprint", "")
+    before = plain.text[: plain.text.index(" blue")]
+    assert avoided.text.startswith(before)  # the same greedy answer up to the word
+    yes, no = (llm.tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Yes", "No"))
+    classify = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[yes, no])
+    assert plain.token_ids[0] not in (yes, no)  # left alone, the model starts otherwise
+    assert llm.generate([prompt], classify)[0].outputs[0].token_ids[0] in (yes, no)
+    with pytest.raises(ConfigError, match="allowed_token_ids: token id"):
+        llm.engine.add_request("x", SamplingParams(allowed_token_ids=[10**7]))

@@ -90,7 +90,8 @@ def check_model(served: str, model: str | None) -> None:
 
 _PARAM_NAMES = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop"}
 _PARAM_NAMES |= {"stop_token_ids", "logprobs", "logit_bias", "presence_penalty", "frequency_penalty"}
-_PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority"}
+_PARAM_NAMES |= {"repetition_penalty", "prompt_logprobs", "top_logprobs", "priority", "allowed_token_ids"}
+_PARAM_NAMES |= {"bad_words", "thinking_token_budget"}
 
 
 def bad_request(exc: ConfigError | str, param: str | None = None) -> APIError:

@@ -120,8 +120,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),  # on chat (vLLM's: the last message before the answer): completions take it
     # vLLM's sampling extensions kvtier does not have: refused when they would change the answer
     "use_beam_search": (None, False),
-    "bad_words": (None, []),
-    "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "return_tokens_as_token_ids": (None, False),
@@ -219,6 +217,8 @@ class GenerationRequest(_Request):
     min_tokens: Count = 0
     stop_token_ids: list[Count] | None = None
     logit_bias: dict[str, Bias] | None = None
+    allowed_token_ids: list[Count] | None = None  # vLLM's: only these may be sampled
+    bad_words: list[Text] | None = None  # vLLM's: words never generated
     repetition_penalty: RepetitionPenalty | None = None  # HF's / vLLM's: over prompt and output tokens
     # structured output: OpenAI's response_format, or one of vLLM's guided_* fields
     response_format: dict[str, Any] | None = None
@@ -282,6 +282,8 @@ class GenerationRequest(_Request):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
             structured_outputs=self._structured(),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,

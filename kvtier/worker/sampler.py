@@ -140,6 +140,10 @@ class Sampler:
             rows[i, bias_ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=rows.dtype)
         if r.banned_token_ids:
             rows[i, list(r.banned_token_ids)] = float("-inf")
+        if r.params.allowed_token_ids is not None:
+            allowed = torch.zeros(rows.shape[1], dtype=torch.bool)
+            allowed[r.params.allowed_token_ids] = True
+            rows[i].masked_fill_(~allowed, float("-inf"))
         self._constrain(rows, i, logits, r)
 
     @torch.inference_mode()
@@ -151,7 +155,11 @@ class Sampler:
         finite_rows = torch.isfinite(logits).all(dim=-1)  # [N]: the model's own rows
         index = [r.row for r in reqs]
         edits = any(
-            r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
+            r.params.logit_bias
+            or r.banned_token_ids
+            or r.params.penalized
+            or r.params.structured_outputs
+            or r.params.allowed_token_ids is not None
             for r in reqs
         )
         if not edits and index == list(range(logits.shape[0])):
@@ -249,7 +257,11 @@ def _device_sampled(reqs: list[SampleRequest]) -> bool:
     return all(
         r.params.greedy
         and not (
-            r.params.logit_bias or r.banned_token_ids or r.params.penalized or r.params.structured_outputs
+            r.params.logit_bias
+            or r.banned_token_ids
+            or r.params.penalized
+            or r.params.structured_outputs
+            or r.params.allowed_token_ids is not None
         )
         for r in reqs
     )
