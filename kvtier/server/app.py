@@ -54,11 +54,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtier.config import ConfigError
 from kvtier.engine import LLMEngine, PromptType
@@ -70,6 +68,13 @@ from kvtier.server import bodies, diagnostics, prompts, tools
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineNotReady, RequestStream
 from kvtier.server.auth import check_distinct, check_key, check_kv_reader, check_metrics
 from kvtier.server.dashboard import dashboard_router
+from kvtier.server.error_handlers import (
+    RETRY_AFTER_S,
+    ShuttingDown,
+    install_error_handlers,
+    not_ready_error,
+    unavailable,
+)
 from kvtier.server.kv_routes import kv_router
 from kvtier.server.limits import RequestLimits
 from kvtier.server.messages import Serving, messages_router
@@ -82,10 +87,8 @@ from kvtier.server.protocol import (
     bad_request,
     check_model,
     clip,
-    http_error,
     tenant_of,
     tenant_salt,
-    validation_error,
 )
 from kvtier.server.response_store import MAX_ENTRIES as MAX_STORED
 from kvtier.server.response_store import open_response_store
@@ -94,7 +97,6 @@ from kvtier.server.responses_route import responses_router
 from kvtier.server.tokenize_routes import tokenize_router
 from kvtier.tokenizer import Tokenizer
 
-RETRY_AFTER_S = 1
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 logger = logging.getLogger("kvtier.server")
 
@@ -118,15 +120,6 @@ class ServerSettings:
     response_store_url: str | None = field(default=None, repr=False)  # may hold a password
     response_store_secret: str | None = field(default=None, repr=False)  # signs what redis keeps
     max_stored_responses: int = MAX_STORED
-
-
-class ShuttingDown(EngineNotReady):
-    """The server is draining (SIGTERM): no new requests; the unfinished ones are ended with this."""
-
-
-def _unavailable(message: str, code: str) -> APIError:
-    headers = {"Retry-After": str(RETRY_AFTER_S)}
-    return APIError(503, message, type="server_error", code=code, headers=headers)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -206,11 +199,7 @@ def create_app(
     app.add_middleware(
         RequestLimits, max_bytes=settings.max_request_bytes, body_timeout=settings.timeout_body
     )
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(EngineNotReady, _not_ready)
-    app.add_exception_handler(Exception, _internal)
+    install_error_handlers(app)
     app.include_router(v1)
     serving = Serving(admit, check_open, respond)
     app.include_router(messages_router(serving))  # Anthropic's /v1/messages
@@ -231,39 +220,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine.abort_all(ShuttingDown("the server is shutting down"))
     await asyncio.to_thread(engine.shutdown)
     app.state.pool.shutdown(wait=False, cancel_futures=True)
-
-
-# ---------------------------------------------------------------------------------------- errors
-async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-    if exc.status == 400:
-        request.app.state.metrics.reject("invalid_request")
-    return exc.response()
-
-
-async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    request.app.state.metrics.reject("invalid_request")
-    content_type = request.headers.get("content-type", "")
-    if request.method == "POST" and not bodies.is_json(content_type):
-        return bodies.content_type_error(content_type).response()
-    return validation_error(list(exc.errors())).response()
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return http_error(exc).response()
-
-
-async def _not_ready(request: Request, exc: EngineNotReady) -> JSONResponse:
-    return _not_ready_error(exc).response()
-
-
-def _not_ready_error(exc: EngineNotReady) -> APIError:
-    code = "server_shutting_down" if isinstance(exc, ShuttingDown) else "model_not_ready"
-    return _unavailable(str(exc), code)
-
-
-async def _internal(request: Request, exc: Exception) -> JSONResponse:
-    """Anything unexpected: OpenAI's shape, not a plain-text 500 (the traceback is still logged)."""
-    return APIError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -312,7 +268,7 @@ async def admit(
     weight = len(prompts) * params.n
     if engine.overloaded(weight):
         metrics.reject("queue_full")
-        raise _unavailable(
+        raise unavailable(
             f"the server is overloaded ({engine.queue_depth()} sequences waiting, --max-queue "
             f"{engine.max_queue}); retry later",
             "queue_full",
@@ -376,7 +332,7 @@ async def _events(fmt: Formatter, streams: list[RequestStream]) -> AsyncIterator
         async for chunk in fmt.stream(_merge(streams), len(streams)):
             yield chunk
     except EngineNotReady as exc:  # shutting down: the grace period is over
-        yield sse(_not_ready_error(exc).body())
+        yield sse(not_ready_error(exc).body())
         yield DONE
     except EngineDeadError as exc:
         yield sse(APIError(500, str(exc), type="server_error").body())
@@ -411,7 +367,7 @@ async def _json_body(request: Request, fmt: Formatter, streams: list[RequestStre
     try:
         finals = work.result()
     except EngineNotReady as exc:
-        raise _not_ready_error(exc) from None
+        raise not_ready_error(exc) from None
     except EngineDeadError as exc:
         raise APIError(500, str(exc), type="server_error") from None
     body = fmt.response(finals)

@@ -78,7 +78,7 @@ class DrainingServer(uvicorn.Server):
             self._drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        from kvtier.server.app import ShuttingDown
+        from kvtier.server.error_handlers import ShuttingDown
 
         app = self.config.app  # the FastAPI app (uvicorn wraps it in config.loaded_app)
         app.state.draining = True
