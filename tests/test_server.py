@@ -387,6 +387,33 @@ def test_logprobs(client: OpenAI) -> None:
     assert lp.text_offset[0] == 0
 
 
+def test_logprobs_name_tokens_by_id_when_asked(client: OpenAI, reference: LLM) -> None:
+    """vLLM's return_tokens_as_token_ids: every token (chosen and alternatives) as "token_id:N", N the
+    id the offline engine samples, on chat and on completions."""
+    prompt = "One, two,"
+    ids = reference.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+    by_id = {"return_tokens_as_token_ids": True}
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, extra_body=by_id
+    )
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top)
+    messages = [{"role": "user", "content": "Say yes."}]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=1,
+        extra_body=by_id,
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the top alternative is the choice
+
+
 def test_shared_prefix_reports_cached_tokens_and_salt_isolates(
     server: BackgroundServer, client: OpenAI
 ) -> None:

@@ -443,6 +443,7 @@ class _Opened:
             tool_names=tool_names,
             reasoning_parser=state.settings.reasoning_parser,
             diagnose=diagnose,
+            tokens_as_ids=body.return_tokens_as_token_ids,
         )
         return await respond(self.request, fmt, streams, body.stream)
 

@@ -122,7 +122,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
-    "return_tokens_as_token_ids": (None, False),
     "spaces_between_special_tokens": (None, True),
 }
 
@@ -229,6 +228,7 @@ class GenerationRequest(_Request):
     priority: int = 0  # lower runs first (vLLM's meaning)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
     @property
     def retention(self) -> tuple[RetentionSpan, ...]:

@@ -83,6 +83,7 @@ class Formatter:
         tool_names: frozenset[str] | None = None,
         reasoning_parser: str | None = None,
         diagnose: Callable[[RequestOutput], dict[str, Any]] | None = None,
+        tokens_as_ids: bool = False,
     ):
         self.kind = kind
         self.tokenizer = tokenizer
@@ -102,6 +103,7 @@ class Formatter:
         self.reasoning_parser = reasoning_parser if kind == "chat" else None  # --reasoning-parser
         self._answers: dict[int, AnswerStream] = {}  # choice -> its text's stream (calls, reasoning)
         self.diagnose = diagnose  # diagnostics asked: the cache_miss_reason of the (one) final output
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids: logprobs name "token_id:N"
 
     def _usage(self, finals: list[RequestOutput]) -> dict[str, Any]:
         body = usage(finals, not self.prompt_only)
@@ -111,6 +113,10 @@ class Formatter:
 
     # ------------------------------------------------------------------------------ logprobs
     def _text(self, token_id: int) -> str:
+        """A token as logprobs name it: its text, or ``token_id:N`` (``return_tokens_as_token_ids``, for
+        tokens whose text alone is ambiguous: partial UTF-8, merges)."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
         text = self._token_text.get(token_id)
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
