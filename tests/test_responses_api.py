@@ -17,7 +17,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from kvtier import LLM
 from kvtier.router.app import create_app as router_app
 from kvtier.router.core import RouterSettings
-from kvtier.router.prompt import RESPONSES_PATH, parse_prompt
+from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_prompt
 from kvtier.server.api_errors import APIError
 from kvtier.server.app import ServerSettings, create_app
 from kvtier.server.response_items import OutputItems
@@ -144,6 +144,15 @@ def test_the_router_hashes_the_prompt_the_replica_runs(tiny_tokenizer_dir) -> No
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     assert prompt is not None and prompt.token_ids == tok.encode_chat(messages)[1]
     assert parse_prompt(tok, RESPONSES_PATH, {"input": 5}) is None  # the replica answers its own 400
+    continued = {**body, "previous_response_id": "resp_x"}  # its stored turns are the replica's to add
+    assert parse_prompt(tok, RESPONSES_PATH, continued) is None
+    chat = {"messages": messages, "truncate_prompt_tokens": 5}  # chat and completions cut as the replica
+    assert parse_prompt(tok, CHAT_PATH, chat).token_ids == tok.encode_chat(messages)[1][-5:]
+    cut = parse_prompt(
+        tok, COMPLETIONS_PATH, {"prompt": [[5, 6, 7, 8], [1, 2, 3]], "truncate_prompt_tokens": 2}
+    )
+    assert cut is not None and cut.token_ids == [7, 8] and cut.more == ([2, 3],)
+    assert parse_prompt(tok, CHAT_PATH, {**chat, "truncate_prompt_tokens": -1}) is None  # its context decides
 
 
 # ------------------------------------------------------------------------------------ the answer

@@ -414,6 +414,32 @@ def test_logprobs_name_tokens_by_id_when_asked(client: OpenAI, reference: LLM) -
         assert entry.top_logprobs[0].token == entry.token  # greedy: the top alternative is the choice
 
 
+def test_a_prompt_is_cut_to_its_last_tokens_when_asked(client: OpenAI, reference: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens run (usage counts k), and the answer is
+    the offline engine's on those tokens; chat cuts the rendered conversation."""
+    prompt = "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday,"
+    tail = reference.tokenizer.encode(prompt)[-6:]
+    ref = reference.generate([{"prompt_token_ids": tail}], SamplingParams(temperature=0.0, max_tokens=6))
+    cut = {"truncate_prompt_tokens": 6}
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=cut)
+    assert r.usage.prompt_tokens == 6 and r.choices[0].text == ref[0].outputs[0].text
+    messages = [{"role": "user", "content": "Name the days of the week, please, in order."}]
+    rendered = reference.tokenizer.encode_chat(messages)[1]
+    ref = reference.generate(
+        [{"prompt_token_ids": rendered[-9:]}], SamplingParams(temperature=0.0, max_tokens=5)
+    )
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, extra_body={"truncate_prompt_tokens": 9}
+    )
+    assert chat.usage.prompt_tokens == 9 and chat.choices[0].message.content == ref[0].outputs[0].text
+    for bad in (0, -2):
+        refused = httpx.post(
+            f"{client.base_url}completions",
+            json={"model": MODEL, "prompt": prompt, "truncate_prompt_tokens": bad},
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_shared_prefix_reports_cached_tokens_and_salt_isolates(
     server: BackgroundServer, client: OpenAI
 ) -> None:

@@ -316,3 +316,14 @@ def test_taken_port_is_named() -> None:
             bind("127.0.0.1", port).close()
     finally:
         taken.close()
+
+
+def test_truncation_keeps_the_last_tokens_and_room_for_the_answer() -> None:
+    from kvtier.server.prompts import truncated
+
+    ids = list(range(10))
+    assert truncated(ids, None, 4, 16) is None  # not asked
+    assert truncated(ids, 3, 4, 16) == [7, 8, 9]
+    assert truncated(ids, 30, 4, 16) is None  # shorter already
+    assert truncated(ids, -1, 4, 12) == list(range(2, 10))  # 12 - 4 leave room for max_tokens
+    assert truncated(ids, -1, None, 8) == list(range(3, 10))  # no max_tokens: room for one

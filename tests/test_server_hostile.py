@@ -382,6 +382,8 @@ common = {
         st.lists(st.integers(0, 60_000), max_size=3), st.lists(ints, max_size=2), junk
     ),
     "bad_words": st.one_of(st.lists(text, max_size=3), junk),
+    "truncate_prompt_tokens": st.one_of(st.integers(-2, 8), ints, junk),
+    "return_tokens_as_token_ids": st.one_of(st.booleans(), junk),
     "logit_bias": st.dictionaries(st.one_of(text, st.integers(0, 60_000).map(str)), floats, max_size=3),
     "tools": st.one_of(st.just([]), st.just([{"type": "function"}])),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),

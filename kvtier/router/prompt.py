@@ -111,6 +111,7 @@ def parse_prompt(
             _, token_ids = tokenizer.encode_chat(
                 conversation, encode=encode, tools=tools, **chat.template_args()
             )
+            token_ids = _truncated(token_ids, chat)
             request: Any = chat
         elif path == MESSAGES_PATH:
             message = MessagesRequest.model_validate(body)
@@ -121,7 +122,8 @@ def parse_prompt(
             return Prompt(token_ids, tenant_salt(authorization, message.user_id, None, scope))
         elif path == COMPLETIONS_PATH:
             request = CompletionRequest.model_validate(body)
-            first, *rest = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+            given = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+            first, *rest = [_truncated(ids, request) for ids in given]
             salt = tenant_salt(authorization, request.user, request.cache_salt, scope)
             uncached = request.echo and request.logprobs is not None
             return Prompt(first, salt, tuple(rest), uncached)
@@ -130,3 +132,14 @@ def parse_prompt(
     except (ValidationError, APIError, ConfigError, ValueError, TypeError):
         return None
     return Prompt(token_ids, tenant_salt(authorization, request.user, request.cache_salt, scope))
+
+
+def _truncated(token_ids: list[int], request: Any) -> list[int]:
+    """The prompt the replica runs under ``truncate_prompt_tokens`` k > 0: its last k tokens (-1 depends
+    on the replica's context: ValueError, so the request is routed by load)."""
+    k = request.truncate_prompt_tokens
+    if k is None:
+        return token_ids
+    if k < 1:
+        raise ValueError("truncate_prompt_tokens -1: the replica's context decides the cut")
+    return token_ids[-k:]

@@ -456,7 +456,9 @@ def _open(request: Request, body: GenerationRequest) -> _Opened:
     check_model(settings.model_name, body.model)
     if body.n > settings.max_n:
         raise bad_request(f"n must be at most {settings.max_n} (--max-n), got {clip(body.n)}", "n")
-    return _Opened(request, body, body.sampling_params(), arrival)
+    params = body.sampling_params()
+    body.truncation()  # checked with the parameters, before the model is asked for
+    return _Opened(request, body, params, arrival)
 
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
@@ -475,8 +477,10 @@ async def chat_completions(request: Request) -> Response:
     if given_tools:
         await opened.off_loop(tools.check_schemas, given_tools)  # 400 naming the tool
     tokenizer, max_model_len = opened.tokenizer()
-    num_chars = sum(len(m["content"]) for m in conversation)
-    prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
+    truncate = body.truncation()
+    if truncate is None:  # a prompt to be cut may be longer than the context
+        num_chars = sum(len(m["content"]) for m in conversation)
+        prompts.check_chat_length(tokenizer, len(conversation), num_chars, max_model_len)
     prompt = await opened.off_loop(
         prompts.render_chat,
         tokenizer,
@@ -485,6 +489,7 @@ async def chat_completions(request: Request) -> Response:
         max_model_len,
         given_tools,
         body.template_args(),
+        truncate,
     )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
     return await opened.complete("chat", [prompt], "messages", logprobs=body.logprobs, tool_names=names)
@@ -497,13 +502,14 @@ async def completions(request: Request) -> Response:
     given = body.prompts()
     check_fits(request.app.state.engine, len(given), body.n, "prompt")  # before tokenizing them all
     tokenizer, max_model_len = opened.tokenizer()
-    for p in given:
+    truncate = body.truncation()
+    for p in given if truncate is None else ():  # a prompt to be cut may be longer than the context
         if isinstance(p, str):
             prompts.check_text_length(tokenizer, len(p), max_model_len, "prompt")
         else:
             prompts.check_context(len(p), None, max_model_len, "prompt")
     encoded = await opened.off_loop(
-        prompts.encode_prompts, tokenizer, given, opened.params.max_tokens, max_model_len
+        prompts.encode_prompts, tokenizer, given, opened.params.max_tokens, max_model_len, truncate
     )
     logprobs = body.logprobs is not None
     return await opened.complete(

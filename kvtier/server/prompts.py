@@ -101,6 +101,17 @@ def check_chat_length(tokenizer: Tokenizer, num_messages: int, num_chars: int, m
         raise APIError(400, message, param="messages", code="context_length_exceeded")
 
 
+def truncated(
+    token_ids: list[int], truncate: int | None, max_tokens: int | None, max_model_len: int
+) -> list[int] | None:
+    """vLLM's ``truncate_prompt_tokens``: the last ``truncate`` tokens (-1: as many as leave room for
+    ``max_tokens``, or one token, in the context); None when nothing is cut."""
+    if truncate is None:
+        return None
+    keep = truncate if truncate > 0 else max_model_len - (max_tokens if max_tokens is not None else 1)
+    return token_ids[-keep:] if 0 < keep < len(token_ids) else None
+
+
 def render_chat(
     tokenizer: Tokenizer,
     conversation: list[dict[str, Any]],
@@ -108,31 +119,40 @@ def render_chat(
     max_model_len: int,
     tools: list[Tool] | None = None,
     template: ChatTemplateArgs | None = None,
+    truncate: int | None = None,
 ) -> dict[str, Any]:
     """The conversation as a prompt (on the pool): the template rendered (with ``tools``: their format,
     :mod:`kvtier.tools`; ``template``: a continued last message, more variables), contents tokenized as
-    text."""
+    text; ``truncate``: its last tokens only (:func:`truncated`)."""
     try:
         text, token_ids = tokenizer.encode_chat(conversation, tools=tools, **(template or {}))
     except (ToolError, ChatFormatError) as exc:
         raise bad_request(exc, exc.param) from None
     except ConfigError as exc:
         raise bad_request(exc, "messages") from None
-    check_context(len(token_ids), max_tokens, max_model_len, "messages")
-    return {"prompt": text, "prompt_token_ids": token_ids}
+    cut = truncated(token_ids, truncate, max_tokens, max_model_len)
+    check_context(len(cut if cut is not None else token_ids), max_tokens, max_model_len, "messages")
+    return {"prompt_token_ids": cut} if cut is not None else {"prompt": text, "prompt_token_ids": token_ids}
 
 
 def encode_prompts(
-    tokenizer: Tokenizer, given: list[str | list[int]], max_tokens: int | None, max_model_len: int
+    tokenizer: Tokenizer,
+    given: list[str | list[int]],
+    max_tokens: int | None,
+    max_model_len: int,
+    truncate: int | None = None,
 ) -> list[PromptType]:
-    """Text prompts tokenized (on the pool); every prompt checked against the context."""
+    """Text prompts tokenized (on the pool), each cut to its last tokens with ``truncate``
+    (:func:`truncated`); every prompt checked against the context."""
     prompts: list[PromptType] = []
     for p in given:
-        if isinstance(p, str):
-            token_ids = tokenizer.encode(p)
+        token_ids = tokenizer.encode(p) if isinstance(p, str) else p
+        cut = truncated(token_ids, truncate, max_tokens, max_model_len)
+        if cut is not None:
+            prompts.append({"prompt_token_ids": cut})
+        elif isinstance(p, str):
             prompts.append({"prompt": p, "prompt_token_ids": token_ids})
         else:
-            token_ids = p
             prompts.append(p)
-        check_context(len(token_ids), max_tokens, max_model_len, "prompt")
+        check_context(len(cut if cut is not None else token_ids), max_tokens, max_model_len, "prompt")
     return prompts

@@ -120,7 +120,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),  # on chat (vLLM's: the last message before the answer): completions take it
     # vLLM's sampling extensions kvtier does not have: refused when they would change the answer
     "use_beam_search": (None, False),
-    "truncate_prompt_tokens": (None,),
     "chat_template": (None,),
     "spaces_between_special_tokens": (None, True),
 }
@@ -229,6 +228,17 @@ class GenerationRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    # vLLM's: the prompt's last k tokens only (-1: as many as leave room for max_tokens)
+    truncate_prompt_tokens: int | None = None
+
+    def truncation(self) -> int | None:
+        """``truncate_prompt_tokens``, checked (400 for 0 or below -1)."""
+        k = self.truncate_prompt_tokens
+        if k is not None and (k == 0 or k < -1):
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 or at least 1, got {clip(k)}", "truncate_prompt_tokens"
+            )
+        return k
 
     @property
     def retention(self) -> tuple[RetentionSpan, ...]:
