@@ -204,7 +204,8 @@ class LLMEngine:
             )
 
     def _check_token_params(self, params: SamplingParams) -> None:
-        """Token ids named by the parameters must be in the vocabulary (the sampler indexes by them)."""
+        """Token ids named by the parameters must be in the vocabulary (the sampler indexes by them); bad
+        words tokenized, a thinking budget needs a parser, a grammar compiled (unless the server did)."""
         vocab = self.model_config.vocab_size
         named = [("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias)]
         named.append(("allowed_token_ids", params.allowed_token_ids or []))

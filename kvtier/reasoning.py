@@ -27,6 +27,7 @@ from typing import Literal
 from kvtier.tools import ToolCallParser, ToolEvent
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
+OPENED_BY_PROMPT = {"qwen3": False, "deepseek_r1": True}  # the template opened the block: output starts in it
 OPEN, CLOSE = "<think>", "</think>"
 _State = Literal["start", "reasoning", "gap", "content"]
 
@@ -48,7 +49,7 @@ class ReasoningSplitter:
             raise ValueError(f"unknown reasoning parser {parser!r}; one of {', '.join(REASONING_PARSERS)}")
         # qwen3: the model opens the block itself (or writes none); deepseek_r1: the prompt opened it
         self._state: _State = "start"
-        self._opened_by_prompt = parser == "deepseek_r1"
+        self._opened_by_prompt = OPENED_BY_PROMPT[parser]
         self._held = ""
         self.reasoning: str | None = None
 

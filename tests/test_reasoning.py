@@ -15,17 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from kvtier import LLM, SamplingParams
 from kvtier.config import ConfigError
 from kvtier.reasoning import AnswerStream, ReasoningSplitter, split_reasoning
 from kvtier.sampling_params import FREE_ANSWER, StructuredOutputs
-from kvtier.server.app import ServerSettings, create_app
-from kvtier.server.serve import BackgroundServer, serve_in_thread
+from kvtier.server.app import ServerSettings
+from kvtier.server.serve import BackgroundServer
 from kvtier.tokenizer import Tokenizer
 from kvtier.tools import call_grammar, parse_tool_choice, parse_tools
 from kvtier.worker.structured import Grammars
+from tests.served import served_llm
 
 MODEL = "SmolLM2-135M-Instruct"
 CASES = [
@@ -230,14 +230,8 @@ BUDGET = 6
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    threads = torch.get_num_threads()
-    settings = ServerSettings(model_name=MODEL, reasoning_parser="qwen3")
-    engine = dict(kv_device_blocks=256, max_num_seqs=8, num_threads=1)
-    srv = serve_in_thread(create_app(lambda: LLM(**engine).engine, settings))
-    srv.wait_ready()
-    yield srv
-    srv.stop()
-    torch.set_num_threads(threads)
+    with served_llm(ServerSettings(model_name=MODEL, reasoning_parser="qwen3")) as srv:
+        yield srv
 
 
 def chat(server: BackgroundServer, **body: object) -> httpx.Response:

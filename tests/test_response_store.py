@@ -9,13 +9,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from kvtier import LLM
 from kvtier.router.core import owner_first
 from kvtier.router.policy import Decision
-from kvtier.server.app import ServerSettings, create_app
+from kvtier.server.app import ServerSettings
 from kvtier.server.response_store import (
     REDIS_PREFIX,
     MemoryResponses,
@@ -26,7 +24,8 @@ from kvtier.server.response_store import (
     owner_tag,
     replica_tag,
 )
-from kvtier.server.serve import BackgroundServer, serve_in_thread
+from kvtier.server.serve import BackgroundServer
+from tests.served import served_llm
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -87,24 +86,16 @@ def test_the_router_sends_a_continued_conversation_where_it_is_kept() -> None:
 
 
 # ----------------------------------------------------------------------------------------- served
-def replica(**settings: object) -> BackgroundServer:
-    engine = dict(kv_device_blocks=128, max_num_seqs=4, num_threads=1)
-    srv = serve_in_thread(
-        create_app(lambda: LLM(**engine).engine, ServerSettings(model_name=MODEL, **settings))
-    )
-    srv.wait_ready()
-    return srv
-
-
 @pytest.fixture
 def shared(redis_server) -> Iterator[tuple[BackgroundServer, BackgroundServer]]:  # noqa: ANN001
-    threads = torch.get_num_threads()
-    a = replica(response_store="redis", response_store_url=redis_server.url, response_store_secret="s")
-    b = replica(response_store="redis", response_store_url=redis_server.url, response_store_secret="s")
-    yield a, b
-    a.stop()
-    b.stop()
-    torch.set_num_threads(threads)
+    settings = ServerSettings(
+        model_name=MODEL,
+        response_store="redis",
+        response_store_url=redis_server.url,
+        response_store_secret="s",
+    )
+    with served_llm(settings) as a, served_llm(settings) as b:
+        yield a, b
 
 
 def client(srv: BackgroundServer) -> OpenAI:
@@ -144,15 +135,10 @@ def test_story_replicas_sharing_redis_continue_each_others_responses(
 
 @pytest.mark.slow
 def test_a_server_that_keeps_none_says_so() -> None:
-    threads = torch.get_num_threads()
-    srv = replica(response_store="off")
-    try:
+    with served_llm(ServerSettings(model_name=MODEL, response_store="off")) as srv:
         answered = client(srv).responses.create(model=MODEL, input="Hi", max_output_tokens=3, temperature=0)
         assert answered.store is False
         with pytest.raises(BadRequestError, match="keeps no responses"):
             client(srv).responses.create(model=MODEL, input="Hi", previous_response_id=answered.id)
         with pytest.raises(NotFoundError):
             client(srv).responses.retrieve(answered.id)
-    finally:
-        srv.stop()
-        torch.set_num_threads(threads)

@@ -11,19 +11,18 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from kvtier import LLM
 from kvtier.router.app import create_app as router_app
 from kvtier.router.core import RouterSettings
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_prompt
 from kvtier.server.api_errors import APIError
-from kvtier.server.app import ServerSettings, create_app
+from kvtier.server.app import ServerSettings
 from kvtier.server.response_items import OutputItems
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
 from kvtier.server.responses_route import reasoning_tokens
 from kvtier.server.serve import BackgroundServer, serve_in_thread
+from tests.served import served_llm
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {
@@ -190,13 +189,8 @@ def test_reasoning_tokens_are_the_output_tokens_up_to_the_closing_tag() -> None:
 # ------------------------------------------------------------------------------------- served
 @pytest.fixture(scope="module")
 def server() -> Iterator[BackgroundServer]:
-    threads = torch.get_num_threads()
-    engine = dict(kv_device_blocks=256, max_num_seqs=8, num_threads=1)
-    srv = serve_in_thread(create_app(lambda: LLM(**engine).engine, ServerSettings(model_name=MODEL)))
-    srv.wait_ready()
-    yield srv
-    srv.stop()
-    torch.set_num_threads(threads)
+    with served_llm(ServerSettings(model_name=MODEL)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

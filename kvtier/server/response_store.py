@@ -99,8 +99,6 @@ class ResponseStore(Protocol):
     """Where stored responses are kept. ``get`` returns None for an id it does not hold (or a corrupt
     value); every method may raise ``StoreUnavailable``."""
 
-    shared: bool  # every replica of the deployment reads the same store
-
     def get(self, response_id: str) -> StoredResponse | None: ...
 
     def put(self, response_id: str, stored: StoredResponse) -> None: ...
@@ -115,8 +113,6 @@ class StoreUnavailable(RuntimeError):
 class MemoryResponses:
     """One replica's stored responses: the ``max_entries`` most recently stored within ``max_bytes``,
     each ``ttl_s``."""
-
-    shared = False
 
     def __init__(
         self,
@@ -165,8 +161,6 @@ class MemoryResponses:
 
 class RedisResponses:
     """Stored responses in the deployment's Redis (shared by every replica that names it)."""
-
-    shared = True
 
     def __init__(
         self, url: str, secret: str | None = None, ttl_s: int = TTL_S, timeout_s: float = 2.0

@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 
 from kvtier.server import prompts
 from kvtier.server.api_errors import APIError, bad_request, clip
+from kvtier.server.error_handlers import unavailable
 from kvtier.server.response_items import new_id
 from kvtier.server.response_store import ResponseStore, StoredResponse, StoreUnavailable, owner_of
 from kvtier.server.responses_api import ResponsesRequest
@@ -42,12 +43,6 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code=code)
 
 
-def _unavailable(exc: StoreUnavailable) -> APIError:
-    return APIError(
-        503, str(exc), type="server_error", code="store_unavailable", headers={"Retry-After": "1"}
-    )
-
-
 def _store(request: Request) -> ResponseStore | None:
     return request.app.state.responses
 
@@ -60,7 +55,7 @@ async def _get(request: Request, response_id: str, param: str | None = None) -> 
     try:
         stored = await prompts.off_loop(request.app.state.pool, store.get, response_id)
     except StoreUnavailable as exc:
-        raise _unavailable(exc) from None
+        raise unavailable(str(exc), "store_unavailable") from None
     if stored is None or stored.owner != owner_of(request.headers.get("authorization", "")):
         raise _not_found(response_id, param)
     return stored
@@ -127,7 +122,7 @@ async def delete(request: Request, response_id: str) -> JSONResponse:
     try:
         await prompts.off_loop(request.app.state.pool, store.delete, response_id)
     except StoreUnavailable as exc:
-        raise _unavailable(exc) from None
+        raise unavailable(str(exc), "store_unavailable") from None
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -154,14 +154,7 @@ class Sampler:
             logits = logits.cpu()
         finite_rows = torch.isfinite(logits).all(dim=-1)  # [N]: the model's own rows
         index = [r.row for r in reqs]
-        edits = any(
-            r.params.logit_bias
-            or r.banned_token_ids
-            or r.params.penalized
-            or r.params.structured_outputs
-            or r.params.allowed_token_ids is not None
-            for r in reqs
-        )
+        edits = any(_edited(r) for r in reqs)
         if not edits and index == list(range(logits.shape[0])):
             # one row per sequence, nothing to edit (a decode step's usual case): the argmax and the
             # finite flags come back together, one readback
@@ -254,16 +247,16 @@ class Sampler:
 
 def _device_sampled(reqs: list[SampleRequest]) -> bool:
     """Whether a step's rows sample where their logits are: greedy and unedited, every one of them."""
-    return all(
-        r.params.greedy
-        and not (
-            r.params.logit_bias
-            or r.banned_token_ids
-            or r.params.penalized
-            or r.params.structured_outputs
-            or r.params.allowed_token_ids is not None
-        )
-        for r in reqs
+    return all(r.params.greedy and not _edited(r) for r in reqs)
+
+
+def _edited(r: SampleRequest) -> bool:
+    """Whether the row's logits are edited before the draw: a bias, bans, penalties, a grammar, an
+    allowed set."""
+    p = r.params
+    return (
+        bool(p.logit_bias or r.banned_token_ids or p.penalized or p.structured_outputs)
+        or p.allowed_token_ids is not None
     )
 
 

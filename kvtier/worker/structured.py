@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from kvtier.config import ConfigError
-from kvtier.reasoning import CLOSE, OPEN
+from kvtier.reasoning import CLOSE, OPEN, OPENED_BY_PROMPT
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.tools import Tool, ToolError
 
@@ -203,7 +203,6 @@ _THINK_FIRST = {
     "qwen3": f'start: think? @answer\nthink: WS "{OPEN}" thought WS\n' + _THOUGHT,  # if it writes one
     "deepseek_r1": f'start: open? thought WS @answer\nopen: WS "{OPEN}"\n' + _THOUGHT,  # opened already
 }
-_OPENED_BY_PROMPT = {"qwen3": False, "deepseek_r1": True}
 _OPEN_BYTES, _CLOSE_BYTES = OPEN.encode(), CLOSE.encode()
 
 
@@ -354,7 +353,7 @@ class Grammars:
         if bits.numel() < vocab:  # logits past the tokenizer's ids: never allowed
             bits = torch.cat([bits, bits.new_zeros(vocab - bits.numel())])
         bits = bits[:vocab]
-        forced = self._forced(seq_id, params, matcher)
+        forced = self._forced(seq_id, params)
         if forced is not None and bool(bits[forced]):
             bits = torch.zeros_like(bits)
             bits[forced] = True
@@ -362,14 +361,14 @@ class Grammars:
             raise GrammarError("structured output failed: the grammar allows no next token")
         return bits
 
-    def _forced(self, seq_id: str, params: SamplingParams, matcher: Any) -> int | None:
+    def _forced(self, seq_id: str, params: SamplingParams) -> int | None:
         """The closing tag's next token when the sequence's thought has spent its budget, else None."""
         thinking = self._thinking.get(seq_id)
         if thinking is None:
             spec = params.structured_outputs
             if params.thinking_token_budget is None or spec is None or spec.reasoning is None:
                 return None
-            opened = _OPENED_BY_PROMPT[spec.reasoning]
+            opened = OPENED_BY_PROMPT[spec.reasoning]
             thinking = self._thinking[seq_id] = _Thinking(params.thinking_token_budget, opened)
         if not thinking.forcing and thinking.spent >= thinking.budget and thinking.where() == "thought":
             if self._close_ids is None:
