@@ -194,9 +194,11 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise ConfigError("the prompt is empty")
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ConfigError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        if not set(map(type, token_ids)) <= {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
+            # the fast test above runs in C; the slow one names the first bad token
+            for t in token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ConfigError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ConfigError(
                 f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
@@ -460,12 +462,17 @@ class LLMEngine:
 
     @property
     def has_idle_work(self) -> bool:
-        """Canary checks wait for a moment with no request to step (``run_idle_work``)."""
-        return self.insight.canary.has_pending
+        """The cache's bookkeeping (the sizing trackers' backlog, canary checks) waits for a moment with
+        no request to step (``run_idle_work``)."""
+        return self.insight.has_backlog or self.insight.canary.has_pending
 
     def run_idle_work(self) -> bool:
-        """Run one pending canary check (a recomputation of a cached prefix); False if none waits."""
-        return self.insight.canary.run_one(self.model)
+        """Replay the sizing trackers' backlog and run one pending canary check (a recomputation of a
+        cached prefix); False if nothing waited."""
+        drained = self.insight.has_backlog
+        if drained:
+            self.insight.drain()
+        return self.insight.canary.run_one(self.model) or drained
 
     # ------------------------------------------------------------------------------ the cache's reports
     # (kvtier/insight/inspector.py: the answers of /v1/kv/*, the canary's quarantine)

@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvtier.kv.hashing as hashing
 from kvtier.kv.hashing import (
     BLOCK_HASH_NUM_BYTES,
+    ChainMemo,
     extend_block_hashes,
     hash_block,
     hash_full_blocks,
@@ -155,3 +157,57 @@ def test_known_answer_pins_the_encoding() -> None:
         b"kvtier-block-v1\x01block" + expected_root + struct.pack("<Q2q", 2, 1, 2)
     ).digest()
     assert hash_block(root_hash(()), [1, 2]) == expected
+
+
+# ------------------------------------------------------------------------------ ChainMemo
+def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = [0]
+    real = hashing.hash_block
+
+    def counted(parent: bytes, token_ids: object) -> bytes:
+        calls[0] += 1
+        return real(parent, token_ids)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hashing, "hash_block", counted)
+    return calls
+
+
+def test_a_prompt_is_hashed_once_by_the_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Looked up on arrival, again at admission, then cached after its prefill: 50 blocks hashed once,
+    plus the one block the prefill completed; the chains equal ``extend_block_hashes``'."""
+    prompt = list(range(800))
+    want = hash_full_blocks(prompt, 16, ROOT)
+    calls = count_hashes(monkeypatch)
+    memo = ChainMemo(16)
+    first: list = []
+    memo.extend(first, prompt, ROOT, 799)  # (len - 1) // 16 = 49 blocks: the lookup's
+    second: list = []
+    memo.extend(second, prompt, ROOT, 799)
+    assert first == second == want[:49] and calls[0] == 49
+    cached = first[:10]  # a sequence that adopted 10 blocks caches the rest after its prefill
+    memo.extend(cached, prompt, ROOT, 800)
+    assert cached == want and calls[0] == 50  # block 49 is new
+
+
+def test_the_memo_keys_on_the_root_and_every_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = list(range(160))
+    salted, other = root_hash(("model-fingerprint-abc", "tenant")), prompt[:-1] + [7]
+    cases = [(ROOT, prompt), (salted, prompt), (ROOT, other)]
+    wants = [hash_full_blocks(tokens, 16, root) for root, tokens in cases]
+    calls = count_hashes(monkeypatch)
+    memo = ChainMemo(16)
+    for (root, tokens), want in zip(cases, wants, strict=True):
+        got: list = []
+        memo.extend(got, tokens, root, 160)
+        assert got == want
+    assert calls[0] == 3 * 10  # nothing shared: another root, another last token
+
+
+def test_a_decodes_new_block_is_hashed_directly_and_the_memo_stays_small() -> None:
+    memo = ChainMemo(16, size=2)
+    for i in range(5):
+        memo.extend([], list(range(i, i + 160)), ROOT, 160)
+    assert len(memo._chains) == 2
+    grown = hash_full_blocks(list(range(48)), 16, ROOT)[:2]
+    memo.extend(grown, list(range(48)), ROOT, 48)  # one new block: no tuple, no lookup, not stored
+    assert grown == hash_full_blocks(list(range(48)), 16, ROOT) and len(memo._chains) == 2

@@ -83,7 +83,7 @@ def record(loaded: Any, work: Any, engine_kwargs: dict[str, Any]) -> tuple[Trace
                 requests.append((prompt, list(out.outputs[0].token_ids)))
         advice = engine.kv_advice()
         advice["measured"] = _measured(engine)
-        snap = {m: t.snapshot() for m, t in engine.insight.trackers.items()}
+        snap = engine.insight.snapshots()
         return Trace(requests, (engine.cache_identity, ""), engine.kv.block_size), advice, snap
     finally:
         engine.close()
@@ -145,7 +145,7 @@ def replay(
     device = kv.device_counters
     hits = device.hit_blocks + (sum(t.counters.hit_blocks for t in tiers.tiers) if tiers else 0)
     ratio = hits / device.lookups if device.lookups else 0.0
-    return ratio, insight if keep else {m: t.snapshot() for m, t in insight.trackers.items()}
+    return ratio, insight if keep else insight.snapshots()
 
 
 @dataclass

@@ -12,6 +12,12 @@
     LLMEngine._execute      ──canary.capture(kv_cache)     LLMEngine.run_idle_work ──canary.run_one(model)
     GET /v1/kv/advice       ──advice(sizes, costs)         GET /v1/kv/canary       ──canary.report(...)
 
+The trackers are bookkeeping, not serving: the events they replay (every block of every lookup,
+thirteen simulated sizes per lower tier) are queued as they happen and replayed in order by ``drain``,
+which the engine runs when no request waits (``LLMEngine.run_idle_work``), and which ``advice`` and
+``snapshots`` run before they read. A backlog past ``MAX_BACKLOG_KEYS`` drains at once (bounded memory).
+The counters and the canary see each event as it happens.
+
 The device pool is an LRU over one stream (every lookup, computed and freed block): a reuse-distance
 tracker (``mrc.ReuseTracker``) gives its curve. The host and disk tiers admit blocks by their own rules
 (a store of a block they hold is no refresh, a miss is not stored): once ``attach`` has their sizes,
@@ -23,7 +29,7 @@ the measured hit ratio next to the estimated one.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -34,6 +40,8 @@ from kvtier.insight.mrc import ReuseTracker
 from kvtier.kv.computed import AdoptedPrefix
 from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium
+
+MAX_BACKLOG_KEYS = 1 << 16  # block keys queued for the trackers before a drain is forced
 
 
 class _Coordinator(Protocol):  # kvtier.tiers.coordinator.TierCoordinator, as attach uses it
@@ -58,21 +66,73 @@ class CacheInsight:
         self.trackers: dict[Medium, Any] = {m: ReuseTracker(max_keys) for m in [Medium.DEVICE, *self.lower]}
         self.tracker = self.trackers[Medium.DEVICE]
         self._offers: list[tuple[Medium, Sequence[BlockHash]]] = []  # not yet told to the simulators
+        self._backlog: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # events not yet replayed
+        self._backlog_keys = 0
         self.canary = Canary(canary_rate, block_size, dtype, seed)
         self.num_requests = 0  # adopted lookups (one per admitted prompt)
         self.asked: Counter[Medium] = Counter()  # blocks looked up in each tier
         self.served: Counter[Medium] = Counter()  # blocks served, by tier
 
+    # ------------------------------------------------------------------------------ events (queued)
     def on_adopt(self, seq_id: str, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None:
         self.num_requests += 1
-        keys, served = adopted.keys, adopted.served_by
+        keys, served = tuple(adopted.keys), tuple(adopted.served_by)
         self.served.update(served)
         self.asked[Medium.DEVICE] += len(keys)
+        asked = len(keys) - served.count(Medium.DEVICE)
+        for medium in self.lower:  # each tier is asked what the faster ones did not serve
+            self.asked[medium] += asked
+            asked -= served.count(medium)
+        self._queue(self._replay_adopt, served, keys)
+        self.canary.on_adopt(token_ids, adopted)
+
+    def on_cached(self, keys: Sequence[BlockHash]) -> None:
+        self._queue(self._replay_cached, tuple(keys))
+
+    def on_freed(self, keys: Sequence[BlockHash]) -> None:
+        self._queue(self._replay_cached, tuple(keys[::-1]))  # the pool evicts a freed sequence's tail first
+
+    def on_offered(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        """The tier above offered ``keys`` to ``medium`` (stored unless held); told to its simulator
+        after the step's lookup (which, in the tiers, ran before the allocation that evicted them)."""
+        if isinstance(self.trackers.get(medium), TierSimulator):
+            self._queue(self._replay_offered, medium, tuple(keys))
+
+    def on_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        """A lower tier stored ``keys`` (from the tier above): references in a reuse tracker's stream
+        (a simulator decides what is stored itself, from the offers)."""
+        if isinstance(self.trackers.get(medium), ReuseTracker):
+            self._queue(self._replay_stored, medium, tuple(keys))
+
+    def _queue(self, replay: Callable[..., None], *args: Any) -> None:
+        """Queue ``replay(*args)``; the last argument is the event's keys."""
+        self._backlog.append((replay, args))
+        self._backlog_keys += len(args[-1])
+        if self._backlog_keys > MAX_BACKLOG_KEYS:
+            self.drain()
+
+    @property
+    def has_backlog(self) -> bool:
+        return bool(self._backlog)
+
+    def drain(self) -> None:
+        """Replay the queued events into the trackers, in the order they happened."""
+        backlog, self._backlog, self._backlog_keys = self._backlog, [], 0
+        for replay, args in backlog:
+            replay(*args)
+        self._flush_offers()
+
+    def snapshots(self) -> dict[Medium, Any]:
+        """Every tracker's snapshot, the backlog replayed first."""
+        self.drain()
+        return {m: t.snapshot() for m, t in self.trackers.items()}
+
+    # ------------------------------------------------------------------------------ the replay
+    def _replay_adopt(self, served: Sequence[Medium], keys: Sequence[BlockHash]) -> None:
         self.tracker.lookup(keys)
         asked = keys[served.count(Medium.DEVICE) :]  # device hits lead the prefix
         sources = served[len(keys) - len(asked) :]
         for medium in self.lower:  # each tier is asked what the faster ones did not serve
-            self.asked[medium] += len(asked)
             tracker = self.trackers[medium]
             if isinstance(tracker, TierSimulator):  # host: blocks read up from below are stored in it
                 below = medium == Medium.HOST
@@ -84,15 +144,16 @@ class CacheInsight:
             asked = [asked[i] for i in kept]
             sources = tuple(sources[i] for i in kept if i < len(sources))
         self._flush_offers()
-        self.canary.on_adopt(token_ids, adopted)
 
-    def on_cached(self, keys: Sequence[BlockHash]) -> None:
+    def _replay_cached(self, keys: Sequence[BlockHash]) -> None:
         self._flush_offers()
         self.tracker.insert(keys)
 
-    def on_freed(self, keys: Sequence[BlockHash]) -> None:
-        self._flush_offers()
-        self.tracker.insert(keys[::-1])  # the pool evicts a freed sequence's tail first
+    def _replay_offered(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        self._offers.append((medium, keys))
+
+    def _replay_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
+        self.trackers[medium].insert(keys)
 
     def attach(self, coordinator: _Coordinator) -> None:
         """Follow the lower tiers of ``coordinator``: one simulator per tier with a capacity, told of
@@ -102,12 +163,6 @@ class CacheInsight:
                 self.trackers[tier.medium] = TierSimulator(tier.capacity_blocks, self.max_keys)
         coordinator.on_stored = self.on_stored
         coordinator.on_offered = self.on_offered
-
-    def on_offered(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
-        """The tier above offered ``keys`` to ``medium`` (stored unless held); told to its simulator
-        after the step's lookup (which, in the tiers, ran before the allocation that evicted them)."""
-        if isinstance(self.trackers.get(medium), TierSimulator):
-            self._offers.append((medium, list(keys)))
 
     def _take_offers(self, medium: Medium) -> list[BlockHash]:
         """The pending offers to ``medium`` (this step's allocation's), in order; the others stay."""
@@ -120,16 +175,9 @@ class CacheInsight:
             self.trackers[medium].offer(keys)
         self._offers.clear()
 
-    def on_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
-        """A lower tier stored ``keys`` (from the tier above): references in a reuse tracker's stream
-        (a simulator decides what is stored itself, from the offers)."""
-        tracker = self.trackers.get(medium)
-        if isinstance(tracker, ReuseTracker):
-            tracker.insert(keys)
-
     def advice(self, sizes: list[TierSize], costs: Costs, sentences: bool = True) -> dict[str, Any]:
         """``GET /v1/kv/advice``'s body: per-tier curves, measured ratios and sentences."""
-        self._flush_offers()
+        self.drain()
         sizes = [
             replace(
                 t,

@@ -140,8 +140,11 @@ class TierSimulator:
             n = 0  # leading sampled hits: a block hits only if the ones before it did
             while n < len(sampled) and sampled[n][1] in cache.held:
                 n += 1
-            cache.insert_all(offered, self.rate, {k for _, k in sampled[:n]})
-            for _, key in sampled[:n]:
+            hits = [key for _, key in sampled[:n]]
+            for key in hits:  # the MRU end: stores evict from the LRU end without scanning past them
+                cache.held.move_to_end(key)
+            cache.insert_all(offered, self.rate, set(hits))
+            for key in hits:  # then the most recent, after the stores
                 cache.held.move_to_end(key)
             cache.hits += n / self.rate
             for i, key in sampled[n:]:

@@ -48,7 +48,7 @@ from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.computed import NO_COMPUTED_BLOCKS, AccessObserver, ComputedBlocks, group_hits
 from kvtier.kv.group_lookup import find_group_hit
 from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
-from kvtier.kv.hashing import BlockHash, ExtraKey, extend_block_hashes, group_key, hash_block, root_hash
+from kvtier.kv.hashing import BlockHash, ChainMemo, ExtraKey, group_key, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
 from kvtier.kv.retention import Retention, RetentionSpan, retain_spans
@@ -95,6 +95,7 @@ class KVCacheManager:
         self.observer: AccessObserver | None = None  # block-key accesses (kvtier/insight)
         self.device_quarantined = False  # the canary caught a bad device hit: no prefix reuse at all
         self.pool = BlockPool(num_blocks, enable_caching, on_evict=self._evicted, retention=retention)
+        self._chains = ChainMemo(block_size)  # a prompt's block hashes, hashed once
         self._seqs: dict[str, SeqBlocks] = {}
         self._swapped: dict[str, Swapped] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -136,7 +137,7 @@ class KVCacheManager:
         lower = NO_LOWER_HIT
         if self.tiers is not None and len(block_ids) < max_blocks:
             rest = list(block_hashes)
-            extend_block_hashes(rest, token_ids, bs, root_hash(extra_keys), max_blocks * bs)
+            self._chains.extend(rest, token_ids, root_hash(extra_keys), max_blocks * bs)
             lower = self.tiers.lookup(rest[len(block_ids) :])
             block_hashes.extend(lower.host_keys)
         num_computed_tokens = (len(block_ids) + len(lower.host_keys)) * bs
@@ -162,7 +163,7 @@ class KVCacheManager:
         max_blocks = max(0, (len(token_ids) - 1) // bs)
         if not host or self.tiers is None or n == max_blocks:
             return n, n
-        extend_block_hashes(hashes, token_ids, bs, root_hash(extra_keys), max_blocks * bs)
+        self._chains.extend(hashes, token_ids, root_hash(extra_keys), max_blocks * bs)
         return n, n + self.tiers.num_host_hits(hashes[n:])
 
     def _device_prefix(
@@ -172,17 +173,14 @@ class KVCacheManager:
         (at most ``(len(token_ids) - 1) // block_size``; stops at the first miss)."""
         bs = self.block_size
         block_ids: list[int] = []
-        block_hashes: list[BlockHash] = []
-        parent = root_hash(extra_keys)
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            block_tokens = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, block_tokens)
-            block = self.pool.get_cached_block(parent, block_tokens)
+        chain: list[BlockHash] = []
+        self._chains.extend(chain, token_ids, root_hash(extra_keys), max(0, (len(token_ids) - 1) // bs) * bs)
+        for i, key in enumerate(chain):
+            block = self.pool.get_cached_block(key, token_ids[i * bs : (i + 1) * bs])
             if block is None:
                 break
             block_ids.append(block.block_id)
-            block_hashes.append(parent)
-        return block_ids, block_hashes
+        return block_ids, chain[: len(block_ids)]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` computed tokens holds over every KV group (one group:
@@ -378,7 +376,7 @@ class KVCacheManager:
         num_full = min(num_computed_tokens // bs, seq.num_blocks)
         if num_full > seq.num_cached_blocks:
             if len(seq.block_hashes) < num_full:
-                extend_block_hashes(seq.block_hashes, token_ids, bs, seq.root, num_full * bs)
+                self._chains.extend(seq.block_hashes, token_ids, seq.root, num_full * bs)
             keys = self._cache_new_blocks(seq, token_ids, num_full)
             if self.observer is not None:
                 self.observer.on_cached(keys)

@@ -414,11 +414,11 @@ class AsyncEngine:
                     for rid in ids:
                         engine.abort_request(rid)
                     self._post(self._fail, ids, EngineDeadError(f"engine step failed: {exc}"))
-            elif engine.has_idle_work:  # no request to step: one canary check (kvtier/insight)
+            elif engine.has_idle_work:  # no request to step: the insight backlog or one canary check
                 try:
                     engine.run_idle_work()
                 except Exception:
-                    logger.exception("canary check failed")
+                    logger.exception("idle work (cache insight) failed")
             elif engine.has_tier_work:  # the last step's copies, tier writes finishing
                 try:
                     engine.settle_tiers()

@@ -1,0 +1,78 @@
+"""The sizing trackers (``kvtier/insight``) replay their events when the engine is idle, not in a step.
+
+Every lookup feeds a reuse-distance tracker and thirteen simulated sizes of each lower tier: on an H200
+that bookkeeping was most of a host-tier hit's time to first token (an 8k-token prompt: 60 ms before,
+28 ms after). The events are queued in order and replayed by ``run_idle_work`` (the server's idle
+loop), by ``advice`` and ``snapshots`` before they read, or at once past a cap. The story: two engines
+serve the same requests, one replaying after each request and one never; their curves are the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import kvtier.insight.hub as hub
+from kvtier.config_checks import ConfigError
+from kvtier.insight.hub import CacheInsight
+from kvtier.llm import LLM
+from kvtier.sampling_params import SamplingParams
+from kvtier.stats import Medium
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
+SYSTEM = [7 + (i * 13) % 480 for i in range(48)]
+PROMPTS = [SYSTEM + [11 + (i * 31 + j * 7) % 470 for j in range(40 + 9 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Any) -> str:
+    return str(tiny_llama_dir())
+
+
+def engine(tiny: str) -> LLM:
+    """A small pool over a host tier: the later prompts evict the earlier ones' blocks to the host."""
+    return LLM(model=tiny, kv_device_blocks=14, kv_host_gb=24 * 8192 / 2**30)
+
+
+def test_a_step_queues_the_trackers_events_and_idle_work_replays_them(tiny: str) -> None:
+    llm = engine(tiny)
+    e = llm.engine
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert e.insight.has_backlog and e.has_idle_work
+    assert e.insight.tracker.num_lookups == 0  # not yet replayed ...
+    assert e.insight.asked[Medium.DEVICE] > 0  # ... though the counters are current
+    assert e.run_idle_work() is True
+    assert not e.insight.has_backlog and e.insight.tracker.num_lookups == e.insight.asked[Medium.DEVICE]
+    assert e.run_idle_work() is False  # nothing waits (no canary check either: its rate is 0)
+
+
+def test_replayed_late_or_at_once_the_curves_are_the_same(tiny: str) -> None:
+    """Order is all that matters: the replay at the end sees the events in the order they happened."""
+    eager, lazy = engine(tiny), engine(tiny)
+    for prompt in PROMPTS + PROMPTS[::-1]:
+        for llm in (eager, lazy):
+            llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+        while eager.engine.run_idle_work():
+            pass
+    assert lazy.engine.insight.has_backlog
+    got, want = lazy.engine.insight.snapshots(), eager.engine.insight.snapshots()
+    assert got == want and want[Medium.HOST].num_lookups > 0
+    assert lazy.engine.kv_advice() == eager.engine.kv_advice()
+
+
+def test_a_backlog_past_its_cap_replays_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub, "MAX_BACKLOG_KEYS", 10)
+    insight = CacheInsight(0.0, 16, "float32")
+    keys = [bytes([i]) * 32 for i in range(6)]
+    insight.on_cached(keys)
+    assert insight.has_backlog and insight.tracker.snapshot().num_tracked == 0
+    insight.on_freed(keys)  # 12 keys queued: past the cap
+    assert not insight.has_backlog and insight.tracker.snapshot().num_tracked == 6
+
+
+def test_a_prompt_token_outside_the_vocabulary_is_named(tiny: str) -> None:
+    llm = engine(tiny)
+    for bad in (-1, 512, True, 3.0):
+        with pytest.raises(ConfigError, match=rf"prompt token id {bad!r} is outside the vocabulary"):
+            llm.generate([{"prompt_token_ids": [5, 6, bad]}], GREEDY)
