@@ -178,14 +178,37 @@ def test_split_k_parts_merge_to_the_same_output(kd: str, window: int | None) -> 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize(
+    "kd,compute", [("float32", F32), ("int8", F32), ("fp8_e4m3", F32), ("bfloat16", BF16)]
+)
+@pytest.mark.parametrize("window", [None, 150])
+def test_a_short_chunk_after_a_long_context_splits_its_keys(
+    kd: str, compute: torch.dtype, window: int | None
+) -> None:
+    """A prefix hit's last block (5 tokens after 299 cached) in 1, 2, 3, 5 and 16 parts of the keys: each
+    equals the torch path; the own tokens (causal) lie in the last part, the window cuts the first."""
+    step = make_step(kd, compute, [(299, 5)], (2, 2, 64), 16)
+    want = reference(step, window)
+    (p,) = step.meta.prefills
+    rotated = step.cache.rotate_queries(step.q)
+    atol = tolerance(compute) * float(want.abs().max())
+    for splits in (1, 2, 3, 5, 16):
+        got = triton_attention.prefill(
+            rotated, step.kv_new, step.cache, LAYER, p.block_table, p.num_cached, step.scale, window, splits
+        )
+        got = step.cache.unrotate_output(got, step.q.shape[2])
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=atol)
+
+
 def test_num_splits_keeps_a_gpu_busy_and_parts_long() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert triton_attention.num_splits(4, 8, 100_000, cpu) == 1  # the interpreter: one part
-    assert triton_attention.num_splits(1, 1, 300, cpu) == 2  # two programs' worth, parts >= 256 tokens
+    assert triton_attention.num_splits(4 * 8, 100_000, cpu) == 1  # the interpreter: one part
+    assert triton_attention.num_splits(1, 300, cpu) == 2  # two programs' worth, parts >= 256 tokens
     if torch.cuda.is_available():
         sms = torch.cuda.get_device_properties(cuda).multi_processor_count
-        assert triton_attention.num_splits(1, 8, 100_000, cuda) == min(16, -(-2 * sms // 8))
-        assert triton_attention.num_splits(1, 8, 600, cuda) == 3
+        assert triton_attention.num_splits(8, 100_000, cuda) == min(16, -(-2 * sms // 8))
+        assert triton_attention.num_splits(8, 600, cuda) == 3
+        assert triton_attention.num_splits(512 * 8, 8192, cuda) == 1  # an 8k prompt's tiles fill the GPU
 
 
 # ---------------------------------------------------------------------------------- prefill kernel

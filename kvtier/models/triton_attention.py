@@ -22,16 +22,22 @@ Decode: one program per (sequence, KV head, part of the context), its G query he
 tile, so K/V are read once per KV head (GQA without repeating them). A sequence of n tokens attends to
 positions ``lo <= k < n``, ``lo = max(0, n - W)`` for a sliding layer (q - W < k <= q, q = n - 1). With
 several parts (split-K, flash-decoding) each part keeps its max, sum and unnormalized output and
-``_decode_reduce`` merges them::
+``_merge_parts`` merges them::
 
     context  lo ............................. n
     parts    | part 0 | part 1 | part 2 |          per part: m_s, l_s, acc_s   [G, D]
     out      sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,     M = max_s m_s
 
-Prefill: one program per (tile of a chunk's query tokens, KV head); its rows are (token, query head of
-the KV head) pairs, so the tile reads K/V once for its G heads. A chunk of n tokens after c cached
-attends causally (with the window) to the cache through its block table, its own tokens included (they
-are written before attention), or, with nothing cached, to its own K/V as stored (``kv_new``).
+Prefill: one program per (tile of a chunk's query tokens, KV head, part of the keys); its rows are
+(token, query head of the KV head) pairs, so the tile reads K/V once for its G heads. A chunk of n tokens
+after c cached attends causally (with the window) to the cache through its block table, its own tokens
+included (they are written before attention), or, with nothing cached, to its own K/V as stored
+(``kv_new``). A long chunk has tiles enough to fill the GPU (one part); a short one after a long
+context (a prefix hit's last block: 16 tokens after 8,176) would have 8 programs walk 8k keys each, so
+its keys are split and merged like a decode's (on an H200 that chunk's attention took 5.7 ms, 16 layers).
+
+The part counts are runtime arguments, not compile-time constants: a growing context never compiles a
+new kernel (each kernel compiles twice at most: one part, and several).
 
 Every score and sum is float32 (``tl.dot`` in IEEE fp32 for float32 queries; with bfloat16/float16
 queries in TF32, which holds their values and the fp8/int8 elements exactly); the output is the query's
@@ -141,24 +147,25 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits", "s_tab", "window"])  # one compile as contexts grow
 def _decode_kernel(
     q_ptr, sq_b, sq_h,  # [B, H, D] queries (stored basis)
     out_ptr, so_b, so_h,  # [B, H, D] output (one part)
-    part_ptr, ml_ptr,  # [B, H, SPLITS, D], [B, H, SPLITS, 2] float32: each part's acc and (max, sum)
+    part_ptr, ml_ptr,  # [B, H, splits, D], [B, H, splits, 2] float32: each part's acc and (max, sum)
     data_ptr, sb, st, skv, sh,  # the layer's pool [NB, BS, 2, KVH, D]
     scale_ptr, cb, ct, ckv,  # its scales [NB, BS, 2, KVH] (compact)
     tables_ptr, s_tab, lens_ptr,  # [B, max_blocks] int64 block tables, [B] int64 context lengths
-    window, skew, sm_scale,
+    window, skew, sm_scale, splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMT: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMT: tl.constexpr, SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h, s): part s of sequence b's context for the G query heads of KV head h."""
+    """Program (b, h, s): part s of ``splits`` of sequence b's context for the G query heads of KV head
+    h (SPLIT: more than one part, written for ``_merge_parts``; else the output itself)."""
     b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens_ptr + b).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(n - window + skew, 0), 0)
-    per = tl.cdiv(tl.cdiv(n - lo, SPLITS), BLOCK_T) * BLOCK_T  # tokens per part, whole tiles
+    per = tl.cdiv(tl.cdiv(n - lo, splits), BLOCK_T) * BLOCK_T  # tokens per part, whole tiles
     start = lo + s * per
     stop = tl.minimum(start + per, n)
     offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
@@ -172,28 +179,42 @@ def _decode_kernel(
         q, qpos, start, stop, window, skew, sm_scale, data_ptr, scale_ptr, table_ptr,
         h, sb, st, skv, sh, cb, ct, ckv, HEAD_DIM, BLOCK_D, BLOCK_T, BLOCK_SIZE, FMT, True, PRECISION,
     )  # fmt: skip
-    if SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + b.to(tl.int64) * so_b + heads[:, None] * so_h + offs_d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-    else:
-        num_heads = tl.num_programs(1) * G
-        item = (b.to(tl.int64) * num_heads + heads) * SPLITS + s  # [BLOCK_G]
-        tl.store(part_ptr + item[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok)
-        tl.store(ml_ptr + item * 2, m_i, mask=offs_g < G)
-        tl.store(ml_ptr + item * 2 + 1, l_i, mask=offs_g < G)
+    rows = offs_g * 0 + b  # [BLOCK_G] every row is sequence b's
+    _finish(acc, m_i, l_i, rows, heads, offs_g < G, row_ok, s, splits, out_ptr, so_b, so_h, part_ptr, ml_ptr,
+            tl.num_programs(1) * G, HEAD_DIM, BLOCK_D, SPLIT)  # fmt: skip
 
 
 @triton.jit
-def _decode_reduce(
-    part_ptr, ml_ptr, out_ptr, so_b, so_h,
-    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _finish(
+    acc, m_i, l_i, row, heads, head_ok, ok, s, splits,  # [R, BD], [R], [R]; each row's output row, head
+    out_ptr, so_r, so_h, part_ptr, ml_ptr, num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, query head): the parts of one row merged by their max and sum (flash-decoding)."""
+    """One part's rows: normalized into the output, or (SPLIT) kept for ``_merge_parts`` as
+    part[row, head, s] = acc and ml[row, head, s] = (max, sum)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    if SPLIT:
+        item = (row.to(tl.int64) * num_heads + heads) * splits + s  # [R]
+        tl.store(part_ptr + item[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=ok)
+        tl.store(ml_ptr + item * 2, m_i, mask=head_ok)
+        tl.store(ml_ptr + item * 2 + 1, l_i, mask=head_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + row.to(tl.int64)[:, None] * so_r + heads[:, None] * so_h + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["splits"])
+def _merge_parts(
+    part_ptr, ml_ptr, out_ptr, so_b, so_h, splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Program (row, query head): the ``splits`` parts of one row merged by their max and sum
+    (flash-decoding); a row is a decode sequence or a prefill chunk's token."""
     b, hq = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    item = (b.to(tl.int64) * tl.num_programs(1) + hq) * SPLITS + offs_s  # [BLOCK_S]
-    s_ok = offs_s < SPLITS
+    item = (b.to(tl.int64) * tl.num_programs(1) + hq) * splits + offs_s  # [BLOCK_S]
+    s_ok = offs_s < splits
     m = tl.load(ml_ptr + item * 2, mask=s_ok, other=_NEG)
     l_s = tl.load(ml_ptr + item * 2 + 1, mask=s_ok, other=0.0)
     ok = s_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -204,24 +225,27 @@ def _decode_reduce(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_cached"])  # one compile for every chunk size
+@triton.jit(do_not_specialize=["num_tokens", "num_cached", "splits"])  # one compile for every chunk size
 def _prefill_kernel(
     q_ptr, sq_t, sq_h,  # the chunk's [n, H, D] queries (stored basis)
     out_ptr, so_t, so_h,  # its [n, H, D] output
+    part_ptr, ml_ptr,  # SPLIT: [n, H, splits, D], [n, H, splits, 2] float32, each part's acc, (max, sum)
     data_ptr, sb, st, skv, sh,  # PAGED: the layer's pool [NB, BS, 2, KVH, D]; else the chunk's [n, 2, KVH, D]
     scale_ptr, cb, ct, ckv, table_ptr,  # scales [NB, BS, 2, KVH] (compact), [n_blocks] int64 block table
-    num_tokens, num_cached, window, skew, sm_scale,
+    num_tokens, num_cached, window, skew, sm_scale, splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_SIZE: tl.constexpr, FMT: tl.constexpr,
-    PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (m, h): query tokens [m * BLOCK_M, (m + 1) * BLOCK_M) of the chunk, for the G query heads
-    of KV head h; row r is token r // BLOCK_G, head h * G + r % BLOCK_G."""
-    mt, h = tl.program_id(0), tl.program_id(1)
+    """Program (m, h, s): query tokens [m * BLOCK_M, (m + 1) * BLOCK_M) of the chunk, for the G query
+    heads of KV head h, over part s of ``splits`` of the keys the tile sees; row r is token r // BLOCK_G,
+    head h * G + r % BLOCK_G."""
+    mt, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M * BLOCK_G)
     tok, g = mt * BLOCK_M + rows // BLOCK_G, rows % BLOCK_G
     offs_d = tl.arange(0, BLOCK_D)
-    ok = ((tok < num_tokens) & (g < G))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    row_ok = (tok < num_tokens) & (g < G)
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     head = h * G + g
     q_ptrs = q_ptr + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=ok, other=0.0).to(tl.float32)
@@ -229,13 +253,15 @@ def _prefill_kernel(
     first = num_cached + mt * BLOCK_M  # the tile's first and last query positions
     last = num_cached + tl.minimum(mt * BLOCK_M + BLOCK_M, num_tokens) - 1
     lo = tl.where(window > 0, tl.maximum(first - window + 1 + skew, 0), 0)
+    per = tl.cdiv(tl.cdiv(last + 1 - lo, splits), BLOCK_T) * BLOCK_T  # keys per part, whole tiles
+    start = lo + s * per
     acc, m_i, l_i = _attend(
-        q, qpos, lo, last + 1, window, skew, sm_scale, data_ptr, scale_ptr, table_ptr,
-        h, sb, st, skv, sh, cb, ct, ckv, HEAD_DIM, BLOCK_D, BLOCK_T, BLOCK_SIZE, FMT, PAGED, PRECISION,
+        q, qpos, start, tl.minimum(start + per, last + 1), window, skew, sm_scale, data_ptr, scale_ptr,
+        table_ptr, h, sb, st, skv, sh, cb, ct, ckv, HEAD_DIM, BLOCK_D, BLOCK_T, BLOCK_SIZE, FMT, PAGED,
+        PRECISION,
     )  # fmt: skip
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=ok)
+    _finish(acc, m_i, l_i, tok, head, row_ok, ok, s, splits, out_ptr, so_t, so_h, part_ptr, ml_ptr,
+            tl.num_programs(1) * G, HEAD_DIM, BLOCK_D, SPLIT)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -266,11 +292,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
-def num_splits(num_seqs: int, num_kv_heads: int, max_tokens: int, device: torch.device) -> int:
-    """Decode parts per sequence: enough programs for about two per SM on a GPU, each part at least
-    ``MIN_SPLIT_TOKENS`` long; 1 elsewhere (the interpreter runs programs one after another)."""
-    want = -(-2 * _num_sms(device) // (num_seqs * num_kv_heads))
+def num_splits(num_programs: int, max_tokens: int, device: torch.device) -> int:
+    """Parts of the context per program (split-K): enough programs for about two per SM on a GPU, each
+    part at least ``MIN_SPLIT_TOKENS`` long; 1 elsewhere (the interpreter runs programs one after
+    another). ``num_programs``: the launch's programs without splitting (a decode: sequences x KV heads;
+    a prefill: query tiles x KV heads)."""
+    want = -(-2 * _num_sms(device) // num_programs)
     return max(1, min(want, -(-max_tokens // MIN_SPLIT_TOKENS), MAX_SPLITS))
+
+
+def _parts(rows: int, num_heads: int, splits: int, head_dim: int, device: torch.device) -> tuple:
+    """(part [rows, H, splits, D], ml [rows, H, splits, 2]) float32 for the parts of a split launch
+    (1-element stand-ins when there is one part: the kernel writes the output itself)."""
+    if splits == 1:
+        one = torch.empty(1, device=device)
+        return one, one
+    part = torch.empty(rows, num_heads, splits, head_dim, device=device)
+    return part, torch.empty(rows, num_heads, splits, 2, device=device)
+
+
+def _merge(part: torch.Tensor, ml: torch.Tensor, out: torch.Tensor, splits: int, block_d: int) -> None:
+    """``_merge_parts`` over every (row, query head) of ``out`` [rows, H, D]."""
+    rows, num_heads, head_dim = out.shape
+    assert splits <= MAX_SPLITS, f"{splits} parts: at most {MAX_SPLITS} merge"
+    _merge_parts[(rows, num_heads)](
+        part, ml, out, out.stride(0), out.stride(1), splits,
+        BLOCK_S=triton.next_power_of_2(MAX_SPLITS), HEAD_DIM=head_dim, BLOCK_D=block_d,
+    )  # fmt: skip
 
 
 def decode(
@@ -289,10 +337,9 @@ def decode(
     num_kv_heads = kv_cache.token_shape[1]
     group = num_heads // num_kv_heads
     span = max_context if window is None else min(window, max_context)
-    splits = splits or num_splits(b, num_kv_heads, span, q.device)
+    splits = splits or num_splits(b * num_kv_heads, span, q.device)
     out = torch.empty(b, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    part = torch.empty(b, num_heads, splits, head_dim if splits > 1 else 1, device=q.device)
-    ml = torch.empty(b, num_heads, splits, 2, device=q.device)
+    part, ml = _parts(b, num_heads, splits, head_dim, q.device)
     data, scales, fmt = _layer_pool(kv_cache, layer)
     tables, lens = block_tables.to(torch.long), context_lens.to(device=q.device, dtype=torch.long)
     block_d, block_t, warps = _tiles(head_dim)
@@ -300,16 +347,13 @@ def decode(
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, ml,
         data, data.stride(0), data.stride(1), data.stride(2), data.stride(3),
         scales, scales.stride(0), scales.stride(1), scales.stride(2),
-        tables, tables.stride(0), lens, window or 0, _TEST_WINDOW_SKEW, scale,
+        tables, tables.stride(0), lens, window or 0, _TEST_WINDOW_SKEW, scale, splits,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_T=block_t, BLOCK_SIZE=kv_cache.block_size, FMT=fmt, SPLITS=splits, PRECISION=_precision(q),
+        BLOCK_T=block_t, BLOCK_SIZE=kv_cache.block_size, FMT=fmt, SPLIT=splits > 1, PRECISION=_precision(q),
         num_warps=warps,
     )  # fmt: skip
     if splits > 1:
-        _decode_reduce[(b, num_heads)](
-            part, ml, out, out.stride(0), out.stride(1), SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        )  # fmt: skip
+        _merge(part, ml, out, splits, block_d)
     return out.view(b, num_heads * head_dim)
 
 
@@ -322,9 +366,11 @@ def prefill(
     num_cached: int,
     scale: float,
     window: int | None = None,
+    splits: int | None = None,  # parts of the keys per query tile (None: ``num_splits``)
 ) -> torch.Tensor:  # [n, H * D] in q's dtype
     """Causal attention of a chunk of ``n`` tokens after ``num_cached`` cached ones (the cache read
-    through ``block_table``, own tokens included; with nothing cached, its own ``kv_new``)."""
+    through ``block_table``, own tokens included; with nothing cached, its own ``kv_new``). A short
+    chunk after a long context (a prefix hit's last block) splits the keys like a decode."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.token_shape[1]
     group = num_heads // num_kv_heads
@@ -339,10 +385,17 @@ def prefill(
     block_d, block_t, warps = _tiles(head_dim)
     block_g = triton.next_power_of_2(group)
     block_m = max(1, (64 if block_d <= 128 else 32) // block_g)
-    _prefill_kernel[(triton.cdiv(n, block_m), num_kv_heads)](
-        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
+    tiles = triton.cdiv(n, block_m)
+    span = num_cached + n if window is None else min(window + block_m, num_cached + n)
+    splits = splits or num_splits(tiles * num_kv_heads, span, q.device)
+    part, ml = _parts(n, num_heads, splits, head_dim, q.device)
+    _prefill_kernel[(tiles, num_kv_heads, splits)](
+        q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), part, ml,
         data, *strides, scales, *scale_strides, table, n, num_cached, window or 0, _TEST_WINDOW_SKEW, scale,
-        G=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_T=block_t,
-        BLOCK_SIZE=kv_cache.block_size, FMT=fmt, PAGED=paged, PRECISION=_precision(q), num_warps=warps,
+        splits, G=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_SIZE=kv_cache.block_size, FMT=fmt, PAGED=paged, SPLIT=splits > 1,
+        PRECISION=_precision(q), num_warps=warps,
     )  # fmt: skip
+    if splits > 1:
+        _merge(part, ml, out, splits, block_d)
     return out.view(n, num_heads * head_dim)
