@@ -25,7 +25,7 @@ from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskBlockIO, DiskTier
 from kvtier.tiers.host import HostTier
 from kvtier.transfer.io_worker import BlockIOWorker
-from kvtier.transfer.mover import TierMover, coalesce
+from kvtier.transfer.mover import TierMover
 
 BS = 4
 KEYS = ("fp-tiers", "")
@@ -332,11 +332,6 @@ def test_abort_of_a_swapped_out_sequence_releases_its_host_blocks() -> None:
     rig.kv.free("A")
     assert "A" not in rig.kv and len(rig.host.held_keys()) == 3  # hashed blocks stay cached, unpinned
     rig.kv.check_integrity()
-
-
-def test_coalesce_merges_runs_and_stops_at_chunk_boundaries() -> None:
-    assert coalesce([(0, 5), (1, 6), (2, 7), (9, 1)], 100, 100) == [(0, 5, 3), (9, 1, 1)]
-    assert coalesce([(3, 0), (4, 1)], 4, 100) == [(3, 0, 1), (4, 1, 1)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

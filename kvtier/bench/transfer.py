@@ -1,8 +1,9 @@
 """``kvtier bench transfer``: the tiers' data path, measured in isolation and inside decode.
 
 1. Block store (device pool → host buffer) and load (host → device) bandwidth through ``TierMover``
-   executing a ``SwapPlan``, for batches of 1 to 1,024 blocks with contiguous block ids (runs are
-   coalesced into one slice copy) and scattered ones (one copy per block), against a plain memcpy
+   executing a ``SwapPlan``, for batches of 1 to 1,024 blocks with contiguous device block ids (one
+   slice copy per run of host blocks) and scattered ones (per run, one copy and an index_select /
+   index_copy_ on the device side), against a plain memcpy
    (``torch.Tensor.copy_`` of one contiguous tensor) of the same bytes.
    Target: >= 70% of memcpy at >= 64 blocks.
 2. Decode throughput of the same greedy workload with the tiers off and with a host tier whose
@@ -98,8 +99,8 @@ def measure_bandwidth(max_blocks: int, repeat: int, batches: tuple[int, ...]) ->
     for n in sizes:
         host_block_ids = list(range(n))
         ids = {
-            "contiguous": list(range(8, 8 + n)),  # coalesced into one slice copy (per host chunk)
-            "scattered": rng.sample(range(pool_blocks), n),  # random order: one copy per block
+            "contiguous": list(range(8, 8 + n)),  # one slice copy per run of host blocks
+            "scattered": rng.sample(range(pool_blocks), n),  # random order: a gather or scatter per run
         }
         fns: dict[str, Callable[[], object]] = {"memcpy": lambda n=n: dst[:n].copy_(src[:n])}
         for pattern, block_ids in ids.items():

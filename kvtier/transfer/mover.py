@@ -3,16 +3,21 @@
 ::
 
     device pool  [num_blocks, L, BS, 2, KVH, D]      (the runner's kv_cache)
-        ▲   │ execute(plan): stores first, then loads; runs of consecutive ids become one slice copy
+        ▲   │ execute(plan): stores, then loads; a run of consecutive host blocks is one copy
+        │   │                (copy_plan.py: a gather or scatter on the device when its device
+        │   │                blocks are not consecutive)
         │   ▼
     host buffer  chunks of [blocks_per_chunk, L, BS, 2, KVH, D]   (pinned on CUDA, allocated once)
         ▲   │ host_snapshot(h): a copy of host block h, which a tier's BlockIOWorker writes down
         │   ▼ host_view(h): host block h's bytes, which a BlockIOWorker reads a block into
     external tiers (disk: kvtier/tiers/disk.py; the worker: kvtier/transfer/io_worker.py)
 
-On CUDA the plan's copies run on a dedicated stream (non-blocking, from pinned memory) and the
-compute stream waits on one event recorded after them, so the forward starts as soon as the step's
-loads are in place. On CPU they are ordinary memcpys, timed for the statistics and the cost model.
+On CUDA the plan's copies run on two dedicated streams (non-blocking, from pinned memory), stores on
+one and loads on the other, so both directions of the link move at once (a load waits only for the
+store of the block it overwrites); the runs' device block ids go up in one upload; the compute stream
+waits for both streams, so the forward starts as soon as the step's copies are done. On CPU they are
+ordinary memcpys (``index_select``/``index_copy_`` straight between pool and buffer), timed for the
+statistics and the cost model.
 The mover records the copies it ran in the host tier's counters (it did the work).
 """
 
@@ -27,8 +32,11 @@ import torch
 
 from kvtier.kv.plan import SwapPlan
 from kvtier.stats import TierCounters
+from kvtier.transfer.copy_plan import Run, consecutive, load_runs, store_runs, two_way
+from kvtier.worker.staging import StepStaging
 
 CHUNK_BYTES = 256 * 2**20  # host buffer allocation unit: pinning one huge buffer can fail or stall
+RUN_BYTES = 64 * 2**20  # the most one copy moves: a run's device staging buffer stays this small
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -69,22 +77,6 @@ class Moved(NamedTuple):
     seconds: float
 
 
-def coalesce(
-    pairs: Sequence[tuple[int, int]], src_run_limit: int, dst_run_limit: int
-) -> list[tuple[int, int, int]]:
-    """``(src, dst)`` block pairs → ``(src, dst, n)`` runs where both ids advance by one; a run never
-    crosses a multiple of ``src_run_limit``/``dst_run_limit`` (a host chunk boundary)."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in pairs:
-        if runs:
-            s0, d0, n = runs[-1]
-            if src == s0 + n and dst == d0 + n and src % src_run_limit != 0 and dst % dst_run_limit != 0:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
-
-
 class TierMover:
     def __init__(
         self, device_kv: torch.Tensor, num_host_blocks: int, counters: TierCounters | None = None
@@ -93,8 +85,10 @@ class TierMover:
         self.cuda = device_kv.device.type == "cuda"
         self.host = HostBuffer(num_host_blocks, device_kv.shape[1:], device_kv.dtype, pin=self.cuda)
         self.block_bytes = self.host.block_bytes
+        self.max_run = max(1, RUN_BYTES // self.block_bytes)  # blocks per copy
         self.counters = counters if counters is not None else TierCounters()  # the host tier's
-        self._stream = torch.cuda.Stream() if self.cuda else None
+        self._stream = torch.cuda.Stream() if self.cuda else None  # loads: host -> device
+        self._store_stream = torch.cuda.Stream() if self.cuda else None  # stores: device -> host
 
     # ------------------------------------------------------------------------ device ↔ host
     @torch.inference_mode()
@@ -109,9 +103,12 @@ class TierMover:
             store_s, load_s = self._execute_cuda(plan)
         else:
             t0 = time.perf_counter()
-            self._copy_stores(plan.stores, non_blocking=False)
+            for host, devices in store_runs(plan, self.host.blocks_per_chunk, self.max_run):
+                out = self.host.runs(host, len(devices))
+                torch.index_select(self.device_kv, 0, torch.tensor(devices), out=out)
             t1 = time.perf_counter()
-            self._copy_loads(plan.loads, non_blocking=False)
+            for host, devices in load_runs(plan, self.host.blocks_per_chunk, self.max_run):
+                self.device_kv.index_copy_(0, torch.tensor(devices), self.host.runs(host, len(devices)))
             store_s, load_s = t1 - t0, time.perf_counter() - t1
         bb = self.block_bytes
         self.counters.record_stores(len(plan.stores), len(plan.stores) * bb, store_s)
@@ -119,33 +116,60 @@ class TierMover:
         return Moved(len(plan) * bb, store_s + load_s)
 
     def _execute_cuda(self, plan: SwapPlan) -> tuple[float, float]:
-        assert self._stream is not None
+        """Stores on one stream and loads on another, so the two directions of the link (each its own
+        copy engine) run together, in the order ``two_way`` plans. The compute stream waits for both."""
+        assert self._stream is not None and self._store_stream is not None
         compute = torch.cuda.current_stream()
-        self._stream.wait_stream(compute)  # the blocks to store were written by earlier forwards
         t0 = time.perf_counter()
+        store_chunks, loads = two_way(plan, self.host.blocks_per_chunk, self.max_run)
+        stage = StepStaging()  # every run's device ids, one upload (on the compute stream)
+        stored = [[(run, stage.add(run[1])) for run in chunk] for chunk in store_chunks]
+        loaded = [(after, run, stage.add(run[1])) for after, run in loads]
+        stage.upload(self.device_kv.device)
+        self._store_stream.wait_stream(compute)  # the blocks to store were written by earlier forwards
+        self._stream.wait_stream(compute)
+        events = []
+        with torch.cuda.stream(self._store_stream):
+            for chunk in stored:
+                for run, ids in chunk:
+                    self._store_run(run, stage.get(ids))
+                events.append(torch.cuda.Event())
+                events[-1].record(self._store_stream)
         with torch.cuda.stream(self._stream):
-            self._copy_stores(plan.stores, non_blocking=True)
-            self._copy_loads(plan.loads, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        compute.wait_event(done)  # the forward reads the loaded blocks and overwrites stored ones
+            waited = None
+            for after, run, ids in loaded:
+                if after is not None and after != waited:
+                    self._stream.wait_event(events[after])
+                    waited = after
+                self._load_run(run, stage.get(ids))
+        compute.wait_stream(self._stream)  # the forward reads the loaded blocks
+        compute.wait_stream(self._store_stream)  # ... and overwrites the stored ones
         return time.perf_counter() - t0, 0.0  # enqueue time; the copies overlap with host-side work
 
-    def _copy_stores(self, stores: Sequence[tuple[int, int]], non_blocking: bool) -> None:
-        big = len(self.device_kv) + 1
-        for block_id, host_block_id, n in coalesce(stores, big, self.host.blocks_per_chunk):
-            dst = self.host.runs(host_block_id, n)
-            dst.copy_(self.device_kv[block_id : block_id + n], non_blocking=non_blocking)
+    def _store_run(self, run: Run, ids: torch.Tensor) -> None:
+        """Device blocks -> consecutive host blocks: one slice copy, or a gather into staging first."""
+        host, devices = run
+        dst = self.host.runs(host, len(devices))
+        if consecutive(devices):
+            dst.copy_(self.device_kv[devices[0] : devices[0] + len(devices)], non_blocking=True)
+        else:  # staging allocated on this stream: freed memory is reused only after the copy, in order
+            dst.copy_(self.device_kv.index_select(0, ids), non_blocking=True)
 
-    def _copy_loads(self, loads: Sequence[tuple[int, int]], non_blocking: bool) -> None:
-        big = len(self.device_kv) + 1
-        for host_block_id, block_id, n in coalesce(loads, self.host.blocks_per_chunk, big):
-            src = self.host.runs(host_block_id, n)
-            self.device_kv[block_id : block_id + n].copy_(src, non_blocking=non_blocking)
+    def _load_run(self, run: Run, ids: torch.Tensor) -> None:
+        """Consecutive host blocks -> device blocks: one slice copy, or into staging, then a scatter."""
+        host, devices = run
+        src = self.host.runs(host, len(devices))
+        if consecutive(devices):
+            self.device_kv[devices[0] : devices[0] + len(devices)].copy_(src, non_blocking=True)
+        else:
+            staging = torch.empty(src.shape, dtype=src.dtype, device=self.device_kv.device)
+            staging.copy_(src, non_blocking=True)
+            self.device_kv.index_copy_(0, ids, staging)
 
     def synchronize(self) -> None:
-        if self._stream is not None:
+        if self._stream is not None and self._store_stream is not None:
             self._stream.synchronize()
+            self._store_stream.synchronize()
 
     # ------------------------------------------------------------------------ host bytes for external tiers
     def host_view(self, host_block_id: int) -> memoryview:
