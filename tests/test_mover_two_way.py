@@ -96,5 +96,8 @@ def test_runs_follow_the_host_blocks_and_stop_at_chunks_and_their_size() -> None
     chunk boundary, or at ``max_run`` blocks."""
     pairs = [(40, 7), (41, 2), (42, 9), (50, 3), (51, 4), (52, 5), (53, 6)]
     assert host_runs(pairs, 100, 100) == [(40, (7, 2, 9)), (50, (3, 4, 5, 6))]
+    tail_first = SwapPlan(stores=[(9, 42), (2, 41), (7, 40)], loads=[(42, 1), (41, 8), (40, 3)])
+    store_chunks, loads = two_way(tail_first, 100, 100, chunks=1)
+    assert store_chunks == [[(40, (7, 2, 9))]] and loads == [(0, (40, (3, 8, 1)))]  # one run each
     assert host_runs(pairs, 52, 100) == [(40, (7, 2, 9)), (50, (3, 4)), (52, (5, 6))]
     assert host_runs(pairs, 100, 2) == [(40, (7, 2)), (42, (9,)), (50, (3, 4)), (52, (5, 6))]

@@ -3,7 +3,8 @@
 A ``SwapPlan``'s pairs become *runs* of consecutive host block ids (never across a host chunk, at most
 ``max_run`` blocks). A run's device blocks may lie anywhere in the pool: the pool hands out blocks in
 eviction order, so a prefix loaded back lands in scattered blocks while its host blocks are adjacent
-(the host tier stores a sequence's blocks in order). A run is then ONE copy of contiguous host bytes,
+(the host tier stores a sequence's evicted blocks one after another; the runs sort the pairs by host
+block, since the pool evicts a sequence's tail first). A run is then ONE copy of contiguous host bytes,
 plus, when its device blocks are not consecutive, one gather (a store) or scatter (a load) on the device
 through a staging buffer: on an H200 an 8k-token prefix was 512 single-block copies, ~20 us of host
 time each (10 ms to enqueue 256 MiB) and 67% of a plain memcpy's bandwidth::
@@ -46,11 +47,14 @@ def consecutive(ids: Sequence[int]) -> bool:
 
 
 def store_runs(plan: SwapPlan, chunk_blocks: int, max_run: int) -> list[Run]:
-    return host_runs([(h, d) for d, h in plan.stores], chunk_blocks, max_run)
+    """The plan's stores by host block: each lands in a host block of its own, so their order is free
+    (a sequence's blocks are evicted tail first: their host blocks come in descending order)."""
+    return host_runs(sorted((h, d) for d, h in plan.stores), chunk_blocks, max_run)
 
 
 def load_runs(plan: SwapPlan, chunk_blocks: int, max_run: int) -> list[Run]:
-    return host_runs(plan.loads, chunk_blocks, max_run)
+    """The plan's loads by host block (each fills a device block of its own: any order will do)."""
+    return host_runs(sorted(plan.loads), chunk_blocks, max_run)
 
 
 def two_way(
