@@ -338,6 +338,14 @@ class EngineArgs:
             "slow, for tests); docs/attention-backends.md"
         },
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "never use CUDA graphs: every step launches its kernels from Python (by default on "
+            "CUDA, with the triton backend and a model of full-attention layers, decode-shaped steps "
+            "replay a graph captured at start: kvtier/worker/graphs.py)"
+        },
+    )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})
     kv_device_blocks: int | None = field(default=None, metadata={"help": "device KV pool size in blocks"})
     kv_device_gb: float | None = field(

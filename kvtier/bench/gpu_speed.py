@@ -53,7 +53,7 @@ def best_of(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, floa
 @dataclass
 class TransferRow:
     blocks: int
-    pattern: str  # contiguous ids (one copy per run) or scattered (one copy per block)
+    pattern: str  # contiguous device ids (one slice copy) or scattered (a gather or scatter on the device)
     mib: float
     load_gbs: float  # host → device through the mover
     store_gbs: float  # device → host through the mover
@@ -182,28 +182,49 @@ def ttft_rows(
 class DecodeRow:
     batch: int
     context: int  # prompt tokens per sequence
-    triton_tok_s: float | None
-    torch_tok_s: float
+    triton_tok_s: float | None  # the Triton kernels, decode steps replaying CUDA graphs where they apply
+    triton_eager_tok_s: float | None  # the Triton kernels, every step eager (--enforce-eager)
+    torch_tok_s: float  # the torch path (gather + SDPA), eager
 
     @property
     def ratio(self) -> float | None:
-        return None if self.triton_tok_s is None else self.triton_tok_s / self.torch_tok_s
+        """The kernels against the gather path, both eager (the issue's comparison)."""
+        return None if self.triton_eager_tok_s is None else self.triton_eager_tok_s / self.torch_tok_s
+
+    @property
+    def graphs_gain(self) -> float | None:
+        if self.triton_tok_s is None or self.triton_eager_tok_s is None:
+            return None
+        return self.triton_tok_s / self.triton_eager_tok_s
 
 
 def decode_tok_s(llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int) -> float:
-    """Tokens/s of ``batch`` sequences decoding ``new_tokens`` after ``context``-token prompts: the run
-    with ``new_tokens`` minus the run with one (other prompts of the same size: no cache hits)."""
+    """Tokens/s of ``batch`` sequences in decode-only steps: their ``context``-token prompts prefilled
+    first (steps until every sequence has its first token), then ``new_tokens`` steps timed, then the
+    requests aborted. (Timing whole ``generate`` calls would count prefill steps and the mixed steps of
+    stall-free scheduling, whose number changes with the measured step times.)"""
     from kvtier import SamplingParams
 
-    times = []
-    for i, tokens in enumerate((1, new_tokens)):
-        prompts = random_prompts(batch, context, seed + i, shape.vocab)
-        sync()
-        t0 = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-        sync()
-        times.append(time.perf_counter() - t0)
-    return batch * (new_tokens - 1) / max(times[1] - times[0], 1e-9)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + context, ignore_eos=True)
+    ids = [
+        engine.add_request({"prompt_token_ids": p}, params)
+        for p in random_prompts(batch, context, seed, shape.vocab)
+    ]
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        engine.step()
+    sync()
+    seconds = time.perf_counter() - t0
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * new_tokens / max(seconds, 1e-9)
 
 
 def decode_rows(
@@ -219,15 +240,24 @@ def decode_rows(
 
     tok_s: dict[str, list[float]] = {}
     blocks = max(batches) * 2 * (-(-(context + new_tokens) // BLOCK_SIZE)) + 64
-    for backend in backends:
+    variants = {"torch": ("torch", False), "triton": ("triton", False), "triton_eager": ("triton", True)}
+    for name, (backend, eager) in variants.items():
+        if backend not in backends:
+            continue
         engine = dict(
-            dtype=dtype, attention_backend=backend, kv_device_blocks=blocks, max_num_seqs=max(batches)
-        )
+            dtype=dtype, attention_backend=backend, kv_device_blocks=blocks, max_num_seqs=max(batches),
+            enforce_eager=eager,
+        )  # fmt: skip
         with LLM(str(model_dir), **engine) as llm:
-            decode_tok_s(llm, shape, 2, 32, 4, seed=1)  # warm-up: kernels compiled, allocator sized
-            tok_s[backend] = [decode_tok_s(llm, shape, b, context, new_tokens, seed=10 * b) for b in batches]
-    triton = tok_s.get("triton")
+            for warm in (32, 600):  # warm-up: kernels compiled (one part, several), allocator sized
+                decode_tok_s(llm, shape, 2, warm, 4, seed=warm)
+            tok_s[name] = [decode_tok_s(llm, shape, b, context, new_tokens, seed=10 * b) for b in batches]
     return [
-        DecodeRow(b, context, None if triton is None else triton[i], tok_s["torch"][i])
+        DecodeRow(
+            b,
+            context,
+            *(tok_s[k][i] if k in tok_s else None for k in ("triton", "triton_eager")),
+            tok_s["torch"][i],
+        )  # fmt: skip
         for i, b in enumerate(batches)
     ]

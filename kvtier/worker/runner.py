@@ -32,6 +32,7 @@ from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Sequence, TokenLogprobs
+from kvtier.worker.graphs import Rows, StepGraphs, graph_rows, try_capture
 from kvtier.worker.sampler import prompt_logprobs
 from kvtier.worker.staging import StepStaging
 
@@ -154,8 +155,18 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_groups = model.kv_layout.num_groups
-        self.cache = allocate_kv_pool(model, num_blocks, block_size, device, kv_dtype)
-        self.kv_cache = self.cache.raw  # [NB, *block_shape]: the bytes the tiers move, block by block
+        self.cache = allocate_kv_pool(model, num_blocks + 1, block_size, device, kv_dtype)
+        self.kv_cache = self.cache.raw[:num_blocks]  # [NB, *block_shape]: the bytes the tiers move
+        self.spare_block = num_blocks  # owned by no sequence: the padding rows of a graph write there
+        self.graphs: StepGraphs | None = None  # CUDA graphs of decode-shaped steps (``use_graphs``)
+
+    def use_graphs(self, max_rows: int, max_context: int, capture: bool = True) -> bool:
+        """Run decode-shaped steps of up to ``max_rows`` rows through captured forwards
+        (``kvtier/worker/graphs.py``); False, logged, when capture fails (steps stay eager).
+        ``capture=False``: the same padded static steps, eagerly (how a CPU test runs them)."""
+        graphs = StepGraphs(self.model, self.cache, self.spare_block, max_rows, max_context, capture)
+        self.graphs = try_capture(graphs)
+        return self.graphs is not None
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -187,6 +198,9 @@ class ModelRunner:
 
         The step's integer metadata, copy-on-write pairs included, reaches the device in one transfer
         (``StepStaging``): gathered as Python ints, uploaded, then read through views."""
+        rows = None if self.graphs is None else graph_rows(out, self.block_size, self.graphs.max_rows)
+        if rows is not None:
+            return self._execute_rows(out, rows)
         stage = StepStaging()
         copies = self._stage_copies(stage, out.block_copies)
         plan = self._plan(out, stage)
@@ -199,6 +213,15 @@ class ModelRunner:
         if plan.logits_rows is not None:
             hidden = hidden.index_select(0, stage.get(plan.logits_rows))
         return StepLogits(self.model.compute_logits(hidden), found)
+
+    def _execute_rows(self, out: SchedulerOutput, rows: Rows) -> StepLogits:
+        """A decode-shaped step through its bucket's graph (the same rows, logits and prompt logprobs)."""
+        assert self.graphs is not None
+        self.copy_blocks(out.block_copies)  # before the step reads or writes the copied blocks
+        hidden, sampled = self.graphs.run(rows)
+        wanted = [r for r in self._prompt_rows(out) if r is not None]
+        found = [(r.seq, self._prompt_logprobs(hidden, r)) for r in wanted]
+        return StepLogits(self.model.compute_logits(sampled), found)
 
     @staticmethod
     def _prompt_rows(out: SchedulerOutput) -> list[_PromptRows | None]:
