@@ -59,9 +59,13 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     (overlap,) = s["overlap"]
     assert overlap["load_ms"] > 0 and overlap["forward_ms"] > 0
     assert "check" in smoke["stdout"] and "exact: tiny-qwen3 torch swap" in smoke["stdout"]
-    step, *ops = s["profile"]
-    assert step["name"] == "step (wall)" and step["host_ms_per_step"] > 0
-    assert any(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in ops)
+    scopes = {r["scope"] for r in s["profile"]}
+    assert scopes == {"decode step", f"host load {sorted(gpu.TINY.ttft_lengths)[1]}"}
+    for scope in scopes:
+        wall, *ops = [r for r in s["profile"] if r["scope"] == scope]
+        assert wall["name"] == "wall" and wall["host_ms_per_step"] > 0
+        assert any(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in ops)
+    assert any(r["name"] == "aten::index_copy_" for r in s["profile"] if r["scope"] != "decode step")
 
 
 def test_a_reference_from_other_weights_fails_the_exactness_check(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
     decode    tokens/s at batch 1 / 16 / 64: Triton kernels vs gather + SDPA (1B shape, bf16)
     overlap   how much of a host→device load the forward hides (the engine's order, and the bound)
     ttft      2k / 8k / 32k-token prompts: recompute vs host-tier load vs device hit (1B shape, bf16)
-    profile   where a decode step's time goes: torch.profiler's top operators per step (batch 1)
+    profile   where a decode step's time goes (batch 1) and a host-tier load's (8k tokens):
+              torch.profiler's top operators, runtime calls and copies
 
 The last table checks the issue's targets: host load of an 8k prefix ≥ 10x faster than recomputing it,
 mover ≥ 80% of cudaMemcpy, Triton decode at batch 64 ≥ 3x the torch path. Results also go to ``--json``
@@ -231,11 +232,13 @@ def _overlap(plan: Plan, workdir: Path) -> list[Any]:
 
 def _profile(plan: Plan, workdir: Path) -> list[Any]:
     from kvtier.bench.gpu_models import SHAPES
-    from kvtier.bench.gpu_profile import profile_rows
+    from kvtier.bench.gpu_profile import host_load_rows, profile_rows
 
     name = plan.speed_shape
     backend = backends(_device_type())[-1]
-    return profile_rows(_checkpoint(name, workdir), SHAPES[name], plan.dtype, backend, *plan.profile)
+    model = _checkpoint(name, workdir)
+    decode = profile_rows(model, SHAPES[name], plan.dtype, backend, *plan.profile)
+    return decode + host_load_rows(model, SHAPES[name], plan.ttft_lengths, plan.dtype, backend)
 
 
 SECTION_RUNNERS = {
