@@ -68,6 +68,22 @@ def test_tables_are_cut_to_the_blocks_read_and_padding_rows_read_the_spare_block
     assert _padded_tables([[7, 3, 5], [8]], 2, 1, 99) == [7, 3, 8, 8, 99, 99]
 
 
+@pytest.mark.parametrize(
+    "max_rows,buckets",
+    [
+        (16, (1, 2, 4, 8, 16)),
+        (100, (1, 2, 4, 8, 16, 32, 64, 100)),
+        (2048, (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+    ],
+)
+def test_buckets_end_at_the_step_budget_or_256_rows(
+    tiny_llama_dir: Any, max_rows: int, buckets: tuple
+) -> None:
+    runner = LLM(str(tiny_llama_dir()), kv_device_blocks=8).engine.runner
+    graphs = StepGraphs(runner.model, runner.cache, runner.spare_block, max_rows, 64, capture=False)
+    assert graphs.buckets == buckets and graphs.max_rows == buckets[-1]
+
+
 # ------------------------------------------------------------------------------ the engine
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
 

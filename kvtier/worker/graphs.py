@@ -101,11 +101,12 @@ class StepGraphs:
         self.model, self.cache, self.spare_block = model, cache, spare_block
         self.block_size = cache.block_size
         self.max_context = max_context
-        self.buckets = tuple(b for b in BUCKETS if b < max_rows) + (min(max_rows, BUCKETS[-1]),)
+        top = min(max_rows, BUCKETS[-1])
+        self.buckets = tuple(b for b in BUCKETS if b < top) + (top,)
         self.max_rows = self.buckets[-1]
         self.max_blocks = -(-max_context // self.block_size)
         dev = cache.raw.device
-        self.meta = torch.zeros(5, self.max_rows, dtype=torch.long, device=dev)  # [5, R] see _PAD
+        self.meta = torch.zeros(5, self.max_rows, dtype=torch.long, device=dev)  # [5, R]: _pad_column's rows
         self.tables = torch.full((self.max_rows, self.max_blocks), spare_block, dtype=torch.long, device=dev)
         self.meta.copy_(torch.tensor(self._pad_column(), dtype=torch.long)[:, None].expand(5, self.max_rows))
         self.capture = capture
