@@ -26,7 +26,9 @@ def serial(plan: SwapPlan, device: list[str], host: list[str]) -> tuple[list[str
     return device, host
 
 
-def hostile(plan: SwapPlan, device: list[str], host: list[str], chunks: int) -> tuple[list[str], list[str]]:
+def hostile(
+    plan: SwapPlan, device: list[str], host: list[str], chunks: int | None
+) -> tuple[list[str], list[str]]:
     """``two_way``'s plan run with loads as early as their waits allow: each load runs before the first
     store chunk it does not wait for (a load that waits for none runs before any store)."""
     device, host = device[:], host[:]
@@ -81,8 +83,18 @@ def test_random_plans_in_the_hostile_order_equal_the_serial_order() -> None:
         targets = rng.sample(evicted, rng.randint(0, len(evicted))) + rng.sample(free, rng.randint(0, 6))
         sources = rng.sample(range(num_host), len(targets))  # may read a host block a store writes
         plan = SwapPlan(stores=stores, loads=list(zip(sources, targets, strict=True)))
-        chunks = rng.randint(1, 5)
+        chunks = rng.choice([None, 1, 2, 3, 5])  # None: an event after every store run (the mover's)
         assert hostile(plan, device, host, chunks) == serial(plan, device, host), (trial, plan)
+
+
+def test_with_an_event_per_store_run_each_load_waits_for_the_store_it_needs() -> None:
+    """A prefix evicted tail first comes back into the blocks freed for it, in eviction order: the
+    first load runs after the first store run, not after all of them."""
+    stores = [(100 + i, 40 + i) for i in range(8)]  # device 100..107 -> host 40..47, in eviction order
+    loads = [(7 - i, 100 + i) for i in range(8)]  # the prefix (host 0..7, tail first) into 100..107
+    store_chunks, waits = two_way(SwapPlan(stores=stores, loads=loads), BIG, 2)
+    assert [c[0][0] for c in store_chunks] == [40, 42, 44, 46]  # four runs of two: an event after each
+    assert [(after, run[0]) for after, run in waits] == [(0, 6), (1, 4), (2, 2), (3, 0)]
 
 
 def test_runs_stay_whole_and_no_stores_means_no_waits() -> None:

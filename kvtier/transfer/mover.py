@@ -36,7 +36,9 @@ from kvtier.transfer.copy_plan import Run, consecutive, load_runs, store_runs, t
 from kvtier.worker.staging import StepStaging
 
 CHUNK_BYTES = 256 * 2**20  # host buffer allocation unit: pinning one huge buffer can fail or stall
-RUN_BYTES = 64 * 2**20  # the most one copy moves: a run's device staging buffer stays this small
+RUN_BYTES = (
+    16 * 2**20
+)  # the most one copy moves: small staging buffers, and a load follows its store by one run
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
