@@ -98,14 +98,10 @@ def build_model(
     return model
 
 
-def _graphs_apply(args: EngineArgs, device: torch.device, attention: str, model: LlamaModel) -> bool:
+def _graphs_apply(args: EngineArgs, device: torch.device, attention: str) -> bool:
     """CUDA graphs for decode-shaped steps (kvtier/worker/graphs.py): on CUDA, with the Triton kernels,
-    for a model of full-attention layers in one KV group, unless ``--enforce-eager``."""
-    layout = model.kv_layout
-    dense = layout.is_dense and not layout.has_sliding
-    return (
-        device.type == "cuda" and attention == attention_backend.TRITON and dense and not args.enforce_eager
-    )
+    unless ``--enforce-eager``."""
+    return device.type == "cuda" and attention == attention_backend.TRITON and not args.enforce_eager
 
 
 def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, device: torch.device):
@@ -162,7 +158,7 @@ def assemble(args: EngineArgs, loaded: LoadedModel) -> EngineParts:
     attention = attention_backend.resolve(args.attention_backend, device.type)  # ConfigError: cannot run
     model = build_model(loaded, config, device, args.weight_dtype, attention)
     runner, tiers, mover, kv = _kv_side(loaded, config, model, device)
-    if _graphs_apply(args, device, attention, model):
+    if _graphs_apply(args, device, attention):
         runner.use_graphs(config.scheduler.max_num_batched_tokens, config.max_model_len)
     eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(config.model.eos_token_ids)))
     cost_model = CostModel(cache.block_bytes)

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from kvtier.llm import LLM  # noqa: E402
 from kvtier.sampling_params import SamplingParams  # noqa: E402
 from kvtier.worker.graphs import MAX_CHUNK_ROWS, StepGraphs, _padded_tables, graph_rows  # noqa: E402
+from tests.test_qwen3 import tiny_checkpoint  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
@@ -50,7 +51,7 @@ def test_decodes_then_a_chunk_after_cached_tokens_become_rows() -> None:
     assert rows.ids == [19, 34, 59, 60, 61]
     assert rows.positions == [9, 4, 9, 10, 11]
     assert rows.lens == [10, 5, 10, 11, 12]
-    assert rows.slot_blocks == [5, 2, 6, 6, 6]  # table[p // 4]
+    assert rows.slot_blocks == [[5, 2, 6, 6, 6]]  # table[p // 4], one KV group
     assert rows.logits_rows == [0, 1, 4]  # the chunk samples from its last row only
 
 
@@ -94,9 +95,9 @@ def prompts() -> list[list[int]]:
     return [shared + [7, 8], torch.randint(3, 500, (9,), generator=gen).tolist(), shared + [11, 12, 13]]
 
 
-def answers(tiny: str, graphs: bool) -> tuple[list[list[int]], list[Any], int]:
+def answers(model: str, graphs: bool) -> tuple[list[list[int]], list[Any], int]:
     """The first prompt alone, then all three (the third a prefix hit); tokens, logprobs, graph steps."""
-    llm = LLM(tiny, attention_backend="triton", block_size=BS, kv_device_blocks=64, max_num_seqs=4)
+    llm = LLM(model, attention_backend="triton", block_size=BS, kv_device_blocks=64, max_num_seqs=4)
     runs = [0]
     if graphs:
         runner = llm.engine.runner
@@ -114,9 +115,30 @@ def tiny(tiny_llama_dir: Any) -> str:
     return str(tiny_llama_dir())
 
 
-def test_an_engine_through_static_padded_steps_answers_as_the_eager_one(tiny: str) -> None:
-    want_tokens, want_logprobs, _ = answers(tiny, graphs=False)
-    tokens, logprobs, graph_steps = answers(tiny, graphs=True)
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Tiny Gemma 3: a sliding layer (6-token window: its own KV group) and a full one."""
+    return str(
+        tiny_checkpoint(
+            tmp_path_factory.mktemp("gemma_graphs"),
+            "gemma3",
+            num_hidden_layers=2,
+            head_dim=64,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=False,
+        )  # fmt: skip
+    )
+
+
+@pytest.mark.parametrize("model", ["tiny", "gemma"])
+def test_an_engine_through_static_padded_steps_answers_as_the_eager_one(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """Llama (one KV group) and Gemma 3 (a full and a sliding group, the window cutting the contexts)."""
+    directory = request.getfixturevalue(model)
+    want_tokens, want_logprobs, _ = answers(directory, graphs=False)
+    tokens, logprobs, graph_steps = answers(directory, graphs=True)
     assert tokens == want_tokens
     assert graph_steps >= 5 * 2  # every decode step of both calls, and the prefix hit's last block
     for got, want in zip(logprobs, want_logprobs, strict=True):

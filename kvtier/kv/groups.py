@@ -224,3 +224,13 @@ def kv_layout(layer_types: Sequence[str], sliding_window: int | None) -> KVLayou
         num_groups = -(-len(layers) // size)
         groups += [KVGroupSpec(kind, window, tuple(layers[i::num_groups])) for i in range(num_groups)]
     return KVLayout(tuple(groups), size)
+
+
+def readable_table(table: Sequence[int]) -> Sequence[int]:
+    """A block table with its null entries (``NULL_BLOCK_ID``: they only lead a sliding group's table)
+    replaced by the row's first valid block: a gather may read them (padding, a view's leading blocks)
+    but the mask discards them, and 0 x NaN is NaN, so they must hold this request's own bytes."""
+    if not table or table[0] != NULL_BLOCK_ID:
+        return table
+    fill = next(b for b in table if b != NULL_BLOCK_ID)
+    return [fill if b == NULL_BLOCK_ID else b for b in table]

@@ -6,8 +6,10 @@ block) whose tokens become rows, token ``p`` attending to positions ``< p + 1``.
 Triton decode kernel over ``rows`` rows, padded to a bucket whose forward was captured once::
 
     buckets  1 2 4 8 16 32 64 128 256 rows (up to the step's token budget), captured at start
-    static   meta    [5, max_rows] int64: token ids, positions, slot blocks, slot offsets, context lens
-             tables  [max_rows, max_blocks] int64: each row's block table (only its leading blocks read)
+    static   meta    [4 + G, max_rows] int64: token ids, positions, slot offsets, context lengths, and
+                     each KV group's slot blocks
+             tables  [G, max_rows, max_blocks] int64: each row's block table in each KV group (a row
+                     reads only the blocks its context reaches; a sliding layer only its window's)
     a step   staged in one upload (``StepStaging``), copied into the leading rows and columns of the
              static tensors, then the bucket's graph replays; its hidden states [rows, hidden] come back
              (the logits are computed eagerly, for the rows that sample)
@@ -18,10 +20,10 @@ Why: on an H200 a batch-1 decode step of a 1B model launched ~490 kernels (RMSNo
 four GEMMs, attention, per layer) from Python, 17 ms of host time around ~2 ms of device work; a host-
 tier hit's time to first token was the same eager step.
 
-Only on CUDA with the Triton backend and one full-attention KV group (Llama, Qwen3 shapes); a hybrid
-model (Gemma 3's sliding layers), another backend, ``--enforce-eager`` or a CPU run every step eagerly.
-A capture that fails logs once and leaves every step eager. The decode kernel's parts per row are fixed
-at capture for ``max_context`` (a short context leaves parts empty), so a graph never recompiles.
+Only on CUDA with the Triton backend (Llama, Qwen3, and Gemma 3's KV groups: the decode kernel starts a
+sliding layer's keys at its window itself); another backend, ``--enforce-eager`` or a CPU run every step
+eagerly. A capture that fails logs once and leaves every step eager. The decode kernel's parts per row
+are fixed at capture for ``max_context`` (a short context leaves parts empty): a graph never recompiles.
 ``capture=False`` runs the same padded static step eagerly: how the tests check the padding and the
 row layout on a CPU (through Triton's interpreter).
 """
@@ -29,10 +31,12 @@ row layout on a CPU (through Triton's interpreter).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.kv.groups import readable_table
 from kvtier.models.attention import AttentionMetadata, DecodeGroup
 from kvtier.models.kv_quant import PagedKVCache
 from kvtier.models.llama import LlamaModel
@@ -48,42 +52,55 @@ MAX_CHUNK_ROWS = 32  # a prefill chunk after cached tokens of at most this many 
 @dataclass
 class Rows:
     """A decode-shaped step, row by row (decodes first, then each chunk's tokens in order: the eager
-    step's row layout, so prompt-logprob rows are the same)."""
+    step's row layout, so prompt-logprob rows are the same), over ``num_groups`` KV groups."""
 
+    num_groups: int = 1
     ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    slot_blocks: list[int] = field(default_factory=list)  # the block each row's K/V is written to
     lens: list[int] = field(default_factory=list)  # context length, the row's own token included
-    tables: list[list[int]] = field(default_factory=list)  # each row's block table (shared by a chunk)
+    slot_blocks: list[list[int]] = field(default_factory=list)  # [G][rows] where each row's K/V goes
+    tables: list[list[Sequence[int]]] = field(default_factory=list)  # [G][rows] (shared by a chunk's)
     logits_rows: list[int] = field(default_factory=list)  # the rows that sample
 
-    def add(self, token: int, position: int, table: list[int], block_size: int) -> None:
+    def __post_init__(self) -> None:
+        self.slot_blocks = [[] for _ in range(self.num_groups)]
+        self.tables = [[] for _ in range(self.num_groups)]
+
+    def add(self, token: int, position: int, tables: Sequence[Sequence[int]], block_size: int) -> None:
+        """One row: ``tables`` holds the sequence's table of every KV group (``readable_table``'s)."""
         self.ids.append(token)
         self.positions.append(position)
-        self.slot_blocks.append(table[position // block_size])
         self.lens.append(position + 1)
-        self.tables.append(table)
+        for g, table in enumerate(tables):
+            self.slot_blocks[g].append(table[position // block_size])
+            self.tables[g].append(table)
 
 
-def graph_rows(out: SchedulerOutput, block_size: int, max_rows: int) -> Rows | None:
+def graph_rows(out: SchedulerOutput, block_size: int, max_rows: int, num_groups: int = 1) -> Rows | None:
     """``out`` as rows when it is decode-shaped and fits ``max_rows``; None: run it eagerly."""
     if len(out.decodes) + sum(s.num_new_tokens for s in out.prefills) > max_rows:
         return None
     if any(s.num_computed_tokens == 0 or s.num_new_tokens > MAX_CHUNK_ROWS for s in out.prefills):
         return None
-    rows = Rows()
+    rows = Rows(num_groups)
     for s in out.decodes:
         p = s.num_computed_tokens
-        rows.add(s.seq.token_ids[p], p, list(s.block_tables[0]), block_size)
+        rows.add(s.seq.token_ids[p], p, _readable(s.block_tables, num_groups), block_size)
         if s.samples:
             rows.logits_rows.append(len(rows.ids) - 1)
     for s in out.prefills:
-        c, n, table = s.num_computed_tokens, s.num_new_tokens, list(s.block_tables[0])
+        c, n, tables = s.num_computed_tokens, s.num_new_tokens, _readable(s.block_tables, num_groups)
         for p in range(c, c + n):
-            rows.add(s.seq.token_ids[p], p, table, block_size)
+            rows.add(s.seq.token_ids[p], p, tables, block_size)
         if s.samples:
             rows.logits_rows.append(len(rows.ids) - 1)
     return rows
+
+
+def _readable(tables: Sequence[Sequence[int]], num_groups: int) -> list[Sequence[int]]:
+    """Each group's table with a sliding group's null entries (released blocks, never read: they lie
+    before the window) replaced by a block of the sequence's own."""
+    return [readable_table(tables[g]) for g in range(num_groups)]
 
 
 class StepGraphs:
@@ -99,6 +116,7 @@ class StepGraphs:
         capture: bool = True,
     ) -> None:
         self.model, self.cache, self.spare_block = model, cache, spare_block
+        self.num_groups = model.kv_layout.num_groups
         self.block_size = cache.block_size
         self.max_context = max_context
         top = min(max_rows, BUCKETS[-1])
@@ -106,15 +124,17 @@ class StepGraphs:
         self.max_rows = self.buckets[-1]
         self.max_blocks = -(-max_context // self.block_size)
         dev = cache.raw.device
-        self.meta = torch.zeros(5, self.max_rows, dtype=torch.long, device=dev)  # [5, R]: _pad_column's rows
-        self.tables = torch.full((self.max_rows, self.max_blocks), spare_block, dtype=torch.long, device=dev)
-        self.meta.copy_(torch.tensor(self._pad_column(), dtype=torch.long)[:, None].expand(5, self.max_rows))
+        pad = self._pad_column()  # [4 + G, R]: ids, positions, offsets, lens, each group's slot blocks
+        self.meta = torch.tensor(pad, dtype=torch.long)[:, None].repeat(1, self.max_rows).to(dev)
+        self.tables = torch.full(  # [G, R, max_blocks]: each group's block table of each row
+            (self.num_groups, self.max_rows, self.max_blocks), spare_block, dtype=torch.long, device=dev
+        )
         self.capture = capture
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
 
     def _pad_column(self) -> list[int]:
-        """A padding row: token 0, position 0, the spare block, offset 0, a context of 1."""
-        return [0, 0, self.spare_block, 0, 1]
+        """A padding row: token 0, position 0, offset 0, a context of 1, the spare block in every group."""
+        return [0, 0, 0, 1] + [self.spare_block] * self.num_groups
 
     # ------------------------------------------------------------------------------ capture
     @torch.inference_mode()
@@ -136,17 +156,19 @@ class StepGraphs:
         return graph, hidden
 
     def _forward(self, b: int) -> torch.Tensor:  # [b, hidden]
-        """The model over the first ``b`` static rows, as decode rows of one KV group."""
-        decode = DecodeGroup(
-            num_seqs=b,
-            block_tables=self.tables[:b].reshape(-1),
-            max_blocks=self.max_blocks,
-            max_context=self.max_context,
-            mask=None,
-        )
-        decode._lens = self.meta[4, :b]
-        meta = AttentionMetadata(self.meta[2, :b], self.meta[3, :b], decode, [])
-        return self.model.forward(self.meta[0, :b], self.meta[1, :b], self.cache, (meta,))
+        """The model over the first ``b`` static rows, as decode rows of every KV group."""
+        metas = []
+        for g in range(self.num_groups):
+            decode = DecodeGroup(
+                num_seqs=b,
+                block_tables=self.tables[g, :b].reshape(-1),
+                max_blocks=self.max_blocks,
+                max_context=self.max_context,
+                mask=None,
+            )
+            decode._lens = self.meta[3, :b]
+            metas.append(AttentionMetadata(self.meta[4 + g, :b], self.meta[2, :b], decode, []))
+        return self.model.forward(self.meta[0, :b], self.meta[1, :b], self.cache, tuple(metas))
 
     # ------------------------------------------------------------------------------ a step
     def bucket(self, num_rows: int) -> int:
@@ -161,14 +183,15 @@ class StepGraphs:
         pad = b - n
         stage = StepStaging()
         offsets = [p % self.block_size for p in rows.positions]
-        columns = (rows.ids, rows.positions, rows.slot_blocks, offsets, rows.lens)  # meta's rows
+        columns = (rows.ids, rows.positions, offsets, rows.lens, *rows.slot_blocks)  # meta's rows
         meta = stage.add(v for column, fill in zip(columns, self._pad_column(), strict=True)
                          for v in column + [fill] * pad)  # fmt: skip
-        tables = stage.add(_padded_tables(rows.tables, width, pad, self.spare_block))
+        tables = stage.add(v for g in range(self.num_groups)
+                           for v in _padded_tables(rows.tables[g], width, pad, self.spare_block))  # fmt: skip
         sampled = stage.add(rows.logits_rows)
         stage.upload(self.meta.device)
-        self.meta[:, :b].copy_(stage.get(meta).view(5, b))
-        self.tables[:b, :width].copy_(stage.get(tables).view(b, width))
+        self.meta[:, :b].copy_(stage.get(meta).view(len(columns), b))
+        self.tables[:, :b, :width].copy_(stage.get(tables).view(self.num_groups, b, width))
         graph, hidden = self._graphs[b]
         if graph is None:
             hidden = self._forward(b)
@@ -181,12 +204,12 @@ class StepGraphs:
         return rows_hidden, rows_hidden.index_select(0, stage.get(sampled))
 
 
-def _padded_tables(tables: list[list[int]], width: int, pad: int, spare: int) -> list[int]:
+def _padded_tables(tables: Sequence[Sequence[int]], width: int, pad: int, spare: int) -> list[int]:
     """[rows + pad, width] row-major: each row's first ``width`` blocks, past its end its own first block
     (never read: the context length bounds the reads), then ``pad`` rows of the spare block."""
     flat: list[int] = []
     for table in tables:
-        row = table[:width]
+        row = list(table[:width])
         flat.extend(row)
         flat.extend(row[:1] * (width - len(row)))
     flat.extend([spare] * (width * pad))

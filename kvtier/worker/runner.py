@@ -21,12 +21,11 @@ built on the device. No other host-to-device copy happens in ``execute``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.kv.groups import NULL_BLOCK_ID, KVLayout
+from kvtier.kv.groups import KVLayout, readable_table
 from kvtier.models.attention import AttentionMetadata, DecodeGroup, PrefillGroup
 from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
@@ -54,16 +53,6 @@ def allocate_kv_pool(
     slots = (layout or model.kv_layout).layers_per_group
     fmt = KVFormat(kv_dtype or _DTYPE_NAMES[model.dtype], model.dtype)
     return PagedKVCache(fmt, num_blocks, (slots, block_size, c.num_kv_heads, c.head_dim), device)
-
-
-def readable_table(table: Seq[int]) -> Seq[int]:
-    """A block table with its null entries (``NULL_BLOCK_ID``: they only lead a sliding group's table)
-    replaced by the row's first valid block: a gather may read them (padding, a view's leading blocks)
-    but the mask discards them, and 0 x NaN is NaN, so they must hold this request's own bytes."""
-    if not table or table[0] != NULL_BLOCK_ID:
-        return table
-    fill = next(b for b in table if b != NULL_BLOCK_ID)
-    return [fill if b == NULL_BLOCK_ID else b for b in table]
 
 
 PROMPT_LOGITS_ROWS = 256  # prompt-logprob rows turned into logits at once ([256, V] float32: ~50 MB)
@@ -198,7 +187,8 @@ class ModelRunner:
 
         The step's integer metadata, copy-on-write pairs included, reaches the device in one transfer
         (``StepStaging``): gathered as Python ints, uploaded, then read through views."""
-        rows = None if self.graphs is None else graph_rows(out, self.block_size, self.graphs.max_rows)
+        graphs = self.graphs
+        rows = None if graphs is None else graph_rows(out, self.block_size, graphs.max_rows, self.num_groups)
         if rows is not None:
             return self._execute_rows(out, rows)
         stage = StepStaging()
