@@ -247,6 +247,7 @@ class LLMEngine:
         finally:
             if self.kv_events is not None:
                 self.kv_events.end_step()  # the step's KV events, one batch (published in the background)
+            self.insight.catch_up()  # the sizing trackers' backlog, a slice at a time under steady load
 
     def _step(self) -> list[RequestOutput]:
         self._poll_tiers()

@@ -61,6 +61,25 @@ def test_replayed_late_or_at_once_the_curves_are_the_same(tiny: str) -> None:
     assert lazy.engine.kv_advice() == eager.engine.kv_advice()
 
 
+def test_under_steady_load_each_step_replays_a_slice_and_the_curves_stay_exact(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No idle moment: past the soft limit a step replays the oldest events, a few keys at a time, so
+    the backlog stays near that limit; the curves end as if replayed at once."""
+    monkeypatch.setattr(hub, "SOFT_BACKLOG_KEYS", 12)
+    monkeypatch.setattr(hub, "STEP_SLICE_KEYS", 6)
+    eager, busy = engine(tiny), engine(tiny)
+    most = 0
+    for prompt in PROMPTS + PROMPTS[::-1]:
+        for llm in (eager, busy):
+            llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+        while eager.engine.run_idle_work():
+            pass
+        most = max(most, busy.engine.insight._backlog_keys)
+    assert busy.engine.insight.has_backlog and most < 12 + 40  # the limit, and one request's keys
+    assert busy.engine.insight.snapshots() == eager.engine.insight.snapshots()
+
+
 def test_a_backlog_past_its_cap_replays_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub, "MAX_BACKLOG_KEYS", 10)
     insight = CacheInsight(0.0, 16, "float32")

@@ -15,7 +15,9 @@
 The trackers are bookkeeping, not serving: the events they replay (every block of every lookup,
 thirteen simulated sizes per lower tier) are queued as they happen and replayed in order by ``drain``,
 which the engine runs when no request waits (``LLMEngine.run_idle_work``), and which ``advice`` and
-``snapshots`` run before they read. A backlog past ``MAX_BACKLOG_KEYS`` drains at once (bounded memory).
+``snapshots`` run before they read. Under steady load (no idle moment), a backlog past
+``SOFT_BACKLOG_KEYS`` replays a slice after each step (``catch_up``); past ``MAX_BACKLOG_KEYS`` it drains
+at once (bounded memory).
 The counters and the canary see each event as it happens.
 
 The device pool is an LRU over one stream (every lookup, computed and freed block): a reuse-distance
@@ -41,7 +43,11 @@ from kvtier.kv.computed import AdoptedPrefix
 from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium
 
-MAX_BACKLOG_KEYS = 1 << 16  # block keys queued for the trackers before a drain is forced
+# Block keys queued for the trackers: past SOFT, each step replays a slice of STEP_SLICE (a server under
+# steady load never idles); past MAX, all at once (a bound on memory whatever happens).
+SOFT_BACKLOG_KEYS = 1 << 13
+STEP_SLICE_KEYS = 1 << 11
+MAX_BACKLOG_KEYS = 1 << 20
 
 
 class _Coordinator(Protocol):  # kvtier.tiers.coordinator.TierCoordinator, as attach uses it
@@ -115,12 +121,29 @@ class CacheInsight:
     def has_backlog(self) -> bool:
         return bool(self._backlog)
 
-    def drain(self) -> None:
-        """Replay the queued events into the trackers, in the order they happened."""
-        backlog, self._backlog, self._backlog_keys = self._backlog, [], 0
-        for replay, args in backlog:
+    def drain(self, max_keys: int | None = None) -> None:
+        """Replay the queued events into the trackers, in the order they happened: all of them (and the
+        offers they hold back), or the oldest, up to ``max_keys`` block keys."""
+        if max_keys is None:
+            backlog, self._backlog, self._backlog_keys = self._backlog, [], 0
+            for replay, args in backlog:
+                replay(*args)
+            self._flush_offers()
+            return
+        done = keys = 0
+        for replay, args in self._backlog:
+            if keys >= max_keys:
+                break
             replay(*args)
-        self._flush_offers()
+            keys += len(args[-1])
+            done += 1
+        del self._backlog[:done]
+        self._backlog_keys -= keys
+
+    def catch_up(self) -> None:
+        """After a step: a slice of a backlog past ``SOFT_BACKLOG_KEYS`` (the rest waits for idle time)."""
+        if self._backlog_keys > SOFT_BACKLOG_KEYS:
+            self.drain(STEP_SLICE_KEYS)
 
     def snapshots(self) -> dict[Medium, Any]:
         """Every tracker's snapshot, the backlog replayed first."""
