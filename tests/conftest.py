@@ -149,6 +149,23 @@ _ARCHS = {
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_sliding_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Gemma 3: a sliding layer (6-token window: its own KV group) and a full one, head_dim 64,
+    2 query heads per KV head."""
+    from tests.test_qwen3 import tiny_checkpoint
+
+    return tiny_checkpoint(
+        tmp_path_factory.mktemp("gemma_sliding"),
+        "gemma3",
+        num_hidden_layers=2,
+        head_dim=64,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Factory: a tiny random-weight HF checkpoint saved with ``save_pretrained`` + the tiny tokenizer.
 

@@ -10,6 +10,7 @@ included.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,7 +23,6 @@ pytest.importorskip("triton")
 from kvtier.llm import LLM  # noqa: E402
 from kvtier.sampling_params import SamplingParams  # noqa: E402
 from kvtier.worker.graphs import MAX_CHUNK_ROWS, StepGraphs, _padded_tables, graph_rows  # noqa: E402
-from tests.test_qwen3 import tiny_checkpoint  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
@@ -116,19 +116,8 @@ def tiny(tiny_llama_dir: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Tiny Gemma 3: a sliding layer (6-token window: its own KV group) and a full one."""
-    return str(
-        tiny_checkpoint(
-            tmp_path_factory.mktemp("gemma_graphs"),
-            "gemma3",
-            num_hidden_layers=2,
-            head_dim=64,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"],
-            tie_word_embeddings=False,
-        )  # fmt: skip
-    )
+def gemma(tiny_gemma3_sliding_dir: Path) -> str:
+    return str(tiny_gemma3_sliding_dir)
 
 
 @pytest.mark.parametrize("model", ["tiny", "gemma"])

@@ -38,7 +38,6 @@ from kvtier.models.attention import (  # noqa: E402
     write_kv,
 )
 from kvtier.models.kv_quant import KVFormat, PagedKVCache  # noqa: E402
-from tests.test_qwen3 import tiny_checkpoint  # noqa: E402
 
 INTERPRETED = attention_backend.interpreting()
 DEVICE = torch.device("cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda")
@@ -325,18 +324,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Gemma 3: a sliding layer (6-token window) and a full one, head_dim 64, 2 query heads per KV
-    head."""
-    return tiny_checkpoint(
-        tmp_path_factory.mktemp("gemma_triton"),
-        "gemma3",
-        num_hidden_layers=2,
-        head_dim=64,
-        sliding_window=6,
-        layer_types=["sliding_attention", "full_attention"],
-        tie_word_embeddings=False,
-    )
+def gemma_dir(tiny_gemma3_sliding_dir: Path) -> Path:
+    return tiny_gemma3_sliding_dir
 
 
 def engine_prompts() -> list[list[int]]:

@@ -36,9 +36,8 @@ from kvtier.transfer.copy_plan import Run, consecutive, load_runs, store_runs, t
 from kvtier.worker.staging import StepStaging
 
 CHUNK_BYTES = 256 * 2**20  # host buffer allocation unit: pinning one huge buffer can fail or stall
-RUN_BYTES = (
-    16 * 2**20
-)  # the most one copy moves: small staging buffers, and a load follows its store by one run
+# The most one copy moves: small staging buffers, and a load follows the store it waits for by one run.
+RUN_BYTES = 16 * 2**20
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
