@@ -242,12 +242,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        # The sizing trackers' backlog, a slice at a time under steady load: before this step, not
+        # after the last one, whose tokens were out without waiting for it.
+        self.insight.catch_up()
         try:
             return self._step()
         finally:
             if self.kv_events is not None:
                 self.kv_events.end_step()  # the step's KV events, one batch (published in the background)
-            self.insight.catch_up()  # the sizing trackers' backlog, a slice at a time under steady load
 
     def _step(self) -> list[RequestOutput]:
         self._poll_tiers()

@@ -16,7 +16,7 @@ The trackers are bookkeeping, not serving: the events they replay (every block o
 thirteen simulated sizes per lower tier) are queued as they happen and replayed in order by ``drain``,
 which the engine runs when no request waits (``LLMEngine.run_idle_work``), and which ``advice`` and
 ``snapshots`` run before they read. Under steady load (no idle moment), a backlog past
-``SOFT_BACKLOG_KEYS`` replays a slice after each step (``catch_up``); past ``MAX_BACKLOG_KEYS`` it drains
+``SOFT_BACKLOG_KEYS`` replays a slice before each step (``catch_up``); past ``MAX_BACKLOG_KEYS`` it drains
 at once (bounded memory).
 The counters and the canary see each event as it happens.
 
@@ -141,7 +141,7 @@ class CacheInsight:
         self._backlog_keys -= keys
 
     def catch_up(self) -> None:
-        """After a step: a slice of a backlog past ``SOFT_BACKLOG_KEYS`` (the rest waits for idle time)."""
+        """Before a step: a slice of a backlog past ``SOFT_BACKLOG_KEYS`` (the rest waits for idle time)."""
         if self._backlog_keys > SOFT_BACKLOG_KEYS:
             self.drain(STEP_SLICE_KEYS)
 

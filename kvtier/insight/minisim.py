@@ -41,6 +41,9 @@ from kvtier.insight.mrc import MODULUS, key_hash
 # Simulated sizes, as factors of the tier's capacity (the advice's curve points and the steps between).
 FACTORS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
+# A shrink frees this fraction of ``max_keys`` (1/32: the rate drops in steps of ~3%, not per key).
+SHRINK_SLACK = 32
+
 
 @dataclass(frozen=True)
 class SimSnapshot:
@@ -77,29 +80,36 @@ class _MiniCache:
         self.size = size
         self.held: OrderedDict[bytes, None] = OrderedDict()
         self.hits = 0.0
+        self.limit = round(size)  # blocks held at most: ``rate x size`` (``set_rate``)
 
-    def limit(self, rate: float) -> int:
-        return max(0, round(self.size * rate))
+    def set_rate(self, rate: float) -> None:
+        """The sampling rate dropped: hold ``rate x size`` blocks, the least recently used go."""
+        self.limit = max(0, round(self.size * rate))
+        while len(self.held) > self.limit:
+            self.held.popitem(last=False)
 
-    def insert(self, key: bytes, rate: float, pinned: Set[bytes] = frozenset()) -> bool:
+    def insert(self, key: bytes, pinned: Set[bytes] = frozenset()) -> bool:
         """Store ``key`` unless held, evicting the least recently used block that is not ``pinned``;
         False if every other block is pinned (the store is dropped)."""
-        if key in self.held:
+        held = self.held
+        if key in held:
             return False
-        self.held[key] = None
-        while len(self.held) > self.limit(rate):
-            victim = next((k for k in self.held if k not in pinned and k != key), None)
-            if victim is None:
-                del self.held[key]
-                return False
-            del self.held[victim]
+        held[key] = None
+        while len(held) > self.limit:
+            victim = next(iter(held))  # the LRU end: pinned blocks sit at the MRU end, mostly
+            if victim in pinned or victim == key:
+                victim = next((k for k in held if k not in pinned and k != key), None)
+                if victim is None:
+                    del held[key]
+                    return False
+            del held[victim]
         return True
 
-    def insert_all(self, keys: Sequence[bytes], rate: float, pinned: set[bytes]) -> None:
+    def insert_all(self, keys: Sequence[bytes], pinned: set[bytes]) -> None:
         """One step's stores: blocks stored earlier in the step are reserved (not evictable) until the
         step's copies complete, like ``pinned`` (the step's hits, being loaded)."""
         for key in keys:
-            if self.insert(key, rate, pinned):
+            if self.insert(key, pinned):
                 pinned.add(key)
 
 
@@ -143,19 +153,19 @@ class TierSimulator:
             hits = [key for _, key in sampled[:n]]
             for key in hits:  # the MRU end: stores evict from the LRU end without scanning past them
                 cache.held.move_to_end(key)
-            cache.insert_all(offered, self.rate, set(hits))
+            cache.insert_all(offered, set(hits))
             for key in hits:  # then the most recent, after the stores
                 cache.held.move_to_end(key)
             cache.hits += n / self.rate
             for i, key in sampled[n:]:
                 if i < len(promoted) and promoted[i]:
-                    cache.insert(key, self.rate)
+                    cache.insert(key)
 
     def offer(self, keys: Sequence[bytes]) -> None:
         """Blocks the tier above hands down (write-back or write-through): stored iff not held."""
         sampled = [k for k in keys if self._sample(k)]
         for cache in self.caches:
-            cache.insert_all(sampled, self.rate, set())
+            cache.insert_all(sampled, set())
 
     def snapshot(self) -> SimSnapshot:
         return SimSnapshot(
@@ -181,16 +191,20 @@ class TierSimulator:
         return h < self.threshold
 
     def _shrink(self) -> None:
-        """Over ``max_keys``: lower the threshold to the largest tracked hash, forget those keys."""
-        while len(self._tracked) > self.max_keys:
+        """Over ``max_keys``: lower the threshold past the largest tracked hashes, forgetting those
+        keys, until ``SHRINK_SLACK`` of ``max_keys`` is free (one shrink per many new keys, not one
+        per key: each shrink trims every simulated size)."""
+        if len(self._tracked) <= self.max_keys:
+            return
+        target = self.max_keys - self.max_keys // SHRINK_SLACK
+        gone = set()
+        while len(self._tracked) - len(gone) > target:
             top = -self._heap[0][0]
             self.threshold = top
-            gone = set()
             while self._heap and -self._heap[0][0] >= top:
                 gone.add(heapq.heappop(self._heap)[1])
-            self._tracked -= gone
-            for cache in self.caches:
-                for key in gone & cache.held.keys():
-                    del cache.held[key]
-                while len(cache.held) > cache.limit(self.rate):
-                    cache.held.popitem(last=False)
+        self._tracked -= gone
+        for cache in self.caches:
+            for key in gone & cache.held.keys():
+                del cache.held[key]
+            cache.set_rate(self.rate)

@@ -61,15 +61,21 @@ class _Fenwick:
         self.tree = [0] * (size + 1)
 
     def add(self, i: int, delta: int) -> None:
-        while i <= self.size:
-            self.tree[i] += delta
+        tree, size = self.tree, self.size
+        while i <= size:
+            tree[i] += delta
             i += i & -i
 
-    def prefix(self, i: int) -> int:
-        total = 0
-        while i > 0:
-            total += self.tree[i]
-            i -= i & -i
+    def between(self, lo: int, hi: int) -> int:
+        """Live times in ``(lo, hi]`` (``lo <= hi``): the two prefix walks, stopped where they meet."""
+        tree, total = self.tree, 0
+        while hi != lo:
+            if hi > lo:
+                total += tree[hi]
+                hi -= hi & -hi
+            else:
+                total -= tree[lo]
+                lo -= lo & -lo
         return total
 
 
@@ -160,11 +166,7 @@ class ReuseTracker:
             return None
         last = self._last.get(key)
         if not touch:
-            return (
-                -1.0
-                if last is None
-                else (self._times.prefix(self._now) - self._times.prefix(last)) / self.rate
-            )
+            return -1.0 if last is None else self._times.between(last, self._now) / self.rate
         if self._now >= self._clock_size:
             self._compact()
             last = self._last.get(key)
@@ -175,7 +177,7 @@ class ReuseTracker:
             heapq.heappush(self._heap, (-h, key))
             self._shrink()
             return -1.0
-        distance = self._times.prefix(self._now - 1) - self._times.prefix(last)
+        distance = self._times.between(last, self._now - 1)
         self._times.add(last, -1)
         self._times.add(self._now, 1)
         self._last[key] = self._now

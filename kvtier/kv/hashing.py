@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NewType
 
@@ -179,13 +178,15 @@ FEW_BLOCKS = 4  # ChainMemo hashes this many new blocks directly
 class ChainMemo:
     """The hash chains of the last few token sequences hashed: a prompt is hashed once, though the
     scheduler looks it up when it arrives, again when it is admitted, and caches its blocks after its
-    prefill (8,192 tokens are 512 SHA-256 blocks, ~1.5 ms of Python each time). Keyed by the root and
-    the tokens themselves (a tuple: building and comparing one is ~100x cheaper than hashing it)."""
+    prefill (8,192 tokens are 512 SHA-256 blocks, ~1.5 ms of Python each time). Each entry is the root,
+    the tokens (a tuple: building and comparing one is ~100x cheaper than hashing it) and their chain,
+    most recent last, in a plain list: a dict keyed by the tuples would hash each one (8k ints, ~50 µs)
+    on every lookup, and an ``OrderedDict`` even while iterating."""
 
     def __init__(self, block_size: int, size: int = 8) -> None:
         self.block_size = block_size
         self.size = size
-        self._chains: OrderedDict[tuple[BlockHash, tuple[int, ...]], list[BlockHash]] = OrderedDict()
+        self._chains: list[tuple[BlockHash, tuple[int, ...], list[BlockHash]]] = []
 
     def extend(
         self, block_hashes: list[BlockHash], token_ids: Sequence[int], root: BlockHash, num_tokens: int
@@ -198,23 +199,28 @@ class ChainMemo:
             extend_block_hashes(block_hashes, token_ids, bs, root, n * bs)
             return
         tokens = tuple(token_ids[: n * bs])
-        known, chain = self._longest(root, tokens)
+        best, chain = self._longest(root, tokens)
         if len(chain) > len(block_hashes):
             block_hashes.extend(chain[len(block_hashes) :])
         if len(block_hashes) == n:
+            if best is not None:
+                self._chains.append(self._chains.pop(best))  # the most recent
             return
         extend_block_hashes(block_hashes, token_ids, bs, root, n * bs)
-        self._chains.pop((root, known), None)  # a shorter chain of the same tokens: this one covers it
-        self._chains[(root, tokens)] = list(block_hashes)
-        while len(self._chains) > self.size:
-            self._chains.popitem(last=False)
+        if best is not None and len(self._chains[best][1]) <= len(tokens):
+            del self._chains[best]  # a shorter chain of the same tokens: this one covers it
+        self._chains.append((root, tokens, list(block_hashes)))
+        del self._chains[: -self.size]
 
-    def _longest(self, root: BlockHash, tokens: tuple[int, ...]) -> tuple[tuple[int, ...], list[BlockHash]]:
-        """The memo's entry sharing the most leading blocks with ``tokens``: its key's tokens, and the
-        hashes of the shared blocks (empty when none)."""
-        best: tuple[tuple[int, ...], list[BlockHash]] = ((), [])
-        for (r, known), chain in self._chains.items():
+    def _longest(self, root: BlockHash, tokens: tuple[int, ...]) -> tuple[int | None, list[BlockHash]]:
+        """The entry sharing the most leading blocks with ``tokens``: its index (None when none) and the
+        hashes of the shared blocks."""
+        best: tuple[int | None, list[BlockHash]] = (None, [])
+        bs = self.block_size
+        for i, (r, known, chain) in enumerate(self._chains):
             m = min(len(known), len(tokens))
-            if r == root and m // self.block_size > len(best[1]) and known[:m] == tokens[:m]:
-                best = (known, chain[: m // self.block_size])
+            if r != root or m // bs <= len(best[1]) or known[:bs] != tokens[:bs]:
+                continue  # another root, no longer than the best, or another first block: no slicing
+            if known == tokens or known[:m] == tokens[:m]:
+                best = (i, chain[: m // bs])
         return best
