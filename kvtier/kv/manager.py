@@ -39,7 +39,6 @@ a manager built without a layout) behaves exactly as before: same block ids, has
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -52,7 +51,16 @@ from kvtier.kv.hashing import BlockHash, ChainMemo, ExtraKey, group_key, root_ha
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
 from kvtier.kv.retention import Retention, RetentionSpan, retain_spans
-from kvtier.kv.seq_blocks import Load, SeqBlocks, Swapped, blocks_to_allocate, check_tables, hit_tables
+from kvtier.kv.seq_blocks import (
+    Load,
+    SeqBlocks,
+    Swapped,
+    blocks_in_use_by_group,
+    blocks_to_allocate,
+    check_seqs,
+    check_slots,
+    hit_tables,
+)
 from kvtier.stats import Medium, TierCounters, TierSnapshot
 
 BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
@@ -206,29 +214,12 @@ class KVCacheManager:
         blocks needed: new blocks, copy-on-write copies, and idle hit blocks taken off the queue
         (a sliding group's blocks out of its window, released first, count as supply).
         """
-        if num_computed_tokens < 0 or num_new_tokens < 0:
-            raise ValueError(f"negative token counts: computed={num_computed_tokens} new={num_new_tokens}")
-        num_total = num_computed_tokens + num_new_tokens
-        if num_total > len(token_ids):
-            raise ValueError(
-                f"{seq_id}: {num_total} slots requested but the sequence has {len(token_ids)} tokens"
-            )
         seq = self._seqs.get(seq_id)
+        check_slots(
+            seq_id, seq, len(token_ids), num_computed_tokens, num_new_tokens, computed, self.block_size
+        )
         if seq is None:
-            computed = computed or NO_COMPUTED_BLOCKS
-            if num_computed_tokens != computed.num_computed_tokens:
-                raise ValueError(
-                    f"{seq_id}: first allocation with num_computed_tokens={num_computed_tokens}, but the "
-                    f"adopted prefix covers {computed.num_computed_tokens}"
-                )
-            return self._adopt(seq_id, token_ids, computed, num_new_tokens, extra_keys)
-        if computed is not None and computed.block_ids:
-            raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
-        if num_computed_tokens > seq.num_blocks * self.block_size:
-            raise ValueError(
-                f"{seq_id}: {num_computed_tokens} computed tokens but the table covers "
-                f"{seq.num_blocks * self.block_size}"
-            )
+            return self._adopt(seq_id, token_ids, computed or NO_COMPUTED_BLOCKS, num_new_tokens, extra_keys)
         return self._grow(seq, num_computed_tokens, num_new_tokens)
 
     def _adopt(
@@ -557,11 +548,7 @@ class KVCacheManager:
         group: the pool's referenced blocks (O(1)); several: a walk over the live tables."""
         if self.layout.num_groups == 1:
             return (self.pool.num_blocks - self.pool.num_free_blocks,)
-        in_use: list[set[int]] = [set() for _ in self.layout.groups]
-        for seq in self._seqs.values():
-            for g, _, block in seq.live():
-                in_use[g].add(block.block_id)
-        return tuple(len(ids) for ids in in_use)
+        return blocks_in_use_by_group(self._seqs.values(), self.layout.num_groups)
 
     def cached_blocks(self) -> list[tuple[int, BlockHash]]:
         """``(block_id, hash)`` of every device block holding cached KV (in use or idle)."""
@@ -604,13 +591,4 @@ class KVCacheManager:
         self.pool.check_integrity()
         if self.tiers is not None:
             self.tiers.check_integrity()
-        refs: Counter[int] = Counter()
-        group_of: dict[int, int] = {}
-        for seq_id, seq in self._seqs.items():
-            if self.enable_caching:
-                assert seq.num_cached_blocks <= len(seq.block_hashes), f"{seq_id}: cached blocks without hash"
-            check_tables(seq_id, seq, self.layout, self.pool, self.block_size, refs, group_of)
-        for block in self.pool.blocks:
-            assert block.ref_cnt == refs[block.block_id], (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} table references"
-            )
+        check_seqs(self._seqs, self.layout, self.pool, self.block_size, self.enable_caching)

@@ -16,11 +16,11 @@ A dense model has one full group: one table, no null entries (today's layout).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
-from kvtier.kv.computed import GroupHit
+from kvtier.kv.computed import ComputedBlocks, GroupHit
 from kvtier.kv.groups import KVLayout
 from kvtier.kv.hashing import BlockHash, group_key
 from kvtier.kv.lower import SwappedOut
@@ -186,6 +186,65 @@ def check_tables(
                     f"{seq_id}: block {block.block_id} is cached under a hash other than the sequence's"
                 )
         refs.update(ids)
+
+
+def check_slots(
+    seq_id: str,
+    seq: SeqBlocks | None,
+    num_tokens: int,
+    num_computed: int,
+    num_new: int,
+    computed: ComputedBlocks | None,
+    block_size: int,
+) -> None:
+    """``KVCacheManager.allocate_slots``' arguments for sequence ``seq`` (None: its first allocation)
+    of ``num_tokens`` tokens: ``ValueError`` for ones no allocation can satisfy."""
+    if num_computed < 0 or num_new < 0:
+        raise ValueError(f"negative token counts: computed={num_computed} new={num_new}")
+    if num_computed + num_new > num_tokens:
+        raise ValueError(
+            f"{seq_id}: {num_computed + num_new} slots requested but the sequence has {num_tokens} tokens"
+        )
+    if seq is None:
+        adopted = computed.num_computed_tokens if computed is not None else 0
+        if num_computed != adopted:
+            raise ValueError(
+                f"{seq_id}: first allocation with num_computed_tokens={num_computed}, but the "
+                f"adopted prefix covers {adopted}"
+            )
+        return
+    if computed is not None and computed.block_ids:
+        raise ValueError(f"{seq_id}: prefix blocks can only be adopted on the first allocation")
+    if num_computed > seq.num_blocks * block_size:
+        raise ValueError(
+            f"{seq_id}: {num_computed} computed tokens but the table covers {seq.num_blocks * block_size}"
+        )
+
+
+def check_seqs(
+    seqs: Mapping[str, SeqBlocks], layout: KVLayout, pool: BlockPool, block_size: int, caching: bool
+) -> None:
+    """The sequences' share of ``KVCacheManager.check_integrity``: each one's tables (``check_tables``),
+    and every pool block's ``ref_cnt`` equal to the tables' references. Raises ``AssertionError``."""
+    refs: Counter[int] = Counter()
+    group_of: dict[int, int] = {}
+    for seq_id, seq in seqs.items():
+        if caching:
+            assert seq.num_cached_blocks <= len(seq.block_hashes), f"{seq_id}: cached blocks without hash"
+        check_tables(seq_id, seq, layout, pool, block_size, refs, group_of)
+    for block in pool.blocks:
+        assert block.ref_cnt == refs[block.block_id], (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} but {refs[block.block_id]} table references"
+        )
+
+
+def blocks_in_use_by_group(seqs: Iterable[SeqBlocks], num_groups: int) -> tuple[int, ...]:
+    """Distinct device blocks each KV group's live tables hold (a shared block counted once)."""
+    in_use: list[set[int]] = [set() for _ in range(num_groups)]
+    for seq in seqs:
+        for g, _, block in seq.live():
+            in_use[g].add(block.block_id)
+    return tuple(len(ids) for ids in in_use)
 
 
 @dataclass
