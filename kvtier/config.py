@@ -25,7 +25,7 @@ from typing import Any, Literal
 from kvtier.config_checks import ConfigError as ConfigError
 from kvtier.config_checks import check_choice as check_choice
 from kvtier.config_checks import check_engine_args
-from kvtier.kv import groups
+from kvtier.kv import groups, write_ahead
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
@@ -190,6 +190,7 @@ class TierConfig:
     remote_url: str | None = field(default=None, repr=False)  # may hold a password
     remote_policy: StorePolicy = "write_through"
     remote_ttl_s: int = 86400
+    write_ahead_blocks: int = 0  # kvtier/kv/write_ahead.py: the pool's next evictions, stored while idle
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,19 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             args.kv_remote_url,
             args.kv_remote_policy,
             int(args.kv_remote_ttl_s),
+            _write_ahead_blocks(args, num_host_blocks),
         ),
     )
+
+
+def _write_ahead_blocks(args: EngineArgs, num_host_blocks: int) -> int:
+    """The device blocks written back ahead of eviction while idle: with a write-back host tier, the
+    argument, else one step's worth (kvtier/kv/write_ahead.py)."""
+    if num_host_blocks == 0 or args.kv_store_policy != "write_back":
+        return 0
+    if args.kv_write_ahead_blocks is not None:
+        return args.kv_write_ahead_blocks
+    return write_ahead.default_blocks(args.max_num_batched_tokens, args.block_size, num_host_blocks)
 
 
 @dataclass
@@ -368,6 +380,14 @@ class EngineArgs:
     kv_store_policy: StorePolicy = field(
         default="write_back",
         metadata={"help": "write_back (store blocks when evicted) or write_through (as soon as full)"},
+    )
+    kv_write_ahead_blocks: int | None = field(
+        default=None,
+        metadata={
+            "help": "with a write_back host tier: how many of the device pool's next evictions are stored "
+            "to it while the engine idles, so that the step evicting them copies nothing (default: "
+            "max_num_batched_tokens / block_size, at most half the host tier; 0: off)"
+        },
     )
     kv_remote_secret: str | None = field(
         default=None,

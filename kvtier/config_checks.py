@@ -53,6 +53,8 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ConfigError(f"canary_rate must be in [0, 1], got {args.canary_rate}")
     if args.kv_host_gb < 0:
         raise ConfigError(f"kv_host_gb must be >= 0, got {args.kv_host_gb}")
+    if args.kv_write_ahead_blocks is not None and args.kv_write_ahead_blocks < 0:
+        raise ConfigError(f"kv_write_ahead_blocks must be >= 0, got {args.kv_write_ahead_blocks}")
     if args.kv_disk_gb <= 0:
         raise ConfigError(f"kv_disk_gb must be positive, got {args.kv_disk_gb}")
     if args.kv_disk_dir is not None and args.kv_host_gb <= 0:

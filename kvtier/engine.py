@@ -44,6 +44,7 @@ from kvtier.config import ConfigError, EngineArgs
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.plan import SwapPlan
 from kvtier.kv.retention import RetentionSpan
+from kvtier.kv.write_ahead import WriteBackAhead
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
@@ -92,6 +93,7 @@ class LLMEngine:
         self.scheduler, self.admission, self.sampler = parts.scheduler, parts.admission, parts.sampler
         self.insight, self.inspector, self.kv_events = parts.insight, parts.inspector, parts.kv_events
         self.cache_identity, self.replica_id = parts.cache_identity, parts.replica_id
+        self.write_ahead = WriteBackAhead(self.kv.pool, self.tiers, self.config.tiers.write_ahead_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -260,6 +262,7 @@ class LLMEngine:
             self._move_blocks(out.swap)
         if out.is_empty:
             return []
+        self.write_ahead.after_step()  # the pool's eviction order changed: written back when idle
         t0 = time.perf_counter()
         result = self._execute(out)
         samples, failures = self._sample(out, result.logits)  # on the device: Sampler.sample decides
@@ -435,9 +438,11 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ idle work
     @property
     def has_tier_work(self) -> bool:
-        """Copies the last step planned, tier reads and writes in flight, or the lower tiers' idle
-        upkeep due (``settle_tiers``)."""
-        return self.tiers is not None and (self.tiers.has_pending_work or self.upkeep_in() == 0.0)
+        """Copies the last step planned, tier reads and writes in flight, the pool's next evictions to
+        write back, or the lower tiers' idle upkeep due (``settle_tiers``)."""
+        return self.tiers is not None and (
+            self.tiers.has_pending_work or self.write_ahead.pending or self.upkeep_in() == 0.0
+        )
 
     def upkeep_in(self) -> float | None:
         """Seconds until an idle engine looks after its lower tiers again (0.0: due); None: it has none."""
@@ -455,12 +460,14 @@ class LLMEngine:
         store whether it restarted (an idle replica would otherwise notice only at its next request, and
         until then go on announcing the blocks the restart emptied, which a router counts as cheap hits,
         and not write its host blocks there again), and the step's ``tick`` writes the disk tier's
-        retention file down when due."""
+        retention file down when due. After a step with requests, it also stores the pool's next
+        evictions to the host tier, a few per call (``kvtier/kv/write_ahead.py``)."""
         if self.has_unfinished_requests():
             return
         if self.tiers is not None and self.upkeep_in() == 0.0:
             self.tiers.check_stores()
             self._next_upkeep = time.monotonic() + UPKEEP_S
+        self.write_ahead.plan()  # a few of the pool's next evictions, stored now (kv/write_ahead.py)
         self.step()  # nothing to schedule: the step runs the planned copies and polls the tiers
 
     @property

@@ -68,6 +68,21 @@ def get(server: BackgroundServer, path: str, **params: Any) -> dict[str, Any]:
     return r.json()
 
 
+def quiet_snapshot(server: BackgroundServer, timeout: float = 15.0) -> dict[str, Any]:
+    """``/v1/kv/blocks`` once the replica has settled: an idle server goes on for a moment after its
+    last answer (the last copies, disk writes, the pool's next evictions written back ahead), so wait
+    for a batch number that holds still."""
+    snapshot = get(server, "/v1/kv/blocks")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        again = get(server, "/v1/kv/blocks")
+        if again["seq"] == snapshot["seq"]:
+            return again
+        snapshot = again
+    raise AssertionError("the replica never settled")
+
+
 def replay_until(client: redis.Redis, seq: int, instance: str, timeout: float = 15.0) -> BlockIndex:
     """Replay the stream until the consumer has reached batch ``seq`` of ``instance`` (published in the
     background, so it may lag the HTTP answer a little)."""
@@ -104,7 +119,7 @@ def test_a_consumer_replaying_the_stream_rebuilds_exactly_the_snapshot(
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "cache_salt": "b"}
         r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, r.text
-    snapshot = get(server, "/v1/kv/blocks")
+    snapshot = quiet_snapshot(server)
     assert snapshot["replica_id"] == REPLICA and snapshot["block_size"] == BLOCK_SIZE
     assert set(snapshot["blocks"]) == {"device", "host", "disk"}
     assert all(snapshot["blocks"][m] for m in ("device", "host", "disk")), "every medium should hold blocks"

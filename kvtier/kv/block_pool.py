@@ -203,9 +203,9 @@ class BlockPool:
 
     def free_queue_block_ids(self) -> list[int]:
         """The free blocks, next to go first. For tests and debugging: O(num_free_blocks)."""
-        return [block.block_id for block in self._free_order()]
+        return [block.block_id for block in self.free_order()]
 
-    def _free_order(self) -> Iterator[KVBlock]:
+    def free_order(self) -> Iterator[KVBlock]:
         """Free blocks in the order ``get_new_blocks`` takes them: uncached, cold, warm (LRU), retained."""
         warm = iter(self._free_queue)
         for block in warm:
@@ -259,7 +259,7 @@ class BlockPool:
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"need {num_blocks} free blocks, only {self.num_free_blocks} available")
         self._expire_retained()
-        taken = list(itertools.islice(self._free_order(), num_blocks))
+        taken = list(itertools.islice(self.free_order(), num_blocks))
         # Notify first, mutate after: a hook that raises leaves the pool as it was.
         if self.on_evict is not None:
             for block in taken:

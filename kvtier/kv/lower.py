@@ -9,6 +9,7 @@ The manager drives the lower tiers at four moments::
     hold / load                       adopting a hit: pin the host blocks, then plan their loads
     on_device_evict / on_block_full   a cached device block is being reused / a block became full:
                                       the write policy decides whether to plan a store
+    write_back                        idle: a store planned ahead of a cached block's eviction
     swap_out / swap_in / release      preemption by swap
     take_plan() ─► SwapPlan           the step's device↔host copies, once per scheduler step
 
@@ -119,6 +120,10 @@ class LowerTiers(Protocol):
     def on_device_evict(self, block_id: int, key: BlockHash, group: int = 0, cold: bool = False) -> None:
         """A cached device block (of KV group ``group``) is about to be reused for other KV; ``cold``: a
         sliding group's block out of its sequence's window (kept below only where it displaces nothing)."""
+
+    def write_back(self, block_id: int, key: BlockHash, group: int = 0, cold: bool = False) -> bool:
+        """Ahead of its eviction (the engine idles): plan the store that evicting this cached device
+        block would plan; whether one was planned (False: the host tier holds it, or nothing takes it)."""
 
     def on_window_passed(self, keys: Sequence[BlockHash]) -> None:
         """A sequence's sliding window moved past these blocks: copies below (loaded for an earlier turn)

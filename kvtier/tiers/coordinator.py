@@ -351,6 +351,10 @@ class TierCoordinator:
         ``cold`` one, out of a sliding window, only where it displaces nothing)."""
         self.store(block_id, key, group, cold)
 
+    def write_back(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> bool:
+        """Ahead of eviction (kvtier/kv/write_ahead.py): the store ``on_device_evict`` would plan."""
+        return self.host.host_block_of(key) is None and self.store(block_id, key, group, cold)
+
     def on_window_passed(self, keys: Sequence[BlockKey]) -> None:
         self.host.cool(keys)
 
