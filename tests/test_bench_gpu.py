@@ -52,6 +52,7 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     assert all(r["load_gbs"] > 0 and r["memcpy_h2d_gbs"] > 0 for r in s["transfer"])
     for r in s["ttft"]:  # the host row really came from the host tier, the device row from the pool
         assert r["host_tokens"] >= r["prompt_tokens"] - 16 and r["device_tokens"] >= r["prompt_tokens"] - 16
+        assert r["busy_load_ms"] > 0 and r["host_load_ms"] > 0
     assert [r["batch"] for r in s["decode"]] == list(gpu.TINY.decode_batches)
     assert all(
         r["torch_tok_s"] > 0 and r["triton_tok_s"] is r["triton_eager_tok_s"] is None for r in s["decode"]
@@ -85,7 +86,10 @@ def test_a_reference_from_other_weights_fails_the_exactness_check(tmp_path: Path
 def test_the_checks_table_holds_measurements_against_the_targets() -> None:
     report = gpu.Report("NVIDIA H200", "2.11", "3.6", {"ttft_lengths": list(gpu.FULL.ttft_lengths)})
     report.sections = {
-        "ttft": [{"prompt_tokens": 8192, "recompute_ms": 120.0, "host_load_ms": 10.0, "device_hit_ms": 8.0}],
+        "ttft": [
+            {"prompt_tokens": 8192, "recompute_ms": 120.0, "host_load_ms": 10.0, "device_hit_ms": 8.0,
+             "busy_load_ms": 20.0},
+        ],
         "transfer": [
             {"blocks": 1024, "pattern": "contiguous", "load_gbs": 40.0, "store_gbs": 30.0,
              "memcpy_h2d_gbs": 45.0, "memcpy_d2h_gbs": 45.0},
@@ -93,7 +97,8 @@ def test_the_checks_table_holds_measurements_against_the_targets() -> None:
         "decode": [{"batch": 64, "triton_tok_s": 2000.0, "triton_eager_tok_s": 900.0, "torch_tok_s": 300.0}],
     }  # fmt: skip
     rows = {r[0]: r for r in gpu_report._checks(report)}
-    assert rows["ttft 8192: recompute / host load"][1:] == ["12.0x", ">= 10x", True]
+    assert rows["ttft 8192: recompute / host load (idle)"][1:] == ["12.0x", ">= 10x", True]
+    assert rows["ttft 8192: recompute / host load (busy)"][1:] == ["6.0x", ">= 10x", False]
     assert rows["transfer 1024 blocks: mover / memcpy"][1:] == ["67%", ">= 80%", False]  # the store's 30/45
     assert rows["decode batch 64: triton / torch (eager)"][1:] == ["3.00x", ">= 3x", True]
     assert gpu_report.print_report(report) == 0  # a missed speed target is a finding, not a failure

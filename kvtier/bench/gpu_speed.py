@@ -117,14 +117,19 @@ def transfer_rows(
 class TTFTRow:
     prompt_tokens: int
     recompute_ms: float
-    host_load_ms: float
+    host_load_ms: float  # loaded back into an idle engine: the blocks it evicts were written back ahead
     device_hit_ms: float
     host_tokens: int  # prompt tokens the host-load run took from the host tier
     device_tokens: int  # ... the device-hit run from the device pool
+    busy_load_ms: float = 0.0  # loaded back right after other prompts: it stores what it evicts first
 
     @property
     def host_speedup(self) -> float:
         return self.recompute_ms / self.host_load_ms
+
+    @property
+    def busy_speedup(self) -> float:
+        return self.recompute_ms / self.busy_load_ms if self.busy_load_ms else 0.0
 
 
 def _ttft(llm: Any, prompt: list[int]) -> tuple[float, Any]:
@@ -157,9 +162,10 @@ def ttft_engine(shape: Shape, lengths: tuple[int, ...], dtype: str, backend: str
     )  # fmt: skip
 
 
-def push_out(llm: Any, shape: Shape, lengths: tuple[int, ...], seed: int) -> None:
+def push_out(llm: Any, shape: Shape, lengths: tuple[int, ...], seed: int, idle: bool = True) -> None:
     """Fill the device pool with other prompts (half the longest each), one at a time: each evicts the
-    oldest blocks, a waiting prompt's first, and write-back stores them to the host tier."""
+    oldest blocks, a waiting prompt's first, and write-back stores them to the host tier. Then, with
+    ``idle``, what a server does before its next request (``settle``)."""
     from kvtier import SamplingParams
 
     filler_len = max(lengths) // 2
@@ -167,14 +173,29 @@ def push_out(llm: Any, shape: Shape, lengths: tuple[int, ...], seed: int) -> Non
         -(-11 * pool_tokens(lengths) // (10 * filler_len)), filler_len, seed, shape.vocab
     ):
         llm.generate([f], SamplingParams(temperature=0.0, max_tokens=1))
+    if idle:
+        settle(llm.engine)
+
+
+def settle(engine: Any, max_steps: int = 10_000) -> None:
+    """An idle server's loop (kvtier/server/async_engine.py) until it has nothing left to do: the sizing
+    trackers' backlog, the tiers' copies, and the pool's next evictions written back ahead."""
+    for _ in range(max_steps):
+        if engine.has_idle_work:
+            engine.run_idle_work()
+        elif engine.has_tier_work:
+            engine.settle_tiers()
+        else:
+            return
 
 
 def ttft_rows(
     model_dir: Path, shape: Shape, lengths: tuple[int, ...], dtype: str, backend: str
 ) -> list[TTFTRow]:
     """Each prompt computed, hit on the device, then pushed out of the device pool by other prompts
-    (stored to the host tier on eviction) and loaded back; device hits and host loads the best of
-    ``TTFT_REPEATS`` (fresh fillers before each load)."""
+    (stored to the host tier on eviction) and loaded back: into an engine that idled first, as a
+    server between requests does, and into one that did not (busy); device hits and host loads the
+    best of ``TTFT_REPEATS`` (fresh fillers before each load)."""
     from kvtier import LLM
 
     rows = []
@@ -186,9 +207,11 @@ def ttft_rows(
             prompt = random_prompts(1, n, n, shape.vocab)[0]
             recompute, _ = _ttft(llm, prompt)
             device_hit, dev_out = min((_ttft(llm, prompt) for _ in range(TTFT_REPEATS)), key=lambda r: r[0])
-            loads = []
+            loads, busy = [], []
             for i in range(TTFT_REPEATS):
-                push_out(llm, shape, lengths, n + 1 + 97 * i)
+                push_out(llm, shape, lengths, n + 1 + 97 * i, idle=False)
+                busy.append(_ttft(llm, prompt)[0])
+                push_out(llm, shape, lengths, n + 2 + 97 * i)
                 loads.append(_ttft(llm, prompt))
             host_load, host_out = min(loads, key=lambda r: r[0])
             rows.append(
@@ -196,6 +219,7 @@ def ttft_rows(
                     n, recompute, host_load, device_hit,
                     host_out.cached_tokens_by_tier.get(Medium.HOST, 0),
                     dev_out.cached_tokens_by_tier.get(Medium.DEVICE, 0),
+                    min(busy),
                 )
             )  # fmt: skip
     return rows
