@@ -9,6 +9,8 @@ serve the same requests, one replaying after each request and one never; their c
 
 from __future__ import annotations
 
+import hashlib
+import random
 from typing import Any
 
 import pytest
@@ -16,9 +18,12 @@ import pytest
 import kvtier.insight.hub as hub
 from kvtier.config_checks import ConfigError
 from kvtier.insight.hub import CacheInsight
+from kvtier.kv.computed import AdoptedPrefix
 from kvtier.llm import LLM
 from kvtier.sampling_params import SamplingParams
 from kvtier.stats import Medium
+from kvtier.tiers.coordinator import TierCoordinator
+from kvtier.tiers.host import HostTier
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0)
 SYSTEM = [7 + (i * 13) % 480 for i in range(48)]
@@ -95,3 +100,44 @@ def test_a_prompt_token_outside_the_vocabulary_is_named(tiny: str) -> None:
     for bad in (-1, 512, True, 3.0):
         with pytest.raises(ConfigError, match=rf"prompt token id {bad!r} is outside the vocabulary"):
             llm.generate([{"prompt_token_ids": [5, 6, bad]}], GREEDY)
+
+
+def synthetic_stream(insight: CacheInsight, seed: int) -> int:
+    """Lookups of chained prompts over 300 blocks (device hits, then host hits, then misses), their
+    blocks cached, freed and offered to the host tier; the keys queued in all."""
+    rng = random.Random(seed)
+    queued = 0
+    for r in range(400):
+        doc = rng.randrange(40)
+        keys = [hashlib.sha256(f"{doc}-{b}".encode()).digest() for b in range(rng.randint(1, 12))]
+        on_device, on_host = rng.randint(0, len(keys)), rng.randint(0, 3)
+        served = [Medium.DEVICE] * on_device + [Medium.HOST] * min(on_host, len(keys) - on_device)
+        insight.on_adopt(f"s{r}", [], AdoptedPrefix(tuple(keys), tuple(served), tuple(range(len(served)))))
+        insight.on_cached(keys[len(served) :])
+        insight.on_freed(keys)
+        insight.on_offered(Medium.HOST, keys[::-1][: rng.randint(0, len(keys))])
+        queued += insight._backlog_keys
+        insight.drain(rng.choice([None, 5, 50]))  # replayed late, in slices, or at once: all the same
+    insight.drain()
+    return queued
+
+
+def test_keys_no_tracker_samples_are_left_out_of_the_queue_and_the_curves_do_not_move(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``max_keys`` distinct blocks the trackers sample; a key above every threshold is never
+    replayed (thresholds only fall), so it is not queued: less work, the same snapshots."""
+
+    def insight() -> CacheInsight:
+        made = CacheInsight(0.0, 16, "float32", max_keys=64, lower=[Medium.HOST])
+        made.attach(TierCoordinator(HostTier(48)))
+        return made
+
+    filtered = insight()
+    queued = synthetic_stream(filtered, seed=3)
+    monkeypatch.setattr(hub, "key_hash", lambda key: 0)  # every key under every threshold: none left out
+    everything = insight()
+    assert synthetic_stream(everything, seed=3) > 1.5 * queued
+    got, want = filtered.snapshots(), everything.snapshots()
+    assert want[Medium.DEVICE].sampling_rate < 0.5 and want[Medium.HOST].sampling_rate < 0.5
+    assert got == want and want[Medium.HOST].num_lookups == filtered.asked[Medium.HOST]

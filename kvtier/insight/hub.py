@@ -38,7 +38,7 @@ from typing import Any, Protocol
 from kvtier.insight.advice import Advisor, Costs, TierSize
 from kvtier.insight.canary import Canary
 from kvtier.insight.minisim import TierSimulator
-from kvtier.insight.mrc import ReuseTracker
+from kvtier.insight.mrc import MODULUS, ReuseTracker, key_hash
 from kvtier.kv.computed import AdoptedPrefix
 from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium
@@ -89,26 +89,43 @@ class CacheInsight:
         for medium in self.lower:  # each tier is asked what the faster ones did not serve
             self.asked[medium] += asked
             asked -= served.count(medium)
-        self._queue(self._replay_adopt, served, keys)
+        threshold = max(t.threshold for t in self.trackers.values())
+        unsampled: tuple[Medium | None, ...] = ()  # who served each key left out (None: a miss)
+        if threshold < MODULUS:
+            out = [key_hash(k) >= threshold for k in keys]
+            unsampled = tuple(served[i] if i < len(served) else None for i, o in enumerate(out) if o)
+            served = tuple(m for m, o in zip(served, out, strict=False) if not o)
+            keys = tuple(k for k, o in zip(keys, out, strict=True) if not o)
+        self._queue(self._replay_adopt, served, unsampled, keys)
         self.canary.on_adopt(token_ids, adopted)
 
     def on_cached(self, keys: Sequence[BlockHash]) -> None:
-        self._queue(self._replay_cached, tuple(keys))
+        self._queue(self._replay_cached, self._sampled(keys, Medium.DEVICE))
 
     def on_freed(self, keys: Sequence[BlockHash]) -> None:
-        self._queue(self._replay_cached, tuple(keys[::-1]))  # the pool evicts a freed sequence's tail first
+        # the pool evicts a freed sequence's tail first
+        self._queue(self._replay_cached, self._sampled(keys[::-1], Medium.DEVICE))
 
     def on_offered(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
         """The tier above offered ``keys`` to ``medium`` (stored unless held); told to its simulator
         after the step's lookup (which, in the tiers, ran before the allocation that evicted them)."""
         if isinstance(self.trackers.get(medium), TierSimulator):
-            self._queue(self._replay_offered, medium, tuple(keys))
+            self._queue(self._replay_offered, medium, self._sampled(keys, medium))
 
     def on_stored(self, medium: Medium, keys: Sequence[BlockHash]) -> None:
         """A lower tier stored ``keys`` (from the tier above): references in a reuse tracker's stream
         (a simulator decides what is stored itself, from the offers)."""
         if isinstance(self.trackers.get(medium), ReuseTracker):
-            self._queue(self._replay_stored, medium, tuple(keys))
+            self._queue(self._replay_stored, medium, self._sampled(keys, medium))
+
+    def _sampled(self, keys: Sequence[BlockHash], medium: Medium) -> tuple[BlockHash, ...]:
+        """``keys`` less those ``medium``'s tracker will never sample: its threshold only falls, so a
+        key at or above it now is skipped by the replay too (the queue and the replay shrink with the
+        sampling rate; a lookup's left-out keys are still counted, ``_replay_adopt``)."""
+        threshold = self.trackers[medium].threshold
+        if threshold >= MODULUS:
+            return tuple(keys)
+        return tuple(k for k in keys if key_hash(k) < threshold)
 
     def _queue(self, replay: Callable[..., None], *args: Any) -> None:
         """Queue ``replay(*args)``; the last argument is the event's keys."""
@@ -151,11 +168,20 @@ class CacheInsight:
         return {m: t.snapshot() for m, t in self.trackers.items()}
 
     # ------------------------------------------------------------------------------ the replay
-    def _replay_adopt(self, served: Sequence[Medium], keys: Sequence[BlockHash]) -> None:
+    def _replay_adopt(
+        self, served: Sequence[Medium], unsampled: Sequence[Medium | None], keys: Sequence[BlockHash]
+    ) -> None:
+        """A lookup of ``keys`` (``served``: by whom, the hits leading), less the keys no tracker
+        samples, which each tier that was asked for them counts all the same (``unsampled``: who
+        served each of those, None: nobody)."""
         self.tracker.lookup(keys)
+        self.tracker.num_lookups += len(unsampled)
+        faster = {Medium.DEVICE}
         asked = keys[served.count(Medium.DEVICE) :]  # device hits lead the prefix
         sources = served[len(keys) - len(asked) :]
         for medium in self.lower:  # each tier is asked what the faster ones did not serve
+            self.trackers[medium].num_lookups += sum(1 for m in unsampled if m not in faster)
+            faster.add(medium)
             tracker = self.trackers[medium]
             if isinstance(tracker, TierSimulator):  # host: blocks read up from below are stored in it
                 below = medium == Medium.HOST
