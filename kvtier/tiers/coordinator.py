@@ -41,14 +41,13 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvtier.config import StorePolicy, check_choice
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, KeyGroups, LowerHit, SwappedOut
 from kvtier.kv.plan import Demote, SwapPlan
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, KVTier
-from kvtier.tiers.external_level import ExternalLevel, HostBytes, IOResultLike, IOWorker
+from kvtier.tiers.external_level import ExternalLevel, HostBytes, IOResultLike, IOWorker, SharedProgress
 from kvtier.tiers.host import HostTier
 
 __all__ = ["ExternalLevel", "HostBytes", "IOResultLike", "IOWorker", "SharedProgress", "TierCoordinator"]
@@ -58,22 +57,6 @@ IO_STALL_S = 5.0
 """At shutdown (``flush``, ``close``), a tier whose worker finishes no read or write for this long is
 stuck (a hung disk, a mount gone away): it is turned off with one log line and its daemon thread left
 behind, so shutdown never waits on it."""
-
-
-@dataclass(frozen=True)
-class SharedProgress:
-    """Where a prompt's blocks stand in the shared (remote) tier: what a disaggregated prefill replica
-    reports while a router waits to hand the prompt to a decode replica (``publish``)."""
-
-    num_held: int  # in the shared tier (written by this replica, or found there)
-    num_storing: int  # on their way: in the step's device -> host copies or being written down
-    num_missing: int  # neither: not in the host tier either, so nothing will write them
-    active: bool  # a write-through shared tier takes blocks (False: nothing to wait for)
-
-    @property
-    def settled(self) -> bool:
-        """Nothing more will arrive: every block is there or will never be."""
-        return not self.active or self.num_storing == 0
 
 
 class TierCoordinator:

@@ -62,3 +62,19 @@ class ExternalLevel:
 
     def in_flight(self, key: BlockKey) -> bool:
         return key in self.promoting or key in self.storing
+
+
+@dataclass(frozen=True)
+class SharedProgress:
+    """Where a prompt's blocks stand in the shared (remote) tier: what a disaggregated prefill replica
+    reports while a router waits to hand the prompt to a decode replica (``publish``)."""
+
+    num_held: int  # in the shared tier (written by this replica, or found there)
+    num_storing: int  # on their way: in the step's device -> host copies or being written down
+    num_missing: int  # neither: not in the host tier either, so nothing will write them
+    active: bool  # a write-through shared tier takes blocks (False: nothing to wait for)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will arrive: every block is there or will never be."""
+        return not self.active or self.num_storing == 0
