@@ -39,7 +39,9 @@ def test_every_section_runs_and_kvtier_is_exact_on_this_device(smoke: dict) -> N
     assert "kernels" in report["skipped"]  # no CUDA, no interpreter: the Triton rows do not run
     exact = report["sections"]["exact"]
     assert {(r["shape"], r["run"]) for r in exact} == {
-        (s, run) for s in ("tiny-llama", "tiny-qwen3") for run in ("cached", "swap", "recompute")
+        (s, run)
+        for s in ("tiny-llama", "tiny-qwen3", "tiny-gemma3")
+        for run in ("cached", "swap", "recompute")
     }
     for r in exact:
         assert r["tokens_equal"] == "4/4" and r["max_logprob_diff"] < 1e-4, r
@@ -59,7 +61,7 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     )
     (overlap,) = s["overlap"]
     assert overlap["load_ms"] > 0 and overlap["forward_ms"] > 0
-    assert "check" in smoke["stdout"] and "exact: tiny-qwen3 torch swap" in smoke["stdout"]
+    assert "check" in smoke["stdout"] and "exact: tiny-gemma3 torch swap" in smoke["stdout"]
     scopes = {r["scope"] for r in s["profile"]}
     assert scopes == {"decode step", f"host load {sorted(gpu.TINY.ttft_lengths)[1]}"}
     for scope in scopes:

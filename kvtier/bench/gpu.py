@@ -11,7 +11,8 @@ No download, no model file: random-weight checkpoints of real shapes are written
 Sections (``--sections``, in this order; each one's failure is reported and the others still run):
 
     exact     greedy tokens and every token's logprob of kvtier (float32, on the device, each attention
-              backend) against transformers on the CPU, Llama 3.2 1B and Qwen3 0.6B shapes
+              backend) against transformers on the CPU, Llama 3.2 1B, Qwen3 0.6B and Gemma 3 270M
+              shapes (the last with sliding-window layers: two KV groups)
     kernels   the Triton kernels against the torch path on the device (decode split-K, windows,
               prefill after cached blocks; bfloat16, fp8_e4m3, int8 pools)
     transfer  host↔device block copies through the mover vs a plain pinned cudaMemcpy
@@ -65,10 +66,10 @@ class Plan:
     dtype: str  # the speed sections' compute dtype
 
 
-FULL = Plan(("llama-3.2-1b", "qwen3-0.6b"), "llama-3.2-1b", 64, 1, (64, 256, 1024), (2048, 8192, 32768),
-            (1, 16, 64), 1024, 32, (32, 1024, 512), (1, 16), "bfloat16")  # fmt: skip
-TINY = Plan(("tiny-llama", "tiny-qwen3"), "tiny-llama", 40, 50, (4, 16), (64, 128, 256), (1, 4), 32, 8,
-            (4, 32, 8), (1, 4), "float32")  # fmt: skip
+FULL = Plan(("llama-3.2-1b", "qwen3-0.6b", "gemma3-270m"), "llama-3.2-1b", 64, 1, (64, 256, 1024),
+            (2048, 8192, 32768), (1, 16, 64), 1024, 32, (32, 1024, 512), (1, 16), "bfloat16")  # fmt: skip
+TINY = Plan(("tiny-llama", "tiny-qwen3", "tiny-gemma3"), "tiny-llama", 40, 50, (4, 16), (64, 128, 256),
+            (1, 4), 32, 8, (4, 32, 8), (1, 4), "float32")  # fmt: skip
 
 
 @dataclass

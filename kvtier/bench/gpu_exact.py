@@ -72,10 +72,12 @@ def _sequence_logprobs(model: Any, ids: list[int]) -> list[float]:
 TIGHT = {"swap": dict(preemption_mode="swap", kv_host_gb=0.5), "recompute": dict(preemption_mode="recompute")}
 
 
-def kvtier_run(model_dir: Path, prompts: list[list[int]], backend: str, run: str) -> dict[str, Any]:
+def kvtier_run(
+    model_dir: Path, prompts: list[list[int]], backend: str, run: str, kv_groups: int = 1
+) -> dict[str, Any]:
     """kvtier in float32 on its default device. ``cached``: every token's logprob (a pass that computes
     the whole prompt), then the answers again from the prefix cache; ``swap``/``recompute``: the answers
-    from a pool that holds about half the batch."""
+    from a pool that holds about half the batch (each sequence takes blocks in each of ``kv_groups``)."""
     from kvtier import LLM, SamplingParams
 
     scored = SamplingParams(
@@ -84,7 +86,9 @@ def kvtier_run(model_dir: Path, prompts: list[list[int]], backend: str, run: str
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     need = sum(-(-(len(p) + NEW_TOKENS) // 16) for p in prompts)
     engine = (
-        dict(kv_device_blocks=1024) if run == "cached" else dict(kv_device_blocks=need // 2, **TIGHT[run])
+        dict(kv_device_blocks=1024)
+        if run == "cached"
+        else dict(kv_device_blocks=need * kv_groups // 2, **TIGHT[run])
     )
     with LLM(str(model_dir), dtype="float32", attention_backend=backend, **engine) as llm:
         first = llm.generate(prompts, scored)
@@ -117,7 +121,7 @@ def exactness(shape: Shape, model_dir: Path, backends: list[str], prefix_len: in
     runs = [(b, "cached") for b in backends] + [(backends[-1], "swap"), (backends[-1], "recompute")]
     rows = []
     for backend, run in runs:
-        got = kvtier_run(model_dir, prompts, backend, run)
+        got = kvtier_run(model_dir, prompts, backend, run, 2 if shape.window else 1)
         same = sum(a == b for a, b in zip(got["answers"], ref["answers"], strict=True))
         pairs = zip(got["logprobs"], ref["logprobs"], strict=True)
         diff = max((abs(x - y) for a, b in pairs for x, y in zip(a, b, strict=True)), default=float("inf"))

@@ -1,7 +1,8 @@
 """Random-weight checkpoints of real model shapes for ``kvtier bench gpu``: no download, no model file.
 
 A lent GPU machine reaches no registry and only a few MiB of files travel with a command, so the models
-are built on the spot: transformers' own config class (``LlamaConfig``, ``Qwen3Config``) written as
+are built on the spot: transformers' own config class (``LlamaConfig``, ``Qwen3Config``,
+``Gemma3TextConfig``) written as
 ``config.json``, seeded random weights under the HF tensor names in ``model.safetensors``, and a
 byte-level BPE tokenizer with no merges (every byte is a token). Both kvtier and transformers load the
 directory as they load a downloaded checkpoint.
@@ -14,8 +15,12 @@ differs between two devices means a real difference, not rounding.
     shape          layers  hidden  heads/kv  head_dim  vocab    (what it stands for)
     llama-3.2-1b   16      2048    32/8      64        128256   Llama 3.2 1B
     qwen3-0.6b     28      1024    16/8      128       151936   Qwen3 0.6B (q/k RMSNorm)
+    gemma3-270m    18      640     4/1       256       262144   Gemma 3 270M: 5 sliding layers to 1 full,
+                                                                 window 32 (512 in the real model: the
+                                                                 exactness prompts must outgrow it)
     tiny-llama     2       64      4/2       16        512      CPU smoke runs
     tiny-qwen3     2       64      4/2       32        512
+    tiny-gemma3    2       64      4/2       32        512      a sliding layer (window 16), a full one
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Shape:
     vocab: int
     rope_theta: float
     max_positions: int = 40_960
+    window: int | None = None  # gemma3: the sliding layers' window
+    full_every: int = 0  # gemma3: every full_every-th layer attends to the whole context
 
     def params(self) -> int:
         attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
@@ -58,6 +65,8 @@ SHAPES = {
         Shape("qwen3-0.6b", "qwen3", 28, 1024, 3072, 16, 8, 128, 151_936, 1_000_000.0),
         Shape("tiny-llama", "llama", 2, 64, 128, 4, 2, 16, 512, 10_000.0, 4096),
         Shape("tiny-qwen3", "qwen3", 2, 64, 128, 4, 2, 32, 512, 10_000.0, 4096),
+        Shape("gemma3-270m", "gemma3", 18, 640, 2048, 4, 1, 256, 262_144, 1_000_000.0, 32_768, 32, 6),
+        Shape("tiny-gemma3", "gemma3", 2, 64, 128, 4, 2, 32, 512, 10_000.0, 4096, 16, 2),
     )
 }
 
@@ -83,6 +92,14 @@ def hf_config(shape: Shape):  # noqa: ANN201 - a transformers PretrainedConfig
     )
     if shape.arch == "qwen3":
         return transformers.Qwen3Config(**common)
+    if shape.arch == "gemma3":
+        kinds = [
+            "full_attention" if (i + 1) % shape.full_every == 0 else "sliding_attention"
+            for i in range(shape.layers)
+        ]
+        return transformers.Gemma3TextConfig(
+            **common, sliding_window=shape.window, layer_types=kinds, query_pre_attn_scalar=shape.head_dim
+        )
     return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
 
 
@@ -107,18 +124,27 @@ def _tensors(shape: Shape) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
-        if shape.arch == "qwen3":
+        if shape.arch in ("qwen3", "gemma3"):
             names |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        if shape.arch == "gemma3":  # norms around the MLP too
+            names |= {
+                p + "pre_feedforward_layernorm.weight": (h,),
+                p + "post_feedforward_layernorm.weight": (h,),
+            }
     return names
 
 
-def _weight(name: str, size: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Norms 1 ± 5%, embeddings N(0, 1), projections N(0, 1/fan_in): activations keep their scale."""
+def _weight(
+    name: str, size: tuple[int, ...], gen: torch.Generator, device: torch.device, shape: Shape
+) -> torch.Tensor:
+    """Norms 1 ± 5%, embeddings N(0, 1), projections N(0, 1/fan_in): activations keep their scale.
+    Gemma 3 multiplies by ``1 + w`` in its norms and scales the embeddings by sqrt(hidden) itself."""
     x = torch.randn(size, generator=gen, device=device)
+    gemma = shape.arch == "gemma3"
     if "norm" in name:
-        return 1.0 + 0.05 * x
-    if "embed" in name:
-        return 0.1 * x  # small beside the layers' outputs: the answer depends on the context
+        return 0.05 * x if gemma else 1.0 + 0.05 * x
+    if "embed" in name:  # small beside the layers' outputs: the answer depends on the context
+        return 0.1 * x / (shape.hidden**0.5 if gemma else 1.0)
     if "lm_head" in name:
         return 4.0 * x / size[1] ** 0.5  # logits of std ~4: a clear greedy choice
     return x / size[1] ** 0.5
@@ -132,7 +158,7 @@ def write_checkpoint(shape: Shape, directory: Path, seed: int = 0) -> Path:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # randn is instant there
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {
-        name: _weight(name, size, gen, device).to(torch.bfloat16).cpu()
+        name: _weight(name, size, gen, device, shape).to(torch.bfloat16).cpu()
         for name, size in _tensors(shape).items()
     }
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
