@@ -3,8 +3,8 @@
 output_config.format   {"type": "json_schema", "schema"}: the answer held to the schema
                        (llguidance, as chat's ``response_format``)
 output_config.effort   low .. max: the template's ``reasoning_effort`` (templates that read it)
-thinking               enabled (budget_tokens >= 1024, not enforced) | adaptive | disabled: the
-                       template's ``enable_thinking`` (Qwen3's)
+thinking               enabled (budget_tokens >= 1024: with --reasoning-parser, the thought's bound) |
+                       adaptive | disabled: the template's ``enable_thinking`` (Qwen3's)
 a final assistant      a prefill: text only, not ending in whitespace (Anthropic's rules)
   message
 """
