@@ -9,6 +9,7 @@ The two-engine stories run two real processes on one directory.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from kvtier.tier_stack import build_tiers
 from kvtier.tiers.base import BlockKey, TierIdentity
 from kvtier.tiers.block_format import HEADER_NBYTES, decode_header, encode_header, write_block_file
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_dir import LEDGER_NAME
+from kvtier.tiers.disk_dir import LEDGER_NAME, DirectoryLedger
 from kvtier.transfer.io_worker import BlockIOWorker
 
 SHAPE = (2, 4, 2, 1, 8)
@@ -350,6 +351,24 @@ def test_two_engine_processes_share_a_directory_and_find_each_others_blocks(tmp_
     assert len(files) == 56 and ledger_count(directory) == 56
     assert all(mode(f) == 0o600 for f in files)
     assert [p for p in directory.rglob("*") if ".tmp." in p.name] == []
+
+
+def test_an_engine_that_asked_whether_it_is_alone_is_still_seen_by_the_others(tmp_path: Path) -> None:
+    """Two tiers on one directory (each its own open file, as two processes): neither is alone, however
+    often they ask. flock drops a shared lock whose conversion to exclusive fails, so the first one to
+    ask used to vanish, the second then believed itself alone and recounted the shared ledger without
+    the first one's writes in flight: a directory over its cap (this file's test below, once in CI)."""
+    first, second = DirectoryLedger(str(tmp_path)), DirectoryLedger(str(tmp_path))
+    for _ in range(3):
+        for ledger in (first, second):
+            with ledger.update():
+                assert not ledger.alone()
+    del second, ledger
+    gc.collect()  # its files closed: the first one is alone now
+    with first.update():
+        assert first.alone()
+    with first.update():
+        assert first.alone()  # and still holds its presence: asking changed nothing
 
 
 def test_two_engine_processes_stay_within_one_size_cap(tmp_path: Path) -> None:

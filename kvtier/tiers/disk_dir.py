@@ -84,6 +84,9 @@ class DirectoryLedger:
         try:
             fcntl.flock(self._presence_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            # A conversion that fails has dropped the shared lock all the same (flock(2): the old lock
+            # goes first): take it again, or the next engine to ask would think itself alone.
+            fcntl.flock(self._presence_fd, fcntl.LOCK_SH)
             return False
         fcntl.flock(self._presence_fd, fcntl.LOCK_SH)
         return True
