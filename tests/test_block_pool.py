@@ -84,7 +84,9 @@ def test_story_cache_free_hit_touch_evict() -> None:
     C needs more than the uncached free blocks, so the LRU cached idle block is evicted."""
     evicted: list[tuple[int, BlockHash | None, tuple[int, ...] | None]] = []
     pool = BlockPool(
-        6, enable_caching=True, on_evict=lambda b: evicted.append((b.block_id, b.block_hash, b.token_ids))
+        6,
+        enable_caching=True,
+        on_evict=lambda blocks: evicted.extend((b.block_id, b.block_hash, b.token_ids) for b in blocks),
     )
 
     a = pool.get_new_blocks(3)  # blocks 0, 1, 2: two full ones + a partial one
@@ -169,7 +171,7 @@ def test_cache_block_requires_a_block_in_use() -> None:
 
 
 def test_evict_hook_that_raises_leaves_the_pool_unchanged() -> None:
-    def hook(block: KVBlock) -> None:
+    def hook(blocks: list[KVBlock]) -> None:
         raise RuntimeError("tier full")
 
     pool = BlockPool(2, enable_caching=True, on_evict=hook)

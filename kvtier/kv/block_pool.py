@@ -145,16 +145,17 @@ class FreeBlockQueue:
 class BlockPool:
     """All blocks of one device, their reference counts, and the hash map of cached blocks.
 
-    ``on_evict(block)`` is called when a cached block is about to be reused for new slots, while
-    the block still has its ``block_hash``, ``token_ids`` and KV. It must not call back into the
-    pool. If it raises, ``get_new_blocks`` raises and the pool is left unchanged.
+    ``on_evict(blocks)`` is called with the cached blocks a ``get_new_blocks`` is about to reuse for
+    new slots (in eviction order, once per call), while they still have their ``block_hash``,
+    ``token_ids`` and KV. It must not call back into the pool. If it raises, ``get_new_blocks`` raises
+    and the pool is left unchanged.
     """
 
     def __init__(
         self,
         num_blocks: int,
         enable_caching: bool,
-        on_evict: Callable[[KVBlock], None] | None = None,
+        on_evict: Callable[[list[KVBlock]], None] | None = None,
         retention: Retention | None = None,
     ) -> None:
         if num_blocks <= 0:
@@ -262,9 +263,9 @@ class BlockPool:
         taken = list(itertools.islice(self.free_order(), num_blocks))
         # Notify first, mutate after: a hook that raises leaves the pool as it was.
         if self.on_evict is not None:
-            for block in taken:
-                if block.block_hash is not None:
-                    self.on_evict(block)
+            evicted = [block for block in taken if block.block_hash is not None]
+            if evicted:
+                self.on_evict(evicted)
         for block in taken:
             self._queue_of(block).remove(block)
         blocks = taken

@@ -76,6 +76,15 @@ def runs_by_group(
     return [(group, run) for group, run in runs]
 
 
+class CachedBlock(Protocol):
+    """A device block holding cached KV, as the tiers read it (``kvtier.kv.block_pool.KVBlock``)."""
+
+    block_id: int
+    block_hash: BlockHash | None  # set: the block is cached
+    group: int  # the KV group whose key ``block_hash`` is
+    cold: bool  # freed out of a sliding window
+
+
 @dataclass
 class SwappedOut:
     """A sequence preempted by swap: its blocks in order, pinned in the host tier."""
@@ -117,9 +126,10 @@ class LowerTiers(Protocol):
     def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
         """Plan host → device loads of held ``keys``."""
 
-    def on_device_evict(self, block_id: int, key: BlockHash, group: int = 0, cold: bool = False) -> None:
-        """A cached device block (of KV group ``group``) is about to be reused for other KV; ``cold``: a
-        sliding group's block out of its sequence's window (kept below only where it displaces nothing)."""
+    def on_device_evict(self, blocks: Sequence[CachedBlock]) -> None:
+        """Cached device blocks are about to be reused for other KV (one allocation's, in eviction
+        order); a ``cold`` one (a sliding group's, out of its sequence's window) is kept below only
+        where it displaces nothing."""
 
     def write_back(self, block_id: int, key: BlockHash, group: int = 0, cold: bool = False) -> bool:
         """Ahead of its eviction (the engine idles): plan the store that evicting this cached device

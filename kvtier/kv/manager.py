@@ -39,6 +39,7 @@ a manager built without a layout) behaves exactly as before: same block ids, has
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -111,15 +112,20 @@ class KVCacheManager:
         # that tier). Absent: computed on the device. Only read by ``block_map``; dropped on eviction.
         self._origins: dict[int, tuple[BlockHash, Medium]] = {}
 
-    def _evicted(self, block: KVBlock) -> None:
-        self._origins.pop(block.block_id, None)
-        if self._on_evict is not None:
-            self._on_evict(block)
-        if self.tiers is not None and block.block_hash is not None:
-            self.tiers.on_device_evict(block.block_id, block.block_hash, block.group, block.cold)
-        self.device_counters.blocks_evicted += 1
-        if self.listener is not None and block.block_hash is not None:
-            self.listener.blocks_removed(Medium.DEVICE, [block.block_hash], block.group)
+    def _evicted(self, blocks: list[KVBlock]) -> None:
+        """The pool is about to reuse these cached blocks (eviction order): their KV goes below
+        (write-back, the tiers told of them at once), they are counted and announced."""
+        for block in blocks:
+            self._origins.pop(block.block_id, None)
+            if self._on_evict is not None:
+                self._on_evict(block)
+        if self.tiers is not None:
+            self.tiers.on_device_evict(blocks)
+        self.device_counters.blocks_evicted += len(blocks)
+        if self.listener is not None:
+            for group, run in itertools.groupby(blocks, key=lambda block: block.group):
+                keys = [b.block_hash for b in run if b.block_hash is not None]
+                self.listener.blocks_removed(Medium.DEVICE, keys, group)
 
     def _cache_block(self, block: KVBlock, key: BlockHash, token_ids: Sequence[int], group: int) -> None:
         """Enter ``block`` into the device prefix cache under ``key`` of ``group`` (announced when new)."""

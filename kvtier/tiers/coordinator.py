@@ -43,7 +43,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.config import StorePolicy, check_choice
-from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, KeyGroups, LowerHit, SwappedOut
+from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, CachedBlock, KeyGroups, LowerHit, SwappedOut
 from kvtier.kv.plan import Demote, SwapPlan
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, KVTier
@@ -286,6 +286,9 @@ class TierCoordinator:
         host tier has no room for is demoted straight down (``_demote``)."""
         if self.on_offered is not None:
             self.on_offered(Medium.HOST, [key])
+        return self._store(block_id, key, group, cold)
+
+    def _store(self, block_id: int, key: BlockKey, group: int, cold: bool) -> bool:
         if self.host.host_block_of(key) is not None:
             return False
         if self.host.num_used_blocks >= self.host.capacity_blocks and self._safe_below(key, group):
@@ -329,10 +332,16 @@ class TierCoordinator:
             for level in self.external
         )
 
-    def on_device_evict(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> None:
-        """Write-back: a cached device block is about to be reused; keep its KV in the host tier (a
-        ``cold`` one, out of a sliding window, only where it displaces nothing)."""
-        self.store(block_id, key, group, cold)
+    def on_device_evict(self, blocks: Sequence[CachedBlock]) -> None:
+        """Write-back: cached device blocks are about to be reused; keep their KV in the host tier (a
+        ``cold`` one, out of a sliding window, only where it displaces nothing), in order, the host
+        tier offered them in one call."""
+        keys = [block.block_hash for block in blocks if block.block_hash is not None]
+        assert len(keys) == len(blocks), "an uncached device block cannot be evicted"
+        if self.on_offered is not None and keys:
+            self.on_offered(Medium.HOST, keys)
+        for block, key in zip(blocks, keys, strict=True):
+            self._store(block.block_id, key, block.group, block.cold)
 
     def write_back(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> bool:
         """Ahead of eviction (kvtier/kv/write_ahead.py): the store ``on_device_evict`` would plan."""
