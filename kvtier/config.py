@@ -292,11 +292,23 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
 
 def _write_ahead_blocks(args: EngineArgs, num_host_blocks: int) -> int:
     """The device blocks written back ahead of eviction while idle: with a write-back host tier, the
-    argument, else one step's worth (kvtier/kv/write_ahead.py)."""
+    argument (at most half the host tier: more would evict what it wrote back first, every idle period),
+    else one step's worth (kvtier/kv/write_ahead.py)."""
+    asked = args.kv_write_ahead_blocks
     if num_host_blocks == 0 or args.kv_store_policy != "write_back":
+        if asked:
+            raise ConfigError(
+                "kv_write_ahead_blocks needs a write_back host tier (kv_host_gb > 0, kv_store_policy "
+                "write_back): it writes the device pool's next evictions there"
+            )
         return 0
-    if args.kv_write_ahead_blocks is not None:
-        return args.kv_write_ahead_blocks
+    if asked is not None:
+        if asked > num_host_blocks // 2:
+            raise ConfigError(
+                f"kv_write_ahead_blocks={asked} is more than half the host tier ({num_host_blocks} blocks): "
+                "it would evict what it wrote back first"
+            )
+        return asked
     return write_ahead.default_blocks(args.max_num_batched_tokens, args.block_size, num_host_blocks)
 
 

@@ -9,6 +9,7 @@ had the first time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -87,7 +88,7 @@ def test_the_default_window_is_one_steps_blocks_within_half_the_host_tier() -> N
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=16,
     )  # fmt: skip
-    host = EngineArgs(kv_host_gb=0.01, kv_device_blocks=64)  # 16 KiB blocks: 640 of them
+    host = EngineArgs(kv_host_gb=0.01, kv_device_blocks=64)
     assert resolve_engine_config(host, model).tiers.write_ahead_blocks == 2048 // 16
     chosen = EngineArgs(kv_host_gb=0.01, kv_device_blocks=64, kv_write_ahead_blocks=5)
     assert resolve_engine_config(chosen, model).tiers.write_ahead_blocks == 5
@@ -98,6 +99,24 @@ def test_the_default_window_is_one_steps_blocks_within_half_the_host_tier() -> N
         assert resolve_engine_config(off, model).tiers.write_ahead_blocks == 0
     with pytest.raises(ConfigError, match="kv_write_ahead_blocks"):
         EngineArgs(kv_write_ahead_blocks=-1).validate()
+    for useless in (
+        EngineArgs(kv_device_blocks=64, kv_write_ahead_blocks=5),
+        EngineArgs(
+            kv_host_gb=0.01, kv_device_blocks=64, kv_store_policy="write_through", kv_write_ahead_blocks=5
+        ),
+    ):
+        with pytest.raises(ConfigError, match="needs a write_back host tier"):
+            resolve_engine_config(useless, model)
+    off = EngineArgs(kv_device_blocks=64, kv_write_ahead_blocks=0)  # 0: off, asked anywhere
+    assert resolve_engine_config(off, model).tiers.write_ahead_blocks == 0
+    half = resolve_engine_config(host, model).tiers.num_host_blocks // 2
+    churn = EngineArgs(kv_host_gb=0.01, kv_device_blocks=64, kv_write_ahead_blocks=half + 1)
+    with pytest.raises(ConfigError, match="more than half the host tier"):
+        resolve_engine_config(churn, model)
+    assert (
+        resolve_engine_config(replace(churn, kv_write_ahead_blocks=half), model).tiers.write_ahead_blocks
+        == half
+    )
 
 
 def settle(llm: LLM) -> None:
