@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.gpu_speed import settle
 from kvtier.config import EngineArgs, ModelConfig, resolve_engine_config
 from kvtier.config_checks import ConfigError
 from kvtier.kv.manager import KVCacheManager
@@ -119,16 +120,6 @@ def test_the_default_window_is_one_steps_blocks_within_half_the_host_tier() -> N
     )
 
 
-def settle(llm: LLM) -> None:
-    """What the server does between requests (kvtier/server/async_engine.py)."""
-    engine = llm.engine
-    for _ in range(100):
-        if not (engine.has_idle_work or engine.has_tier_work):
-            return
-        engine.run_idle_work() if engine.has_idle_work else engine.settle_tiers()
-    raise AssertionError("the engine never settled")
-
-
 def test_a_returning_prompt_written_back_ahead_answers_as_before(tiny_llama_dir: Any) -> None:
     chat = [7 + (i * 13) % 480 for i in range(60)]  # 3 full blocks of 16 and a partial one
     filler = [11 + (i * 31) % 470 for i in range(120)]
@@ -138,7 +129,7 @@ def test_a_returning_prompt_written_back_ahead_answers_as_before(tiny_llama_dir:
     llm = LLM(model=str(tiny_llama_dir()), kv_device_blocks=8, kv_host_gb=64 * 8192 / 2**30)
     host = llm.engine.tiers.host
     llm.generate([{"prompt_token_ids": chat}], GREEDY)
-    settle(llm)
+    assert settle(llm.engine, max_steps=100)  # what a server does between requests
     stored_ahead = host.counters.blocks_stored
     assert stored_ahead >= 3  # the chat's blocks, next in line, now in the host tier too
 

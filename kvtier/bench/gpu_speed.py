@@ -177,16 +177,18 @@ def push_out(llm: Any, shape: Shape, lengths: tuple[int, ...], seed: int, idle: 
         settle(llm.engine)
 
 
-def settle(engine: Any, max_steps: int = 10_000) -> None:
+def settle(engine: Any, max_steps: int = 10_000) -> bool:
     """An idle server's loop (kvtier/server/async_engine.py) until it has nothing left to do: the sizing
-    trackers' backlog, the tiers' copies, and the pool's next evictions written back ahead."""
+    trackers' backlog, the tiers' copies, and the pool's next evictions written back ahead. False if
+    work remained after ``max_steps``."""
     for _ in range(max_steps):
         if engine.has_idle_work:
             engine.run_idle_work()
         elif engine.has_tier_work:
             engine.settle_tiers()
         else:
-            return
+            return True
+    return False
 
 
 def ttft_rows(

@@ -207,8 +207,8 @@ class ChainMemo:
                 self._chains.append(self._chains.pop(best))  # the most recent
             return
         extend_block_hashes(block_hashes, token_ids, bs, root, n * bs)
-        if best is not None and len(self._chains[best][1]) <= len(tokens):
-            del self._chains[best]  # a shorter chain of the same tokens: this one covers it
+        if best is not None:
+            del self._chains[best]  # a chain of a prefix of these tokens: this one covers it
         self._chains.append((root, tokens, list(block_hashes)))
         del self._chains[: -self.size]
 
