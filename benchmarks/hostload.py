@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from kvtier import LLM
 from kvtier.bench.gpu_models import Shape, random_prompts, write_checkpoint
 from kvtier.bench.gpu_report import table
 from kvtier.bench.gpu_speed import _ttft, push_out, ttft_engine
+from kvtier.bench.step_phases import method_clock
 
 SHAPE = Shape("probe-2-layers", "llama", 2, 64, 128, 4, 2, 16, 512, 10_000.0, 40_960)
 LENGTHS = (2048, 8192, 32768)
@@ -33,26 +32,11 @@ PHASES = (
 )  # fmt: skip
 
 
-def _timers(engine: Any) -> dict[str, float]:
-    """Wrap the phases' methods on their objects (this process only) so each adds its seconds here."""
-    spent: dict[str, float] = {}
+def _methods(engine: Any) -> dict[str, tuple[object, str]]:
+    """The phases' methods on their objects, for ``method_clock``."""
     owners = {"catch_up": engine.insight, "schedule": engine.scheduler, "allocate_slots": engine.kv,
               "get_new_blocks": engine.kv.pool}  # fmt: skip
-
-    def timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-
-        return run
-
-    for name in PHASES:
-        owner = owners.get(name, engine)
-        setattr(owner, name, timed(name, getattr(owner, name)))
-    return spent
+    return {name: (owners.get(name, engine), name) for name in PHASES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,14 +48,13 @@ def main(argv: list[str] | None = None) -> None:
         prompt = random_prompts(1, 8192, 3, SHAPE.vocab)[0]
         recompute, _ = _ttft(llm, prompt)
         hit = min(_ttft(llm, prompt)[0] for _ in range(3))
-        spent = _timers(llm.engine)
         rows = []
         for idle in (True, False):
             best: tuple[float, dict[str, float]] | None = None
             for i in range(ns.repeats):
                 push_out(llm, SHAPE, LENGTHS, 5 + i + 100 * idle, idle=idle)
-                spent.clear()
-                ms, _ = _ttft(llm, prompt)
+                with method_clock(_methods(llm.engine)) as spent:
+                    ms, _ = _ttft(llm, prompt)
                 if best is None or ms < best[0]:
                     best = (ms, {k: 1000 * v for k, v in spent.items()})
             assert best is not None

@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from kvtier.bench import gpu, gpu_exact, gpu_report  # noqa: E402
+from kvtier.bench import gpu, gpu_exact, gpu_report, step_phases  # noqa: E402
 from kvtier.bench.gpu_models import SHAPES, write_checkpoint  # noqa: E402
 
 
@@ -69,6 +70,29 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
         assert wall["name"] == "wall" and wall["host_ms_per_step"] > 0
         assert any(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in ops)
     assert any(r["name"] == "aten::index_copy_" for r in s["profile"] if r["scope"] != "decode step")
+    assert [(r["variant"], r["batch"]) for r in s["phases"]] == [("torch", b) for b in gpu.TINY.phase_batches]
+    for r in s["phases"]:  # each phase took time, and together they fit in the step
+        parts = [r[k] for k in ("schedule_ms", "forward_host_ms", "sample_ms", "update_ms")]
+        assert all(p > 0 for p in parts) and r["device_wait_ms"] >= 0
+        assert sum(parts) <= 1.5 * r["step_ms"]  # medians of each: about the step's
+
+
+def test_the_phase_clock_times_an_objects_own_methods_and_puts_them_back() -> None:
+    class Engine:
+        def step(self) -> int:
+            return self.inner() + 1
+
+        def inner(self) -> int:
+            time.sleep(0.01)
+            return 1
+
+    engine, waited = Engine(), []
+    with step_phases.method_clock(
+        {"step": (engine, "step"), "inner": (engine, "inner")}, {"inner": lambda: waited.append(1)}
+    ) as spent:
+        assert engine.step() == 2 and engine.step() == 2
+    assert spent["step"] >= spent["inner"] >= 0.02 and spent["inner_wait"] >= 0 and waited == [1, 1]
+    assert "step" not in vars(engine) and "inner" not in vars(engine)  # the class's methods again
 
 
 def test_a_reference_from_other_weights_fails_the_exactness_check(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
               prefill after cached blocks; bfloat16, fp8_e4m3, int8 pools)
     transfer  host↔device block copies through the mover vs a plain pinned cudaMemcpy
     decode    tokens/s at batch 1 / 16 / 64: Triton kernels vs gather + SDPA (1B shape, bf16)
+    phases    a decode step's wall time split by engine phase (schedule, forward launches, the wait for
+              the device, sampling, outputs) at batch 1 and 64, each backend eager and Triton's graphs
     overlap   how much of a host→device load the forward hides (the engine's order, and the bound)
     ttft      2k / 8k / 32k-token prompts: recompute vs host-tier load vs device hit (1B shape, bf16)
     profile   where a decode step's time goes (batch 1) and a host-tier load's (8k tokens):
@@ -45,7 +47,7 @@ class Skipped(Exception):
     """A section that cannot run on this machine (not a failure)."""
 
 
-SECTIONS = ("exact", "kernels", "transfer", "decode", "overlap", "ttft", "profile")
+SECTIONS = ("exact", "kernels", "transfer", "decode", "phases", "overlap", "ttft", "profile")
 
 
 @dataclass(frozen=True)
@@ -61,15 +63,17 @@ class Plan:
     decode_batches: tuple[int, ...]
     decode_context: int
     decode_tokens: int
+    phase_batches: tuple[int, ...]  # the phases section's batches (after decode_context-token prompts)
     overlap: tuple[int, int, int]  # batch, context, blocks loaded
     profile: tuple[int, int]  # batch, decode steps
     dtype: str  # the speed sections' compute dtype
 
 
 FULL = Plan(("llama-3.2-1b", "qwen3-0.6b", "gemma3-270m"), "llama-3.2-1b", 64, 1, (64, 256, 1024),
-            (2048, 8192, 32768), (1, 16, 64), 1024, 32, (32, 1024, 512), (1, 16), "bfloat16")  # fmt: skip
+            (2048, 8192, 32768), (1, 16, 64), 1024, 32, (1, 64), (32, 1024, 512), (1, 16),
+            "bfloat16")  # fmt: skip
 TINY = Plan(("tiny-llama", "tiny-qwen3", "tiny-gemma3"), "tiny-llama", 40, 50, (4, 16), (64, 128, 256),
-            (1, 4), 32, 8, (4, 32, 8), (1, 4), "float32")  # fmt: skip
+            (1, 4), 32, 8, (1, 4), (4, 32, 8), (1, 4), "float32")  # fmt: skip
 
 
 @dataclass
@@ -222,6 +226,18 @@ def _decode(plan: Plan, workdir: Path) -> list[Any]:
     return decode_rows(_checkpoint(name, workdir), SHAPES[name], *args)
 
 
+def _phases(plan: Plan, workdir: Path) -> list[Any]:
+    from kvtier.bench.gpu_models import SHAPES
+    from kvtier.bench.step_phases import phase_rows
+
+    name, device = plan.speed_shape, _device_type()
+    found = backends(device)
+    graphs = [("triton", False)] if device == "cuda" and "triton" in found else []  # captured on CUDA only
+    variants = [(b, True) for b in found] + graphs
+    args = (plan.phase_batches, plan.decode_context, 16, plan.dtype, variants)
+    return phase_rows(_checkpoint(name, workdir), SHAPES[name], *args)
+
+
 def _overlap(plan: Plan, workdir: Path) -> list[Any]:
     from kvtier.bench.gpu_models import SHAPES
     from kvtier.bench.gpu_overlap import overlap_row
@@ -249,5 +265,6 @@ SECTION_RUNNERS = {
     "ttft": _ttft,
     "profile": _profile,
     "decode": _decode,
+    "phases": _phases,
     "overlap": _overlap,
 }

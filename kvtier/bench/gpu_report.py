@@ -12,6 +12,7 @@ _DERIVED = {
     "transfer": ("load_fraction",),
     "ttft": ("host_speedup", "busy_speedup"),
     "decode": ("ratio", "graphs_gain"),
+    "phases": ("rest_ms", "host_per_row_us"),
 }
 
 

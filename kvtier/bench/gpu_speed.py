@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,32 +249,46 @@ class DecodeRow:
         return self.triton_tok_s / self.triton_eager_tok_s
 
 
-def decode_tok_s(llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int) -> float:
-    """Tokens/s of ``batch`` sequences in decode-only steps: their ``context``-token prompts prefilled
-    first (steps until every sequence has its first token), then ``new_tokens`` steps timed, then the
-    requests aborted. (Timing whole ``generate`` calls would count prefill steps and the mixed steps of
-    stall-free scheduling, whose number changes with the measured step times.)"""
+@contextmanager
+def decode_batch(
+    llm: Any, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0
+) -> Iterator[Any]:
+    """The engine with ``batch`` sequences past their ``context``-token prompts (steps run until every
+    sequence has its first token), room for ``steps`` more tokens each; afterwards the requests are
+    aborted and the engine drained. The prompts' first ``shared`` tokens are the same (one prefill, then
+    prefix hits: each row still reads its whole context)."""
     from kvtier import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + context, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + context, ignore_eos=True)
+    prefix = random_prompts(1, shared, seed + 1, shape.vocab)[0] if shared else None
     ids = [
         engine.add_request({"prompt_token_ids": p}, params)
-        for p in random_prompts(batch, context, seed, shape.vocab)
+        for p in random_prompts(batch, context - shared, seed, shape.vocab, prefix)
     ]
     started: set[str] = set()
     while len(started) < batch:
         started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
     sync()
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
-        engine.step()
-    sync()
-    seconds = time.perf_counter() - t0
-    for rid in ids:
-        engine.abort_request(rid)
-    while engine.has_unfinished_requests():
-        engine.step()
+    try:
+        yield engine
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+
+def decode_tok_s(llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int) -> float:
+    """Tokens/s of ``batch`` sequences in decode-only steps: their ``context``-token prompts prefilled
+    first, then ``new_tokens`` steps timed. (Timing whole ``generate`` calls would count prefill steps
+    and the mixed steps of stall-free scheduling, whose number changes with the measured step times.)"""
+    with decode_batch(llm, shape, batch, context, new_tokens, seed) as engine:
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            engine.step()
+        sync()
+        seconds = time.perf_counter() - t0
     return batch * new_tokens / max(seconds, 1e-9)
 
 

@@ -1,0 +1,52 @@
+"""The host work of a decode step on this CPU, phase by phase, as the batch and the contexts grow.
+
+    python -m benchmarks.stephost [--steps 32] [--contexts 1024,8192] [--batches 1,16,64]
+
+A 2-layer random model (``kvtier/bench/gpu_models.py``), so that the forward is small and the engine's
+own Python per row shows: what a GPU step pays on its host beside kernels that take a few milliseconds
+(``kvtier bench gpu``'s ``phases`` section is the same table on a lent GPU). The prompts of a batch share
+all but their last 32 tokens (one prefill, then prefix hits: each row still has its whole context in
+its block tables and reads it). Columns as in ``kvtier/bench/step_phases.py``; ``host_per_row_us`` is
+the step minus the forward, per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from kvtier import LLM
+from kvtier.bench.gpu_models import Shape, write_checkpoint
+from kvtier.bench.gpu_report import table
+from kvtier.bench.step_phases import PhaseRow, measure
+
+SHAPE = Shape("probe-2-layers", "llama", 2, 64, 128, 4, 2, 16, 512, 10_000.0, 40_960)
+TAIL = 32  # each prompt's own tokens after the shared prefix
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--contexts", default="1024,8192")
+    p.add_argument("--batches", default="1,16,64")
+    ns = p.parse_args(argv)
+    contexts = [int(x) for x in ns.contexts.split(",")]
+    batches = [int(x) for x in ns.batches.split(",")]
+    directory = write_checkpoint(SHAPE, Path(tempfile.mkdtemp()) / "model")
+    blocks = max(batches) * (-(-(max(contexts) + ns.steps + 1) // 16) + 1) + 64
+    engine = dict(dtype="float32", kv_device_blocks=blocks, max_num_seqs=max(batches), enforce_eager=True)
+    rows: list[PhaseRow] = []
+    with LLM(str(directory), **engine) as llm:
+        measure(llm, "warm-up", SHAPE, 2, 64, 4, seed=1)
+        for context in contexts:
+            for batch in batches:
+                rows.append(measure(llm, "auto", SHAPE, batch, context, ns.steps, 10 * batch, context - TAIL))
+    names = ["batch", "context", "step_ms", "schedule_ms", "forward_host_ms", "sample_ms", "update_ms"]
+    data = [[getattr(r, n) for n in names] + [r.rest_ms, r.host_per_row_us] for r in rows]
+    print(f"decode steps of {SHAPE.name} (float32), {ns.steps} timed per row")
+    print(table(names + ["rest_ms", "host_per_row_us"], data))
+
+
+if __name__ == "__main__":
+    main()
