@@ -327,7 +327,7 @@ class LLMEngine:
         for row, s in enumerate(x for x in out.scheduled if x.samples):
             seq = s.seq
             for i in range(seq.params.n) if seq.forks_on_prompt_done else [seq.index]:
-                sid = seq_id_for(seq.request_id, i)
+                sid = seq.seq_id if i == seq.index else seq_id_for(seq.request_id, i)
                 penalties = (seq.token_ids, seq.num_prompt_tokens) if seq.params.penalized else ()
                 requests.append(SampleRequest(row, sid, i, seq.params, self._banned(seq), *penalties))
                 targets.append((seq, i))
@@ -424,6 +424,8 @@ class LLMEngine:
         """The tokens ``seq`` may not take next: EOS and stop ids before ``min_tokens``, and the last token
         of a bad word whose other tokens end the output."""
         p = seq.params
+        if not p.bad_words_token_ids and seq.num_output_tokens >= p.min_tokens:
+            return ()  # the usual row: nothing banned
         banned: set[int] = set()
         if seq.num_output_tokens < p.min_tokens:
             banned |= set(p.stop_token_ids)

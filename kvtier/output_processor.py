@@ -74,7 +74,7 @@ class OutputProcessor:
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.output_token_ids,  # a slice: the caller's own copy
                     finish_reason=seq.status.value if finished else None,
                     stop_reason=seq.stop_reason,
                     logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
@@ -109,19 +109,24 @@ def request_metrics(request: Request) -> dict[str, float]:
     ``ttft`` and ``e2e`` (arrival to the finish). A key is absent until its moment has come."""
     arrival = request.arrival_time
     metrics = {"arrival_time": arrival}
-    firsts = [s.first_scheduled_time for s in request.seqs if s.first_scheduled_time is not None]
-    if firsts:
-        metrics["first_scheduled_time"] = min(firsts)
-        metrics["queue_time"] = max(0.0, min(firsts) - arrival)
-    tokens = [s.first_token_time for s in request.seqs if s.first_token_time is not None]
-    if tokens:
-        metrics["first_token_time"] = min(tokens)
-        metrics["ttft"] = max(0.0, min(tokens) - arrival)
-        if firsts:
-            metrics["prefill_time"] = max(0.0, min(tokens) - min(firsts))
-    lasts = [s.last_token_time for s in request.seqs if s.last_token_time is not None]
-    if lasts:
-        metrics["last_token_time"] = max(lasts)
+    seqs = request.seqs
+    if len(seqs) == 1:  # the usual request: its one sequence's moments, no lists to build
+        s = seqs[0]
+        first, token, last = s.first_scheduled_time, s.first_token_time, s.last_token_time
+    else:
+        first = min((t for s in seqs if (t := s.first_scheduled_time) is not None), default=None)
+        token = min((t for s in seqs if (t := s.first_token_time) is not None), default=None)
+        last = max((t for s in seqs if (t := s.last_token_time) is not None), default=None)
+    if first is not None:
+        metrics["first_scheduled_time"] = first
+        metrics["queue_time"] = max(0.0, first - arrival)
+    if token is not None:
+        metrics["first_token_time"] = token
+        metrics["ttft"] = max(0.0, token - arrival)
+        if first is not None:
+            metrics["prefill_time"] = max(0.0, token - first)
+    if last is not None:
+        metrics["last_token_time"] = last
     if request.finished:
         metrics["finished_time"] = time.monotonic()
         metrics["e2e"] = max(0.0, metrics["finished_time"] - arrival)

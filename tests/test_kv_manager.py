@@ -183,6 +183,33 @@ def test_fork_then_copy_on_write_of_the_shared_partial_block() -> None:
     kv.check_integrity()
 
 
+def test_the_runners_block_ids_follow_every_table_change() -> None:
+    """The ids the runner reads each step are kept, not rebuilt: extended as a table grows, rebuilt after
+    an entry changes in place (here a copy-on-write). A change that skipped ``touch`` is caught."""
+    kv = new_manager(8)
+    prompt = [1, 2, 3, 4, 5, 6]
+    prefill(kv, "P", prompt)
+    assert kv.block_tables("P") == ((0, 1),)
+    kv.fork("P", "C")
+    assert kv.allocate_slots("P", [*prompt, 7], 6, 1)  # copy-on-write of block 1, in place
+    assert kv.block_tables("P") == ((0, 2),) and kv.block_tables("C") == ((0, 1),)
+    tokens = [*prompt, 7, 8, 9]
+    assert kv.allocate_slots("P", tokens, 7, 2)  # the table grows past its end: block 3
+    assert kv.block_tables("P") == ((0, 2, 3),)
+    kv.check_integrity()
+
+    before = [b.ref_cnt for b in kv.pool.blocks]
+    assert kv.allocate_slots("P", tokens, 8, 1)  # a decode token in a block of its own: nothing to do
+    assert [b.ref_cnt for b in kv.pool.blocks] == before and kv.block_tables("P") == ((0, 2, 3),)
+
+    seq = kv._seqs["P"]
+    seq.tables[0][2], seq.tables[0][1] = seq.tables[0][1], seq.tables[0][2]  # no touch: the ids are stale
+    with pytest.raises(AssertionError, match="stale block ids"):
+        kv.check_integrity()
+    seq.touch()
+    assert kv.block_tables("P") == ((0, 3, 2),)
+
+
 def test_fork_at_a_block_boundary_needs_no_copy() -> None:
     kv = new_manager(8)
     prompt = list(range(8))

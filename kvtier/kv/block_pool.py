@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.retention import Retention, TierProtection
@@ -142,6 +143,9 @@ class FreeBlockQueue:
         self._len -= 1
 
 
+BlockState = Literal["free", "cached", "in_use"]  # a block's state, as the dashboard draws it
+
+
 class BlockPool:
     """All blocks of one device, their reference counts, and the hash map of cached blocks.
 
@@ -182,6 +186,12 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks ``get_new_blocks`` can hand out: free ones plus cached idle ones."""
         return len(self._free_queue) + len(self._cold_queue) + len(self._retained_queue)
+
+    def states(self) -> list[BlockState]:
+        """Each block's state, by block id: referenced, idle with cached KV, or free. O(num_blocks)."""
+        return [
+            "in_use" if b.ref_cnt > 0 else "free" if b.block_hash is None else "cached" for b in self.blocks
+        ]
 
     def num_retained_blocks(self) -> int:
         """Cached blocks (in use or idle) under retention now; for metrics (at most once a second)."""

@@ -42,12 +42,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from kvtier.kv.block_pool import BlockPool, KVBlock
+from kvtier.kv.block_pool import BlockPool, BlockState, KVBlock
 from kvtier.kv.computed import NO_COMPUTED_BLOCKS, AccessObserver, ComputedBlocks, group_hits
 from kvtier.kv.group_lookup import find_group_hit
-from kvtier.kv.groups import DENSE_LAYOUT, NULL_BLOCK_ID, KVLayout
+from kvtier.kv.groups import DENSE_LAYOUT, KVLayout
 from kvtier.kv.hashing import BlockHash, ChainMemo, ExtraKey, group_key, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
@@ -63,8 +62,6 @@ from kvtier.kv.seq_blocks import (
     hit_tables,
 )
 from kvtier.stats import Medium, TierCounters, TierSnapshot
-
-BlockState = Literal["free", "cached", "in_use"]  # the block pool's three states (see block_pool.py)
 
 
 @dataclass
@@ -268,6 +265,7 @@ class KVCacheManager:
             num_cached_blocks=len(tables[0]),
             num_computed_tokens=computed.num_computed_tokens,
             num_released=firsts,
+            extra_keys=extra_keys,
         )
         self._seqs[seq_id] = seq
         fresh = self.pool.get_new_blocks(len(loads) + num_fresh * num_groups)
@@ -299,11 +297,15 @@ class KVCacheManager:
             seq.tables[g][i] = block
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
             self._origins[block.block_id] = (key, source)
+        seq.touch()
 
     def _grow(self, seq: SeqBlocks, num_computed_tokens: int, num_new_tokens: int) -> bool:
         """A live sequence's next slots: release what its windows no longer reach, private copies of
         shared blocks the slots are written into (after a fork), then fresh blocks past the end."""
         bs = self.block_size
+        if num_new_tokens == 1 and seq.writes_in_place(num_computed_tokens, bs, self.layout.has_sliding):
+            seq.num_computed_tokens = max(seq.num_computed_tokens, num_computed_tokens)
+            return True  # what the general case below comes to for it, in fewer steps
         num_total = num_computed_tokens + num_new_tokens
         num_table = len(seq.tables[0])
         shared: list[tuple[int, int]] = []  # (group, position) written this step, referenced by others
@@ -329,6 +331,7 @@ class KVCacheManager:
             assert src is not None
             self._pending_copies.append((src.block_id, dst.block_id))
             seq.tables[g][i] = dst
+            seq.touch()
             self.pool.free_blocks([src])  # ref_cnt was > 1: stays in use by the other sequence(s)
         rest = fresh[len(shared) :]
         for g, table in enumerate(seq.tables):
@@ -367,7 +370,7 @@ class KVCacheManager:
             raise ValueError(
                 f"{seq_id}: {num_computed_tokens} computed tokens but only {len(token_ids)} tokens"
             )
-        if extra_keys and root_hash(extra_keys) != seq.root:
+        if extra_keys and extra_keys != seq.extra_keys and root_hash(extra_keys) != seq.root:
             raise ValueError(f"{seq_id}: extra_keys differ from the ones of its first allocation")
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, seq.num_blocks)
@@ -429,6 +432,7 @@ class KVCacheManager:
             num_cached_blocks=parent.num_cached_blocks,
             num_computed_tokens=parent.num_computed_tokens,
             num_released=list(parent.num_released),
+            extra_keys=parent.extra_keys,
         )
 
     def free(self, seq_id: str) -> None:
@@ -468,10 +472,7 @@ class KVCacheManager:
         if out is None:
             return False
         self.free(seq_id)
-        kept = SeqBlocks(
-            [[] for _ in seq.tables], seq.root, list(seq.block_hashes), min(seq.num_cached_blocks, num_blocks)
-        )
-        self._swapped[seq_id] = Swapped(kept, out, firsts, num_blocks)
+        self._swapped[seq_id] = Swapped(seq.without_tables(num_blocks), out, firsts, num_blocks)
         return True
 
     def is_swapped(self, seq_id: str) -> bool:
@@ -536,13 +537,12 @@ class KVCacheManager:
 
     def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
         """The sequence's block table in KV group ``group`` (a copy; null entries ``NULL_BLOCK_ID``)."""
-        return [
-            NULL_BLOCK_ID if block is None else block.block_id for block in self._seq(seq_id).tables[group]
-        ]
+        return list(self._seq(seq_id).block_ids()[group])
 
     def block_tables(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
-        """Every KV group's block table, in group order (``NULL_BLOCK_ID`` for null entries)."""
-        return tuple(tuple(self.block_ids(seq_id, g)) for g in range(self.layout.num_groups))
+        """Every KV group's block table, in group order (``NULL_BLOCK_ID`` for null entries): a copy,
+        of ids kept up to date as the tables change (no walk over the blocks each step)."""
+        return tuple(map(tuple, self._seq(seq_id).block_ids()))
 
     def num_held_blocks(self, seq_id: str) -> int:
         """Blocks the sequence's tables reference now, over every group (null entries not counted)."""
@@ -565,12 +565,9 @@ class KVCacheManager:
         came from (any other block's was computed on the device). Read-only, O(num_blocks), allocating
         no object per block (a pool of 100k blocks in milliseconds): for the dashboard, not the step."""
         blocks = self.pool.blocks
-        states: list[BlockState] = [
-            "in_use" if b.ref_cnt > 0 else "free" if b.block_hash is None else "cached" for b in blocks
-        ]
         # The key check skips a stale entry (a loaded block that was not cached under its key).
         loaded = {i: medium for i, (key, medium) in self._origins.items() if blocks[i].block_hash == key}
-        return states, loaded
+        return self.pool.states(), loaded
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write ``(src_block_id, dst_block_id)`` pairs recorded since the last call."""

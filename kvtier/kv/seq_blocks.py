@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
 from kvtier.kv.computed import ComputedBlocks, GroupHit
-from kvtier.kv.groups import KVLayout
-from kvtier.kv.hashing import BlockHash, group_key
+from kvtier.kv.groups import NULL_BLOCK_ID, KVLayout
+from kvtier.kv.hashing import BlockHash, ExtraKey, group_key
 from kvtier.kv.lower import SwappedOut
 from kvtier.stats import Medium
 
@@ -50,15 +50,52 @@ class SeqBlocks:
     num_computed_tokens: int = 0
     # Per group, the leading null entries of its table (0 for a full group).
     num_released: list[int] = field(default_factory=list)
+    # The extra keys ``root`` was made from (a later call passing these same keys needs no rehash).
+    extra_keys: tuple[ExtraKey, ...] = ()
+    # Each group's table as block ids, the runner's view (``block_ids``): built once, then extended as
+    # the tables grow at their end; ``touch`` drops it when an entry changes in place.
+    _ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.num_released:
             self.num_released = [0] * len(self.tables)
 
+    def block_ids(self) -> list[list[int]]:
+        """Each group's table as block ids (``NULL_BLOCK_ID`` for a null entry), without a walk over the
+        whole table each step: only entries appended since the last call are read. The lists are the
+        sequence's own: copy them to keep them."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = [[NULL_BLOCK_ID if b is None else b.block_id for b in t] for t in self.tables]
+        elif len(ids[0]) < len(self.tables[0]):
+            for known, table in zip(ids, self.tables, strict=True):
+                known.extend(NULL_BLOCK_ID if b is None else b.block_id for b in table[len(known) :])
+        return ids
+
+    def without_tables(self, num_blocks: int) -> SeqBlocks:
+        """Its hash progress over its first ``num_blocks`` positions, with empty tables (what a swap
+        keeps while the blocks are in the host tier)."""
+        hashed = min(self.num_cached_blocks, num_blocks)
+        empty: list[Table] = [[] for _ in self.tables]
+        return SeqBlocks(empty, self.root, list(self.block_hashes), hashed, extra_keys=self.extra_keys)
+
+    def touch(self) -> None:
+        """An entry changed in place (a load placed, a copy-on-write, a release, a restore)."""
+        self._ids = None
+
     @property
     def num_blocks(self) -> int:
         """Block positions the tables cover (null entries included)."""
         return len(self.tables[0])
+
+    def writes_in_place(self, position: int, block_size: int, sliding: bool) -> bool:
+        """Whether the slot of ``position`` lies in a block the tables hold and this sequence alone
+        references, in every group, with no window to slide (``sliding``: the layout has one): a dense
+        model's decode token, usually. Then its allocation has nothing to do."""
+        i = position // block_size
+        if sliding or i >= len(self.tables[0]):
+            return False
+        return all((b := t[i]) is not None and b.ref_cnt == 1 for t in self.tables)
 
     def live(self) -> Iterator[Entry]:
         """Every non-null entry, group by group."""
@@ -122,6 +159,7 @@ class SeqBlocks:
         for g, i, _ in entries:
             self.tables[g][i] = None
             self.num_released[g] = max(self.num_released[g], i + 1)
+        self.touch()
         pool.free_blocks((block for _, _, block in entries), cold=True)
 
 
@@ -186,6 +224,9 @@ def check_tables(
                     f"{seq_id}: block {block.block_id} is cached under a hash other than the sequence's"
                 )
         refs.update(ids)
+    if seq._ids is not None:  # the runner's view, extended since: what the tables hold now
+        expected = [[NULL_BLOCK_ID if b is None else b.block_id for b in table] for table in seq.tables]
+        assert seq.block_ids() == expected, f"{seq_id}: stale block ids"
 
 
 def check_slots(
@@ -271,4 +312,5 @@ class Swapped:
             self.seq.tables.append([None] * first + blocks)
             loaded += blocks[: self.num_blocks - first]
         self.seq.num_released = list(self.firsts)
+        self.seq.touch()
         return loaded

@@ -209,11 +209,22 @@ def _padded_tables(tables: Sequence[Sequence[int]], width: int, pad: int, spare:
     (never read: the context length bounds the reads), then ``pad`` rows of the spare block."""
     flat: list[int] = []
     for table in tables:
-        row = list(table[:width])
-        flat.extend(row)
-        flat.extend(row[:1] * (width - len(row)))
+        pad_rows(flat, table, width)
     flat.extend([spare] * (width * pad))
     return flat
+
+
+def pad_rows(flat: list[int], row: Sequence[int], width: int) -> None:
+    """Append ``row``'s first ``width`` blocks to ``flat``, padded to ``width`` with its own first block:
+    padding is masked out, but a zero weight times NaN is NaN, so one request's corrupt block must never
+    reach another's attention. (Copies only what it appends: the rows are whole tables, every step.)"""
+    n = len(row)
+    if n > width:
+        flat.extend(row[:width])
+        return
+    flat.extend(row)
+    if n < width:
+        flat.extend(row[:1] * (width - n))
 
 
 def try_capture(graphs: StepGraphs) -> StepGraphs | None:

@@ -31,7 +31,7 @@ from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Sequence, TokenLogprobs
-from kvtier.worker.graphs import Rows, StepGraphs, graph_rows, try_capture
+from kvtier.worker.graphs import Rows, StepGraphs, graph_rows, pad_rows, try_capture
 from kvtier.worker.sampler import prompt_logprobs
 from kvtier.worker.staging import StepStaging
 
@@ -283,10 +283,7 @@ class ModelRunner:
         for g in range(self.num_groups):
             table: list[int] = []
             for s in decodes:
-                row = list(readable_table(s.block_tables[g][:max_blocks]))
-                # padding is masked out, but a zero weight times NaN is NaN: pad with the sequence's own
-                # first block, so one request's corrupt block never reaches another's attention
-                table.extend(row + row[:1] * (max_blocks - len(row)))
+                pad_rows(table, readable_table(s.block_tables[g]), max_blocks)
             tables.append(stage.add(table))
         lens, host_lens = (stage.add(context_lens), tuple(context_lens)) if masked else (None, None)
         return _DecodePlan(len(decodes), max_blocks, max_context, lens, tuple(tables), host_lens)
