@@ -563,27 +563,7 @@ class TierCoordinator:
             level.tier.close()
 
     def _settle(self, level: ExternalLevel, timeout: float) -> None:
-        """Apply ``level``'s results until its worker has nothing pending or ``timeout`` passes. A
-        worker that finishes nothing for ``IO_STALL_S`` is stalled: its tier is turned off (one log
-        line) and it is not waited on again."""
-        deadline = time.monotonic() + timeout
-        progress = time.monotonic()  # when the worker last finished a job
-        while level.worker.pending and not level.stalled:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            if now - progress >= IO_STALL_S:
-                level.stalled = True
-                level.tier.disable(
-                    f"block I/O stalled: no read or write finished in {IO_STALL_S:.0f} s "
-                    f"({level.worker.pending} pending), left behind"
-                )
-                return
-            results = level.worker.wait(min(deadline, progress + IO_STALL_S) - now)
-            if results:
-                progress = time.monotonic()
-            for r in results:
-                self._apply(level, r)
+        level.settle(timeout, IO_STALL_S, lambda r: self._apply(level, r))
 
     def _apply(self, level: ExternalLevel, r: IOResultLike) -> None:
         tier = level.tier

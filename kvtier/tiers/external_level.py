@@ -3,7 +3,8 @@ flight, and the protocols of the worker and of the host tier's bytes (kept torch
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +63,29 @@ class ExternalLevel:
 
     def in_flight(self, key: BlockKey) -> bool:
         return key in self.promoting or key in self.storing
+
+    def settle(self, timeout: float, stall_s: float, apply: Callable[[IOResultLike], None]) -> None:
+        """``apply`` the worker's results until it has nothing pending or ``timeout`` passes. A worker
+        that finishes nothing for ``stall_s`` is stalled: the tier is turned off (one log line) and it
+        is not waited on again."""
+        deadline = time.monotonic() + timeout
+        progress = time.monotonic()  # when the worker last finished a job
+        while self.worker.pending and not self.stalled:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            if now - progress >= stall_s:
+                self.stalled = True
+                self.tier.disable(
+                    f"block I/O stalled: no read or write finished in {stall_s:.0f} s "
+                    f"({self.worker.pending} pending), left behind"
+                )
+                return
+            results = self.worker.wait(min(deadline, progress + stall_s) - now)
+            if results:
+                progress = time.monotonic()
+            for r in results:
+                apply(r)
 
 
 @dataclass(frozen=True)
