@@ -6,8 +6,9 @@ A 2-layer random model (``kvtier/bench/gpu_models.py``), so that the forward is 
 own Python per row shows: what a GPU step pays on its host beside kernels that take a few milliseconds
 (``kvtier bench gpu``'s ``phases`` section is the same table on a lent GPU). The prompts of a batch share
 all but their last 32 tokens (one prefill, then prefix hits: each row still has its whole context in
-its block tables and reads it). Columns as in ``kvtier/bench/step_phases.py``; ``host_per_row_us`` is
-the step minus the forward, per row.
+its block tables and reads it). Columns as in ``kvtier/bench/step_phases.py``, each the median over the
+timed steps; ``plan`` is part of ``forward_host``; ``host_per_row_us`` is the engine's Python per row:
+schedule, plan, sample and update over the batch.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ def main(argv: list[str] | None = None) -> None:
         for context in contexts:
             for batch in batches:
                 rows.append(measure(llm, "auto", SHAPE, batch, context, ns.steps, 10 * batch, context - TAIL))
-    names = ["batch", "context", "step_ms", "schedule_ms", "forward_host_ms", "sample_ms", "update_ms"]
-    data = [[getattr(r, n) for n in names] + [r.rest_ms, r.host_per_row_us] for r in rows]
+    names = ["batch", "context", "step_ms", "schedule_ms", "plan_ms", "forward_host_ms"]
+    names += ["sample_ms", "update_ms", "rest_ms"]
+    data = [[getattr(r, n) for n in names] + [r.host_per_row_us] for r in rows]
     print(f"decode steps of {SHAPE.name} (float32), {ns.steps} timed per row")
-    print(table(names + ["rest_ms", "host_per_row_us"], data))
+    print(table(names + ["host_per_row_us"], data))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     for r in s["phases"]:  # each phase took time, and together they fit in the step
         parts = [r[k] for k in ("schedule_ms", "forward_host_ms", "sample_ms", "update_ms")]
         assert all(p > 0 for p in parts) and r["device_wait_ms"] >= 0
+        assert 0 < r["plan_ms"] < r["forward_host_ms"]  # eager: the runner plans the step's metadata
         assert sum(parts) <= 1.5 * r["step_ms"]  # medians of each: about the step's
 
 

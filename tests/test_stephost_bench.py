@@ -16,5 +16,6 @@ def test_each_batch_and_context_gets_a_row_of_phases(capsys: pytest.CaptureFixtu
     rows = [line.split() for line in lines if line[:1] == " " or line[:1].isdigit()]
     assert [(int(r[0]), int(r[1])) for r in rows] == [(1, 64), (3, 64), (1, 160), (3, 160)]
     for r in rows:
-        step, schedule, forward, sample, update, rest, per_row = map(float, r[2:])
-        assert step > 0 and schedule > 0 and forward > 0 and sample > 0 and update > 0 and per_row > 0
+        step, schedule, plan, forward, sample, update, rest, per_row = map(float, r[2:])
+        assert step > 0 and schedule > 0 and sample > 0 and update > 0 and per_row > 0
+        assert 0 < plan < forward

@@ -12,7 +12,7 @@ _DERIVED = {
     "transfer": ("load_fraction",),
     "ttft": ("host_speedup", "busy_speedup"),
     "decode": ("ratio", "graphs_gain"),
-    "phases": ("rest_ms", "host_per_row_us"),
+    "phases": ("host_per_row_us",),
 }
 
 

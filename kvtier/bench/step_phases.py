@@ -4,7 +4,8 @@ section; ``python -m benchmarks.stephost`` on a CPU).
 A step of ``LLMEngine.step`` is timed as::
 
     step = schedule          the scheduler: slots allocated, each row's block tables
-         + forward (host)    the runner: the step's metadata built and uploaded, its kernels launched
+         + forward (host)    the runner: the step's metadata planned (``plan``: Python ints, every
+                             row's block table padded) and uploaded, its kernels launched
          + device wait       the forward's device work still queued when the launches end (0 on a CPU,
                              where the host runs every kernel itself)
          + sample            the sampler (a decode step's greedy rows: one argmax, one readback)
@@ -39,9 +40,15 @@ PHASES = {
     "step": ("", "step"),
     "schedule": ("scheduler", "schedule"),
     "forward": ("runner", "execute"),
+    "plan": ("runner", "_plan"),  # inside the forward: the eager path's metadata as Python ints
     "sample": ("", "_sample"),
     "update": ("", "_update"),
 }
+
+
+# Untimed decode steps first: a batch's first steps also do its admission's bookkeeping (the sizing
+# trackers' slices of its prompts' lookups), which is not a decode step's own work.
+WARM_STEPS = 8
 
 
 @dataclass
@@ -51,20 +58,18 @@ class PhaseRow:
     context: int  # prompt tokens per sequence
     step_ms: float  # wall time of a step (the median of the timed steps', as every column)
     schedule_ms: float
+    plan_ms: float  # part of forward_host_ms (0 for a step through CUDA graphs: its rows are planned apart)
     forward_host_ms: float
     device_wait_ms: float
     sample_ms: float
     update_ms: float
 
-    @property
-    def rest_ms(self) -> float:
-        parts = (self.schedule_ms, self.forward_host_ms, self.device_wait_ms, self.sample_ms, self.update_ms)
-        return max(0.0, self.step_ms - sum(parts))
+    rest_ms: float  # the step minus its phases (the median of that difference, step by step)
 
     @property
     def host_per_row_us(self) -> float:
-        """The step's host work outside the forward, per row (what grows with the batch in Python)."""
-        return 1000 * (self.step_ms - self.forward_host_ms - self.device_wait_ms) / self.batch
+        """The engine's Python per row: scheduling, planning the metadata, sampling, outputs."""
+        return 1000 * (self.schedule_ms + self.plan_ms + self.sample_ms + self.update_ms) / self.batch
 
 
 @contextmanager
@@ -111,19 +116,24 @@ def measure(
     llm: Any, variant: str, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0
 ) -> PhaseRow:
     """One row: ``batch`` sequences after ``context``-token prompts (the first ``shared`` tokens the
-    same), ``steps`` decode steps timed; each phase's median over the steps (a shared machine's hiccups
-    stay out of it)."""
+    same), ``WARM_STEPS`` decode steps untimed, then ``steps`` timed; each phase's median over the steps
+    (a shared machine's hiccups stay out of it)."""
     per_step: dict[str, list[float]] = {label: [] for label in (*PHASES, "forward_wait")}
-    with decode_batch(llm, shape, batch, context, steps, seed, shared) as engine, phase_clock(engine) as acc:
-        for _ in range(steps):
-            before = dict(acc)
+    with decode_batch(llm, shape, batch, context, WARM_STEPS + steps, seed, shared) as engine:
+        for _ in range(WARM_STEPS):
             engine.step()
-            for label, values in per_step.items():
-                values.append(1000 * (acc[label] - before.get(label, 0.0)))
-    ms = {label: statistics.median(values) for label, values in per_step.items()}
+        with phase_clock(engine) as acc:
+            for _ in range(steps):
+                before = dict(acc)
+                engine.step()
+                for label, values in per_step.items():
+                    values.append(1000 * (acc[label] - before.get(label, 0.0)))
+    parts = ("schedule", "forward", "forward_wait", "sample", "update")
+    rest = [step - sum(per_step[p][i] for p in parts) for i, step in enumerate(per_step["step"])]
+    ms = {label: statistics.median(values) for label, values in [*per_step.items(), ("rest", rest)]}
     return PhaseRow(
-        variant, batch, context, ms["step"], ms["schedule"], ms["forward"], ms["forward_wait"],
-        ms["sample"], ms["update"],
+        variant, batch, context, ms["step"], ms["schedule"], ms["plan"], ms["forward"], ms["forward_wait"],
+        ms["sample"], ms["update"], ms["rest"],
     )  # fmt: skip
 
 
