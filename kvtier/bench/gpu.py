@@ -17,12 +17,12 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
               prefill after cached blocks; bfloat16, fp8_e4m3, int8 pools)
     transfer  host↔device block copies through the mover vs a plain pinned cudaMemcpy
     decode    tokens/s at batch 1 / 16 / 64: Triton kernels vs gather + SDPA (1B shape, bf16)
-    phases    a decode step's wall time split by engine phase (schedule, forward launches, the wait for
-              the device, sampling, outputs) at batch 1 and 64, each backend eager and Triton's graphs
     overlap   how much of a host→device load the forward hides (the engine's order, and the bound)
     ttft      2k / 8k / 32k-token prompts: recompute vs host-tier load vs device hit (1B shape, bf16)
     profile   where a decode step's time goes (batch 1) and a host-tier load's (8k tokens):
               torch.profiler's top operators, runtime calls and copies
+    phases    a decode step's wall time split by engine phase (schedule, forward launches, the wait for
+              the device, sampling, outputs) at batch 1 and 64, each backend eager and Triton's graphs
 
 The last table checks the issue's targets: host load of an 8k prefix ≥ 10x faster than recomputing it,
 mover ≥ 80% of cudaMemcpy, Triton decode at batch 64 ≥ 3x the torch path. Results also go to ``--json``
@@ -47,7 +47,7 @@ class Skipped(Exception):
     """A section that cannot run on this machine (not a failure)."""
 
 
-SECTIONS = ("exact", "kernels", "transfer", "decode", "phases", "overlap", "ttft", "profile")
+SECTIONS = ("exact", "kernels", "transfer", "decode", "overlap", "ttft", "profile", "phases")
 
 
 @dataclass(frozen=True)
