@@ -10,6 +10,7 @@ included.
 from __future__ import annotations
 
 import os
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,7 +23,8 @@ pytest.importorskip("triton")
 
 from kvtier.llm import LLM  # noqa: E402
 from kvtier.sampling_params import SamplingParams  # noqa: E402
-from kvtier.worker.graphs import MAX_CHUNK_ROWS, StepGraphs, _padded_tables, graph_rows  # noqa: E402
+from kvtier.worker.graphs import MAX_CHUNK_ROWS, StepGraphs, graph_rows, table_rows  # noqa: E402
+from kvtier.worker.staging import StepStaging  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET is off and there is no CUDA device", allow_module_level=True)
@@ -66,7 +68,10 @@ def test_a_fresh_prompt_a_long_chunk_or_too_many_rows_run_eagerly() -> None:
 
 
 def test_tables_are_cut_to_the_blocks_read_and_padding_rows_read_the_spare_block() -> None:
-    assert _padded_tables([[7, 3, 5], [8]], 2, 1, 99) == [7, 3, 8, 8, 99, 99]
+    stage = StepStaging()  # a manager's int64 row and a tuple row, to a width of 2, and one padding row
+    handle = stage.add_table(table_rows([array("q", [7, 3, 5]), (8,)], 1, 99), 2)
+    stage.upload("cpu")
+    assert stage.get(handle).tolist() == [7, 3, 8, 8, 99, 99]
 
 
 @pytest.mark.parametrize(

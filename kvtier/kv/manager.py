@@ -40,6 +40,7 @@ a manager built without a layout) behaves exactly as before: same block ids, has
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -339,9 +340,8 @@ class KVCacheManager:
         return True
 
     def _count_lookup(self, computed: ComputedBlocks) -> None:
-        st = self.stats
-        st.prefix_cache_queries += computed.num_lookup_tokens
-        st.prefix_cache_hits += computed.num_computed_tokens
+        self.stats.prefix_cache_queries += computed.num_lookup_tokens
+        self.stats.prefix_cache_hits += computed.num_computed_tokens
         self.device_counters.lookups += computed.num_lookup_blocks
         self.device_counters.hit_blocks += len(computed.block_ids)
         if self.tiers is not None and computed.num_lookup_blocks > len(computed.block_ids):
@@ -537,17 +537,20 @@ class KVCacheManager:
 
     def block_ids(self, seq_id: str, group: int = 0) -> list[int]:
         """The sequence's block table in KV group ``group`` (a copy; null entries ``NULL_BLOCK_ID``)."""
-        return list(self._seq(seq_id).block_ids()[group])
+        return self._seq(seq_id).block_ids()[group].tolist()
 
     def block_tables(self, seq_id: str) -> tuple[tuple[int, ...], ...]:
-        """Every KV group's block table, in group order (``NULL_BLOCK_ID`` for null entries): a copy,
-        of ids kept up to date as the tables change (no walk over the blocks each step)."""
-        return tuple(map(tuple, self._seq(seq_id).block_ids()))
+        """Every KV group's block table, in group order (``NULL_BLOCK_ID`` for null entries)."""
+        return tuple(tuple(ids) for ids in self._seq(seq_id).block_ids())
+
+    def step_tables(self, seq_id: str) -> tuple[array[int], ...]:
+        """``block_tables`` as int64 arrays, what a step hands the runner: copies (one memcpy each) of ids
+        kept up to date as the tables change, so a step pays no walk over its rows' blocks."""
+        return tuple(ids[:] for ids in self._seq(seq_id).block_ids())
 
     def num_held_blocks(self, seq_id: str) -> int:
         """Blocks the sequence's tables reference now, over every group (null entries not counted)."""
-        seq = self._seq(seq_id)
-        return sum(len(t) - released for t, released in zip(seq.tables, seq.num_released, strict=True))
+        return self._seq(seq_id).num_held_blocks
 
     def num_blocks_in_use_by_group(self) -> tuple[int, ...]:
         """Distinct device blocks each KV group's tables hold now (a shared block counted once). One

@@ -15,6 +15,7 @@ A dense model has one full group: one table, no null entries (today's layout).
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ from kvtier.stats import Medium
 Table = list[KVBlock | None]
 Load = tuple[int, int, BlockHash, Medium]  # (group, position, key, the tier whose bytes are loaded)
 Entry = tuple[int, int, KVBlock]  # (group, position, block) of a live table entry
+
+
+def _id(block: KVBlock | None) -> int:
+    return NULL_BLOCK_ID if block is None else block.block_id
 
 
 def blocks_to_allocate(num_table_blocks: int, num_total_tokens: int, block_size: int) -> int:
@@ -52,24 +57,24 @@ class SeqBlocks:
     num_released: list[int] = field(default_factory=list)
     # The extra keys ``root`` was made from (a later call passing these same keys needs no rehash).
     extra_keys: tuple[ExtraKey, ...] = ()
-    # Each group's table as block ids, the runner's view (``block_ids``): built once, then extended as
-    # the tables grow at their end; ``touch`` drops it when an entry changes in place.
-    _ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # Each group's table as int64 block ids, the runner's view (``block_ids``): built once, then extended
+    # as the tables grow at their end; ``touch`` drops it when an entry changes in place.
+    _ids: list[array[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.num_released:
             self.num_released = [0] * len(self.tables)
 
-    def block_ids(self) -> list[list[int]]:
-        """Each group's table as block ids (``NULL_BLOCK_ID`` for a null entry), without a walk over the
-        whole table each step: only entries appended since the last call are read. The lists are the
-        sequence's own: copy them to keep them."""
+    def block_ids(self) -> list[array[int]]:
+        """Each group's table as int64 block ids (``NULL_BLOCK_ID`` for a null entry), without a walk over
+        the whole table each step: only entries appended since the last call are read. The arrays are
+        the sequence's own: copy them to keep them (a slice is one memcpy)."""
         ids = self._ids
         if ids is None:
-            ids = self._ids = [[NULL_BLOCK_ID if b is None else b.block_id for b in t] for t in self.tables]
+            ids = self._ids = [array("q", [_id(b) for b in t]) for t in self.tables]
         elif len(ids[0]) < len(self.tables[0]):
             for known, table in zip(ids, self.tables, strict=True):
-                known.extend(NULL_BLOCK_ID if b is None else b.block_id for b in table[len(known) :])
+                known.extend([_id(b) for b in table[len(known) :]])
         return ids
 
     def without_tables(self, num_blocks: int) -> SeqBlocks:
@@ -87,6 +92,11 @@ class SeqBlocks:
     def num_blocks(self) -> int:
         """Block positions the tables cover (null entries included)."""
         return len(self.tables[0])
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks the tables reference, over every group (null entries not counted)."""
+        return sum(len(t) - released for t, released in zip(self.tables, self.num_released, strict=True))
 
     def writes_in_place(self, position: int, block_size: int, sliding: bool) -> bool:
         """Whether the slot of ``position`` lies in a block the tables hold and this sequence alone
@@ -225,8 +235,8 @@ def check_tables(
                 )
         refs.update(ids)
     if seq._ids is not None:  # the runner's view, extended since: what the tables hold now
-        expected = [[NULL_BLOCK_ID if b is None else b.block_id for b in table] for table in seq.tables]
-        assert seq.block_ids() == expected, f"{seq_id}: stale block ids"
+        expected = [[_id(b) for b in table] for table in seq.tables]
+        assert [list(ids) for ids in seq.block_ids()] == expected, f"{seq_id}: stale block ids"
 
 
 def check_slots(

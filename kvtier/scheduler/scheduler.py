@@ -53,6 +53,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -81,9 +82,10 @@ class ScheduledSeq:
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
-    # Every KV group's block table after this step's allocation (one for a dense model); a sliding
-    # group's leading entries may be null (NULL_BLOCK_ID: released, out of its window, never read).
-    block_tables: tuple[tuple[int, ...], ...]
+    # Every KV group's block table after this step's allocation (one for a dense model; int64 arrays
+    # from the KV manager); a sliding group's leading entries may be null (NULL_BLOCK_ID: released, out
+    # of its window, never read).
+    block_tables: tuple[array[int] | tuple[int, ...], ...]
 
     @property
     def samples(self) -> bool:
@@ -513,7 +515,7 @@ class Scheduler:
 
     def entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         seq.num_yielded_steps = 0
-        return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.block_tables(seq.seq_id))
+        return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.step_tables(seq.seq_id))
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence's KV out to the host tier, or drop its blocks (they stay cached) to be

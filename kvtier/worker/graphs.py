@@ -186,8 +186,10 @@ class StepGraphs:
         columns = (rows.ids, rows.positions, offsets, rows.lens, *rows.slot_blocks)  # meta's rows
         meta = stage.add(v for column, fill in zip(columns, self._pad_column(), strict=True)
                          for v in column + [fill] * pad)  # fmt: skip
-        tables = stage.add(v for g in range(self.num_groups)
-                           for v in _padded_tables(rows.tables[g], width, pad, self.spare_block))  # fmt: skip
+        spare = (self.spare_block,)  # a padding row: the spare block, repeated to the width
+        tables = stage.add_table(
+            [t for g in range(self.num_groups) for t in (*rows.tables[g], *[spare] * pad)], width
+        )
         sampled = stage.add(rows.logits_rows)
         stage.upload(self.meta.device)
         self.meta[:, :b].copy_(stage.get(meta).view(len(columns), b))
@@ -204,27 +206,11 @@ class StepGraphs:
         return rows_hidden, rows_hidden.index_select(0, stage.get(sampled))
 
 
-def _padded_tables(tables: Sequence[Sequence[int]], width: int, pad: int, spare: int) -> list[int]:
-    """[rows + pad, width] row-major: each row's first ``width`` blocks, past its end its own first block
-    (never read: the context length bounds the reads), then ``pad`` rows of the spare block."""
-    flat: list[int] = []
-    for table in tables:
-        pad_rows(flat, table, width)
-    flat.extend([spare] * (width * pad))
-    return flat
-
-
-def pad_rows(flat: list[int], row: Sequence[int], width: int) -> None:
-    """Append ``row``'s first ``width`` blocks to ``flat``, padded to ``width`` with its own first block:
-    padding is masked out, but a zero weight times NaN is NaN, so one request's corrupt block must never
-    reach another's attention. (Copies only what it appends: the rows are whole tables, every step.)"""
-    n = len(row)
-    if n > width:
-        flat.extend(row[:width])
-        return
-    flat.extend(row)
-    if n < width:
-        flat.extend(row[:1] * (width - n))
+def table_rows(tables: Sequence[Sequence[int]], pad: int, spare: int) -> list[Sequence[int]]:
+    """A group's rows for ``StepStaging.add_table`` ([rows + pad, width]: each row cut to the blocks read,
+    or padded with its own first block, never read past its context length), then ``pad`` rows of the
+    spare block that the padding rows write to."""
+    return [*tables, *[(spare,)] * pad]
 
 
 def try_capture(graphs: StepGraphs) -> StepGraphs | None:

@@ -31,7 +31,7 @@ from kvtier.models.kv_quant import KVFormat, PagedKVCache
 from kvtier.models.llama import LlamaModel
 from kvtier.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 from kvtier.sequence import Sequence, TokenLogprobs
-from kvtier.worker.graphs import Rows, StepGraphs, graph_rows, pad_rows, try_capture
+from kvtier.worker.graphs import Rows, StepGraphs, graph_rows, try_capture
 from kvtier.worker.sampler import prompt_logprobs
 from kvtier.worker.staging import StepStaging
 
@@ -279,12 +279,10 @@ class ModelRunner:
         max_context = max(context_lens)
         max_blocks = -(-max_context // self.block_size)
         masked = len(decodes) > 1 and min(context_lens) != max_context
-        tables: list[int] = []
-        for g in range(self.num_groups):
-            table: list[int] = []
-            for s in decodes:
-                pad_rows(table, readable_table(s.block_tables[g]), max_blocks)
-            tables.append(stage.add(table))
+        tables = [
+            stage.add_table([readable_table(s.block_tables[g]) for s in decodes], max_blocks)
+            for g in range(self.num_groups)
+        ]
         lens, host_lens = (stage.add(context_lens), tuple(context_lens)) if masked else (None, None)
         return _DecodePlan(len(decodes), max_blocks, max_context, lens, tuple(tables), host_lens)
 

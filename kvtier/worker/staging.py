@@ -21,7 +21,7 @@ nothing is pinned or copied: the packed array, seen as a tensor without a copy, 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -41,6 +41,22 @@ class StepStaging:
         start = len(self._values)
         self._values.extend(values)
         self._spans.append((start, len(self._values)))
+        return len(self._spans) - 1
+
+    def add_table(self, rows: Iterable[Sequence[int]], width: int) -> int:
+        """Stage ``rows`` as one [rows, width] row-major table: each row's first ``width`` values, padded
+        past its end with its own first value (a block table: padding is masked out, but a zero weight
+        times NaN is NaN, so one request's corrupt block must never reach another's attention). An int64
+        ``array`` row is appended by one memcpy: no Python int per block."""
+        if self._device_values is not None:
+            raise RuntimeError("StepStaging: add after upload")
+        values, start = self._values, len(self._values)
+        for row in rows:
+            n = len(row)
+            values.extend(row[:width] if n > width else row)
+            if n < width:
+                values.extend(row[:1] * (width - n))
+        self._spans.append((start, len(values)))
         return len(self._spans) - 1
 
     @property
