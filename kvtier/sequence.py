@@ -32,12 +32,12 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-            SequenceStatus.FINISHED_ERROR,
-        )
+        return self._value_ in _FINISHED_VALUES  # asked per row per step: no enum lookups
+
+
+_FINISHED_VALUES = frozenset(
+    s.value for s in SequenceStatus if s.name.startswith("FINISHED_")
+)  # stop, length, abort, error
 
 
 def seq_id_for(request_id: str, index: int) -> str:
@@ -134,5 +134,8 @@ class Request:
     @property
     def finished(self) -> bool:
         """Every sequence finished (an erring request may end before its n > 1 forks exist)."""
-        complete = len(self.seqs) == self.params.n or self.error is not None
-        return complete and all(s.status.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1 and self.params.n == 1:  # the usual request
+            return seqs[0].status.finished
+        complete = len(seqs) == self.params.n or self.error is not None
+        return complete and all(s.status.finished for s in seqs)

@@ -175,7 +175,7 @@ class Sampler:
             if i not in errors and r.params.structured_outputs is not None and self.grammars is not None:
                 self._guard(errors, i, r, self.grammars.consume, r.seq_id, token)
         return [
-            errors[i] if i in errors else (token, self._logprobs(logits[r.row], token, r.params.logprobs))
+            errors[i] if i in errors else (token, self._logprobs(logits, r.row, token, r.params.logprobs))
             for i, (token, r) in enumerate(zip(tokens, reqs, strict=True))
         ]
 
@@ -239,10 +239,11 @@ class Sampler:
         return int(ids[torch.multinomial(vals, 1, generator=gen)])
 
     @staticmethod
-    def _logprobs(row: torch.Tensor, token: int, k: int | None) -> TokenLogprobs | None:
+    def _logprobs(logits: torch.Tensor, row: int, token: int, k: int | None) -> TokenLogprobs | None:
+        """Row ``row``'s logprob of ``token`` and its top ``k`` (None, nothing indexed, when not asked)."""
         if k is None:
             return None
-        return prompt_logprobs(row[None], [token], k)[0]
+        return prompt_logprobs(logits[row][None], [token], k)[0]
 
 
 def _device_sampled(reqs: list[SampleRequest]) -> bool:
