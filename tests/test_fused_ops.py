@@ -60,6 +60,20 @@ def test_rms_norm_matches_hf_rounding_but_for_the_sum_order() -> None:
     torch.testing.assert_close(got, rms_norm_torch(x, w, 1e-5), rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_rms_norm_call_is_the_same_norm(dtype: torch.dtype) -> None:
+    """On CUDA ``rms_norm_torch`` hands a same-dtype weight to ``F.rms_norm`` (torch's fused kernel):
+    the same call on this device gives the torch path's values, within the dtype's rounding."""
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(7, 100, generator=g) * 5).to(dtype), torch.randn(100, generator=g).to(dtype)
+    fused = torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5)
+    tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(fused, rms_norm_torch(x, w, 1e-5), **tol)
+    if torch.cuda.is_available():
+        on_cuda = rms_norm_torch(x.cuda(), w.cuda(), 1e-5).cpu()
+        torch.testing.assert_close(on_cuda, rms_norm_torch(x, w, 1e-5), **tol)
+
+
 def test_rope_is_torchs_complex_multiply_bit_for_bit() -> None:
     positions = torch.tensor([0, 3, 49, 7])
     qkv = torch.randn(4, 3 * 16 + 16)  # 3 heads of D=16 rotated (Q|K), then an untouched V head
