@@ -35,15 +35,12 @@ from kvtier.tiers.block_format import HEADER_NBYTES, decode_header, encode_heade
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk_dir import LEDGER_NAME, DirectoryLedger
 from kvtier.transfer.io_worker import BlockIOWorker
+from tests.tier_blocks import K
 
 SHAPE = (2, 4, 2, 1, 8)
 IDENT = TierIdentity("ab" * 32, "float32", SHAPE, 4)
 FILE_NBYTES = HEADER_NBYTES + IDENT.block_bytes
 LOGGER = "kvtier.tiers.disk"
-
-
-def K(name: str) -> BlockKey:
-    return BlockKey(hashlib.sha256(name.encode()).digest())
 
 
 def data_of(key: BlockKey, seed: int = 0) -> bytes:

@@ -15,7 +15,6 @@ Every FIFO test unblocks its FIFO at the end, so even a regression leaves no thr
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -40,6 +39,7 @@ from kvtier.tiers.remote_store import RemoteStore, redis_key
 from kvtier.transfer.io_worker import BlockIOWorker
 from kvtier.transfer.mover import byte_view
 from tests.redis_server import RedisServer
+from tests.tier_blocks import K
 
 SHAPE = (2, 4, 2, 1, 8)  # [num_layers, block_size, 2, num_kv_heads, head_dim]
 REAL_SHAPE = (30, 16, 2, 3, 64)  # SmolLM2-135M, block size 16: 737,280 bytes in fp32
@@ -48,10 +48,6 @@ HUGE_NBYTES = 40 << 20  # each hostile value (the issue's were 300 MB; 40 MB kee
 
 def ident(shape: tuple[int, ...] = SHAPE) -> TierIdentity:
     return TierIdentity("ab" * 32, "float32", shape, 4)
-
-
-def K(name: str) -> BlockKey:
-    return BlockKey(hashlib.sha256(name.encode()).digest())
 
 
 def block(identity: TierIdentity, seed: int = 0) -> torch.Tensor:
