@@ -1,6 +1,6 @@
 """The host work of a decode step on this CPU, phase by phase, as the batch and the contexts grow.
 
-    python -m benchmarks.stephost [--steps 32] [--contexts 1024,8192] [--batches 1,16,64]
+    python -m benchmarks.stephost [--steps 32] [--contexts 1024,8192] [--batches 1,16,64] [--final-only]
 
 A 2-layer random model (``kvtier/bench/gpu_models.py``), so that the forward is small and the engine's
 own Python per row shows: what a GPU step pays on its host beside kernels that take a few milliseconds
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--batches", default="1,16,64")
+    p.add_argument(
+        "--final-only", action="store_true", help="requests as LLM.generate adds them: no output per step"
+    )
     ns = p.parse_args(argv)
     contexts = [int(x) for x in ns.contexts.split(",")]
     batches = [int(x) for x in ns.batches.split(",")]
@@ -42,11 +45,23 @@ def main(argv: list[str] | None = None) -> None:
         measure(llm, "warm-up", SHAPE, 2, 64, 4, seed=1)
         for context in contexts:
             for batch in batches:
-                rows.append(measure(llm, "auto", SHAPE, batch, context, ns.steps, 10 * batch, context - TAIL))
+                args = (
+                    llm,
+                    "auto",
+                    SHAPE,
+                    batch,
+                    context,
+                    ns.steps,
+                    10 * batch,
+                    context - TAIL,
+                    ns.final_only,
+                )
+                rows.append(measure(*args))
     names = ["batch", "context", "step_ms", "schedule_ms", "plan_ms", "forward_host_ms"]
     names += ["sample_ms", "update_ms", "rest_ms"]
     data = [[getattr(r, n) for n in names] + [r.host_per_row_us] for r in rows]
-    print(f"decode steps of {SHAPE.name} (float32), {ns.steps} timed per row")
+    kind = ", final-only requests (LLM.generate's)" if ns.final_only else ""
+    print(f"decode steps of {SHAPE.name} (float32), {ns.steps} timed per row{kind}")
     print(table(names + ["host_per_row_us"], data))
 
 

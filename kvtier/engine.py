@@ -147,13 +147,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         admit: bool = False,
         retention: Seq[RetentionSpan] = (),
+        final_only: bool = False,
     ) -> str:
         """Validate and queue one request; raises ``ConfigError`` (and queues nothing) on bad input.
         ``priority``: lower runs first; ``tenant``: its fair-share key; ``arrival_time``: monotonic
         seconds when it arrived (the HTTP layer's; default now). ``admit``: refuse it when the engine
         is past its capacity (``KVCapacityExceeded`` / ``QueueWaitExceeded``, both with
         ``retry_after_s``: kvtier/scheduler/admission.py) instead of queueing every request.
-        ``retention``: keep the prompt's first tokens cached for a while (kvtier/kv/retention.py)."""
+        ``retention``: keep the prompt's first tokens cached for a while (kvtier/kv/retention.py).
+        ``final_only``: ``step`` returns its output once, finished (no copy of the answer each step)."""
         params = params if params is not None else SamplingParams()
         params.validate()
         text, token_ids = self.tokenize_prompt(prompt)
@@ -171,7 +173,7 @@ class LLMEngine:
             request.arrival_time = seq.arrival_time = arrival_time
         request.priority = seq.priority = priority
         request.tenant = seq.tenant = tenant or ""
-        request.retention = tuple(retention)
+        request.retention, request.final_only = tuple(retention), final_only
         self.requests[request_id] = request
         self.scheduler.add(seq)
         self._num_prompt_tokens += len(token_ids)
@@ -393,8 +395,10 @@ class LLMEngine:
     def _emit(self, requests: Iterable[Request]) -> list[RequestOutput]:
         outputs = []
         for request in requests:
-            outputs.append(self.outputs.make_output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not request.final_only:
+                outputs.append(self.outputs.make_output(request))
+            if finished:
                 self.outputs.forget(request)
                 del self.requests[request.request_id]
                 freed = sum(self.kv.num_blocks_for(seq.num_tokens) for seq in request.seqs)

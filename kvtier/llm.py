@@ -77,8 +77,11 @@ class LLM:
         params = self._as_params_list(sampling_params, len(prompt_list))
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, retention=retention))
+            for prompt, p in zip(prompt_list, params, strict=True):  # final_only: no output per step
+                rid = self.engine.add_request(
+                    prompt, p, cache_salt=cache_salt, retention=retention, final_only=True
+                )
+                ids.append(rid)
         except Exception:
             for rid in ids:  # a bad prompt queues nothing: withdraw the ones already added
                 self.engine.abort_request(rid)

@@ -130,6 +130,7 @@ class Request:
     # Prompt-cache retention asked for (kvtier/kv/retention.py), and the prompt tokens it retained
     retention: tuple[RetentionSpan, ...] = ()
     num_retained_tokens: int = 0
+    final_only: bool = False  # its caller wants the finished output only (LLM.generate): none before
 
     @property
     def finished(self) -> bool:

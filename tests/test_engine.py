@@ -318,6 +318,27 @@ def test_abort_frees_blocks_at_once(tiny_dir) -> None:
     check_pool_idle(llm)
 
 
+def test_a_final_only_request_is_output_once_finished_and_equal(tiny_dir) -> None:
+    """``LLM.generate``'s requests: no output per step (no copy of the answer each step), and the one at
+    the end equals a step-by-step request's last, logprobs and n > 1 included."""
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, logprobs=2, ignore_eos=True)
+    with make(tiny_dir) as llm:
+        engine, prompt = llm.engine, prompts(200)[6]
+        each = engine.add_request({"prompt_token_ids": prompt}, params)
+        once = engine.add_request({"prompt_token_ids": prompt}, params, final_only=True)
+        seen: dict[str, list] = {each: [], once: []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id].append(out)
+        check_pool_idle(llm)
+    assert len(seen[each]) > 1 and [o.finished for o in seen[once]] == [True]
+    last, final = seen[each][-1], seen[once][0]
+    for a, b in zip(last.outputs, final.outputs, strict=True):
+        fields = ("token_ids", "text", "finish_reason", "logprobs")
+        assert [getattr(a, f) for f in fields] == [getattr(b, f) for f in fields]
+    assert final.outputs[0].num_new_tokens == 10 and final.outputs[0].text_delta == final.outputs[0].text
+
+
 def test_prompt_forms_and_streaming(tiny_dir) -> None:
     llm = make(tiny_dir)
     text = "The quick brown fox"

@@ -251,24 +251,24 @@ class DecodeRow:
 
 @contextmanager
 def decode_batch(
-    llm: Any, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0
+    llm: Any, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0, **add: Any
 ) -> Iterator[Any]:
     """The engine with ``batch`` sequences past their ``context``-token prompts (steps run until every
     sequence has its first token), room for ``steps`` more tokens each; afterwards the requests are
     aborted and the engine drained. The prompts' first ``shared`` tokens are the same (one prefill, then
-    prefix hits: each row still reads its whole context)."""
+    prefix hits: each row still reads its whole context). ``add``: ``add_request``'s keywords
+    (``final_only=True``: as ``LLM.generate`` adds them)."""
     from kvtier import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + context, ignore_eos=True)
     prefix = random_prompts(1, shared, seed + 1, shape.vocab)[0] if shared else None
     ids = [
-        engine.add_request({"prompt_token_ids": p}, params)
+        engine.add_request({"prompt_token_ids": p}, params, **add)
         for p in random_prompts(batch, context - shared, seed, shape.vocab, prefix)
     ]
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
+    while not all(engine.requests[rid].seqs[0].num_output_tokens for rid in ids):
+        engine.step()
     sync()
     try:
         yield engine

@@ -113,13 +113,16 @@ def phase_clock(engine: Any):  # noqa: ANN201 - method_clock's context manager
 
 
 def measure(
-    llm: Any, variant: str, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0
-) -> PhaseRow:
+    llm: Any, variant: str, shape: Shape, batch: int, context: int, steps: int, seed: int, shared: int = 0,
+    final_only: bool = False,
+) -> PhaseRow:  # fmt: skip
     """One row: ``batch`` sequences after ``context``-token prompts (the first ``shared`` tokens the
     same), ``WARM_STEPS`` decode steps untimed, then ``steps`` timed; each phase's median over the steps
-    (a shared machine's hiccups stay out of it)."""
+    (a shared machine's hiccups stay out of it). ``final_only``: requests as ``LLM.generate`` adds them."""
     per_step: dict[str, list[float]] = {label: [] for label in (*PHASES, "forward_wait")}
-    with decode_batch(llm, shape, batch, context, WARM_STEPS + steps, seed, shared) as engine:
+    with decode_batch(
+        llm, shape, batch, context, WARM_STEPS + steps, seed, shared, final_only=final_only
+    ) as engine:
         for _ in range(WARM_STEPS):
             engine.step()
         with phase_clock(engine) as acc:
