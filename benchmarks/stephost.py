@@ -26,6 +26,17 @@ SHAPE = Shape("probe-2-layers", "llama", 2, 64, 128, 4, 2, 16, 512, 10_000.0, 40
 TAIL = 32  # each prompt's own tokens after the shared prefix
 
 
+def _ints(p: argparse.ArgumentParser, flag: str, text: str, least: int) -> list[int]:
+    """A comma-separated list of integers of at least ``least``, or a one-line usage error."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error(f"{flag}: comma-separated integers, got {text!r}")
+    if not values or min(values) < least:
+        p.error(f"{flag}: each at least {least}, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=32)
@@ -35,8 +46,9 @@ def main(argv: list[str] | None = None) -> None:
         "--final-only", action="store_true", help="requests as LLM.generate adds them: no output per step"
     )
     ns = p.parse_args(argv)
-    contexts = [int(x) for x in ns.contexts.split(",")]
-    batches = [int(x) for x in ns.batches.split(",")]
+    contexts, batches = _ints(p, "--contexts", ns.contexts, TAIL + 1), _ints(p, "--batches", ns.batches, 1)
+    if ns.steps < 1:
+        p.error("--steps: at least 1")
     directory = write_checkpoint(SHAPE, Path(tempfile.mkdtemp()) / "model")
     blocks = max(batches) * (-(-(max(contexts) + ns.steps + 1) // 16) + 1) + 64
     engine = dict(dtype="float32", kv_device_blocks=blocks, max_num_seqs=max(batches), enforce_eager=True)
