@@ -186,9 +186,9 @@ class StepGraphs:
         columns = (rows.ids, rows.positions, offsets, rows.lens, *rows.slot_blocks)  # meta's rows
         meta = stage.add(v for column, fill in zip(columns, self._pad_column(), strict=True)
                          for v in column + [fill] * pad)  # fmt: skip
-        spare = (self.spare_block,)  # a padding row: the spare block, repeated to the width
+        groups = range(self.num_groups)
         tables = stage.add_table(
-            [t for g in range(self.num_groups) for t in (*rows.tables[g], *[spare] * pad)], width
+            [t for g in groups for t in table_rows(rows.tables[g], pad, self.spare_block)], width
         )
         sampled = stage.add(rows.logits_rows)
         stage.upload(self.meta.device)
