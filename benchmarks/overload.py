@@ -45,11 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(serve_args: str) -> tuple[subprocess.Popen[bytes], str, str]:
-    """``kvtier serve`` on a free port; (process, URL, tokenizer directory) once it answers 200."""
+def start_server(serve_args: str, cwd: Path | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+    """``kvtier serve`` on a free port, run from ``cwd`` (its ``kvtier`` package: another checkout's,
+    when given); (process, URL, tokenizer directory) once it answers 200."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvtier.cli", "serve", "--port", str(port), *shlex.split(serve_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import Admission, QueueWaitExceeded
 from kvtier.scheduler.goodput import (
     INITIAL_CAP,
+    MIN_CAP,
     WARMUP_STEPS,
     FirstTokenTimes,
     OutputLengths,
@@ -161,16 +162,16 @@ class Machine:
     refused: int = 0
     _rng: random.Random = field(default_factory=lambda: random.Random(0))
 
-    def arrive(self, rid: str) -> None:
+    def arrive(self, rid: str, prompt: int = PROMPT, output: int = OUTPUT) -> None:
         """What the server does with a new request: refuse it (503) or queue it."""
-        tokens = [self._rng.randrange(100, 30000) for _ in range(PROMPT)]
-        params = SamplingParams(temperature=0.0, max_tokens=OUTPUT)
+        tokens = [self._rng.randrange(100, 30000) for _ in range(prompt)]
+        params = SamplingParams(temperature=0.0, max_tokens=output)
         try:
             self.admission.check(tokens, ("m", ""), params)
         except QueueWaitExceeded:
             self.refused += 1
             return
-        seq = Sequence(f"{rid}-0", rid, 0, tokens, PROMPT, params, ("m", ""), PROMPT + OUTPUT)
+        seq = Sequence(f"{rid}-0", rid, 0, tokens, prompt, params, ("m", ""), prompt + output)
         seq.arrival_time = self.now
         self.arrivals[rid] = self.now
         self.scheduler.add(seq)
@@ -203,6 +204,11 @@ class Machine:
                 i, next_arrival = i + 1, next_arrival + 1 / rate
             self.step()
         self.scheduler.kv.pool.check_integrity()
+
+    def drain(self) -> None:
+        """Steps until nothing runs or waits."""
+        while self.scheduler.running or self.scheduler.waiting:
+            self.step()
 
     def ttft_p90(self) -> float:
         ttfts = sorted(self.first_token[r] - self.arrivals[r] for r in self.finished)
@@ -248,3 +254,45 @@ def test_story_twice_the_capacity_keeps_finishing_requests() -> None:
     assert capped.refused > 0
     assert capped.ttft_p90() <= 3 * at_capacity.ttft_p90()
     assert capped.scheduler.goodput.running_cap.cap() < 64
+
+
+def test_story_a_long_prompt_in_a_quiet_hour_does_not_shut_the_door_on_the_next_burst() -> None:
+    # Two servers with the same quiet hour behind them (a request every 4 s: one runs at a time). One of
+    # them then computes a 3,000-token prompt alone: two chunk steps of seconds each.
+    quiet, after_long = (machine(goodput=True, max_queue_wait_s=10.0) for _ in range(2))
+    for m in (quiet, after_long):
+        m.run(rate=0.25, duration_s=40.0)
+    after_long.arrive("long", prompt=3000, output=16)
+    goodput, longest = after_long.scheduler.goodput, 0.0
+    while after_long.scheduler.running or after_long.scheduler.waiting:
+        before = after_long.now
+        after_long.step()
+        longest = max(longest, after_long.now - before)
+    target = goodput.running_cap.target_s()
+    assert target is not None and longest > 10 * target
+    # Steps of one or two sequences over the target: a prompt chunk's doing, not the batch's. The cap
+    # shrinks no lower than it started (it used to fall to 1).
+    assert goodput.running_cap.cap() == quiet.scheduler.goodput.running_cap.cap() == INITIAL_CAP
+    # Then a burst of 12 requests: the cap's four start at once on both, their first tokens within the
+    # limit (it used to be one, with the other 11 refused).
+    for m in (quiet, after_long):
+        for i in range(12):
+            m.arrive(f"burst{i}")
+        m.drain()
+        served = [rid for rid in m.finished if rid.startswith("burst")]
+        assert len(served) >= INITIAL_CAP
+        assert all(m.first_token[rid] - m.arrivals[rid] < 10.0 for rid in served[:INITIAL_CAP])
+
+
+def test_the_cap_shrinks_by_a_quarter_of_the_batch_it_holds() -> None:
+    steps = StepTimes()
+    cap = RunningCap(SchedulerConfig(max_num_seqs=64, max_itl_ms=100.0), steps)
+    cap._cap = 40
+    for _ in range(WARMUP_STEPS + 10):  # 8 decoding, under a cap of 40, each step 150 ms: too slow
+        steps.observe(8, 0.150)
+        cap.update(8)
+    assert cap.cap() == 6  # 8 less a quarter of 8 (it used to take a quarter of the cap: 8 - 10 -> 1)
+    for _ in range(30):  # still too slow: down to the floor, never below
+        steps.observe(6, 0.150)
+        cap.update(6)
+    assert cap.cap() == MIN_CAP

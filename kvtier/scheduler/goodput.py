@@ -15,11 +15,16 @@ latency target, the rest waits in order, and a request that would wait too long 
                               at n = 1, or the line through the two smallest batches' bests)
     running cap               a controller, every SETTLE_STEPS steps: while the recent step is within
                               the target and the batch is full, the cap grows by half (at least
-                              1); while it is over, it shrinks by a quarter (no sequence is stopped:
-                              fewer start, as the running ones finish at the rate the machine
-                              finishes them); INITIAL_CAP before any measurement; never above
-                              --max-num-seqs. Prompt chunks are in the step times, so a machine bound
-                              by prefill is capped by it too
+                              1); while it is over, it shrinks by a quarter of the batch it holds
+                              (no sequence is stopped: fewer start, as the running ones finish at
+                              the rate the machine finishes them); INITIAL_CAP before any
+                              measurement, and never below it (MIN_CAP); never above --max-num-seqs.
+                              Prompt chunks are in the step times, so a machine bound by prefill is
+                              capped by it too. The floor: a step of so few sequences is over the
+                              target (10 lone steps in kvtier serve) because of a prompt chunk, not
+                              the batch, and a long prompt in a quiet hour (a 3,000-token one beside
+                              one stream) took the cap to 1 and the server refused 10 of the 12
+                              requests of the burst after it (benchmarks/burst.py)
 
     start rate                StartMeter: sequences that left the waiting queue per second of
                               backlog (time with someone waiting), over the last WINDOW_S
@@ -60,6 +65,7 @@ from dataclasses import dataclass, field
 from kvtier.config import SchedulerConfig
 
 INITIAL_CAP = 4  # running sequences before any step was measured (then grown step by step)
+MIN_CAP = INITIAL_CAP  # ... and the fewest it shrinks to
 WARMUP_STEPS = 8  # a process's first steps, not measured
 SETTLE_STEPS = 10  # steps between two changes of the cap (about the recent EMA's memory)
 WINDOW_S = 30.0  # the start rate's memory
@@ -170,8 +176,9 @@ class RunningCap:
 
     def update(self, num_running: int) -> None:
         """After a step was timed: every SETTLE_STEPS steps (the recent steps then reflect the last
-        change), grow by half while the full batch keeps within the target, shrink by a quarter
-        while it does not (no sequence is stopped: fewer start until the batch is under the cap)."""
+        change), grow by half while the full batch keeps within the target, shrink by a quarter of the
+        batch it holds while it does not (no sequence is stopped: fewer start until the batch is under
+        the cap)."""
         target, recent = self.target_s(), self.steps.recent
         if target is None or recent is None:
             return
@@ -179,7 +186,8 @@ class RunningCap:
         if self._settling < SETTLE_STEPS:
             return
         if recent > target:
-            self._cap = max(1, min(self._cap, num_running) - max(1, self._cap // 4))
+            held = min(self._cap, num_running)
+            self._cap = max(MIN_CAP, held - max(1, held // 4))
         elif num_running >= self._cap:
             self._cap += max(1, self._cap // 2)
         else:
