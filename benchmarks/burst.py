@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks.overload import start_server
+from kvtier.bench.cluster import scrape
 
 SHORT_PROMPT, SHORT_ANSWER, STREAM_ANSWER = 64, 32, 200
 
@@ -36,10 +36,10 @@ def _body(model: str, rng: random.Random, prompt_tokens: int, max_tokens: int) -
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
 
 
-async def _cap(client: httpx.AsyncClient, url: str) -> float:
-    text = (await client.get(url + "/metrics")).text
-    found = re.search(r"^kvtier:running_cap\S* (\S+)$", text, re.M)
-    return float(found.group(1)) if found else float("nan")
+def _cap(url: str) -> float:
+    """``kvtier:running_cap`` on the server's ``/metrics``."""
+    caps = [v for name, v in scrape(url).items() if name.partition("{")[0] == "kvtier:running_cap"]
+    return caps[0] if caps else float("nan")
 
 
 async def one_run(url: str, ns: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -53,11 +53,11 @@ async def one_run(url: str, ns: argparse.Namespace, seed: int) -> dict[str, Any]
 
         for _ in range(ns.quiet):
             (await send(SHORT_PROMPT, SHORT_ANSWER // 2)).raise_for_status()
-        before = await _cap(client, url)
+        before = _cap(url)
         stream = asyncio.create_task(send(SHORT_PROMPT, STREAM_ANSWER))
         await asyncio.sleep(0.5)
         (await send(ns.long_tokens, 1)).raise_for_status()
-        after = await _cap(client, url)
+        after = _cap(url)
         start = time.perf_counter()
         answers = await asyncio.gather(*(send(SHORT_PROMPT, SHORT_ANSWER) for _ in range(ns.burst)))
         seconds = time.perf_counter() - start

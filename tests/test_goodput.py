@@ -205,10 +205,14 @@ class Machine:
             self.step()
         self.scheduler.kv.pool.check_integrity()
 
-    def drain(self) -> None:
-        """Steps until nothing runs or waits."""
+    def drain(self) -> float:
+        """Steps until nothing runs or waits; the longest step's seconds."""
+        longest = 0.0
         while self.scheduler.running or self.scheduler.waiting:
+            before = self.now
             self.step()
+            longest = max(longest, self.now - before)
+        return longest
 
     def ttft_p90(self) -> float:
         ttfts = sorted(self.first_token[r] - self.arrivals[r] for r in self.finished)
@@ -263,11 +267,8 @@ def test_story_a_long_prompt_in_a_quiet_hour_does_not_shut_the_door_on_the_next_
     for m in (quiet, after_long):
         m.run(rate=0.25, duration_s=40.0)
     after_long.arrive("long", prompt=3000, output=16)
-    goodput, longest = after_long.scheduler.goodput, 0.0
-    while after_long.scheduler.running or after_long.scheduler.waiting:
-        before = after_long.now
-        after_long.step()
-        longest = max(longest, after_long.now - before)
+    longest = after_long.drain()
+    goodput = after_long.scheduler.goodput
     target = goodput.running_cap.target_s()
     assert target is not None and longest > 10 * target
     # Steps of one or two sequences over the target: a prompt chunk's doing, not the batch's. The cap
