@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier.models import qkernels, qlinear
-from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for, rms_norm_torch
+from kvtier.models.fused_ops import FusedOps, TorchOps, ops_for, rms_norm_fused, rms_norm_torch
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import load_model
 from kvtier.models.qlinear import DenseLinear, calibrate_dense
@@ -61,12 +61,16 @@ def test_rms_norm_matches_hf_rounding_but_for_the_sum_order() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cuda_rms_norm_call_is_the_same_norm(dtype: torch.dtype) -> None:
-    """On CUDA ``rms_norm_torch`` hands a same-dtype weight to ``F.rms_norm`` (torch's fused kernel):
-    the same call on this device gives the torch path's values, within the dtype's rounding."""
+@pytest.mark.parametrize("weight_shape", [(100,), (3, 100)], ids=["one weight", "a weight per head"])
+def test_the_cuda_rms_norm_call_is_the_same_norm(dtype: torch.dtype, weight_shape: tuple) -> None:
+    """On CUDA ``rms_norm_torch`` hands a same-dtype weight to ``rms_norm_fused`` (torch's fused kernel):
+    the same call on this device gives the torch path's values, within the dtype's rounding, for a [D]
+    weight and for Qwen3's q/k norm, a weight row per head (the first GPU run of the Qwen3 shape failed
+    there: ``F.rms_norm`` takes only a [D] weight)."""
     g = torch.Generator().manual_seed(0)
-    x, w = (torch.randn(7, 100, generator=g) * 5).to(dtype), torch.randn(100, generator=g).to(dtype)
-    fused = torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-5)
+    x = (torch.randn(7, 3, 100, generator=g) * 5).to(dtype)
+    w = torch.randn(weight_shape, generator=g).to(dtype)
+    fused = rms_norm_fused(x, w, 1e-5)
     tol = {"rtol": 2e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
     torch.testing.assert_close(fused, rms_norm_torch(x, w, 1e-5), **tol)
     if torch.cuda.is_available():

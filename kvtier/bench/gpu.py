@@ -19,6 +19,9 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
     decode    tokens/s at batch 1 / 16 / 64: Triton kernels vs gather + SDPA (1B shape, bf16)
     overlap   how much of a host→device load the forward hides (the engine's order, and the bound)
     ttft      2k / 8k / 32k-token prompts: recompute vs host-tier load vs device hit (1B shape, bf16)
+    loads     the 8k prompt's device hit and host loads (idle and busy engine) split by engine phase:
+              lookup and allocation, the copies enqueued, the forward's launches, the wait for the
+              device (the copies' remainder and the forward), sampling and outputs
     profile   where a decode step's time goes (batch 1) and a host-tier load's (8k tokens):
               torch.profiler's top operators, runtime calls and copies
     phases    a decode step's wall time split by engine phase (schedule, forward launches, the wait for
@@ -47,7 +50,7 @@ class Skipped(Exception):
     """A section that cannot run on this machine (not a failure)."""
 
 
-SECTIONS = ("exact", "kernels", "transfer", "decode", "overlap", "ttft", "profile", "phases")
+SECTIONS = ("exact", "kernels", "transfer", "decode", "overlap", "ttft", "loads", "profile", "phases")
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,15 @@ def _ttft(plan: Plan, workdir: Path) -> list[Any]:
     return ttft_rows(_checkpoint(name, workdir), SHAPES[name], plan.ttft_lengths, plan.dtype, backend)
 
 
+def _loads(plan: Plan, workdir: Path) -> list[Any]:
+    from kvtier.bench.gpu_models import SHAPES
+    from kvtier.bench.load_phases import load_phase_rows
+
+    name = plan.speed_shape
+    backend = backends(_device_type())[-1]
+    return load_phase_rows(_checkpoint(name, workdir), SHAPES[name], plan.ttft_lengths, plan.dtype, backend)
+
+
 def _decode(plan: Plan, workdir: Path) -> list[Any]:
     from kvtier.bench.gpu_models import SHAPES
     from kvtier.bench.gpu_speed import decode_rows
@@ -263,6 +275,7 @@ SECTION_RUNNERS = {
     "kernels": _kernels,
     "transfer": _transfer,
     "ttft": _ttft,
+    "loads": _loads,
     "profile": _profile,
     "decode": _decode,
     "phases": _phases,

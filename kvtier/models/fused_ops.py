@@ -25,10 +25,19 @@ def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     with the weight in the input's dtype, ``F.rms_norm``: torch's fused kernel, one launch where this
     takes 6 (fp32) to 9 (bf16/fp16), twice a layer: most of an eager decode step's launches."""
     if x.is_cuda and w.dtype == x.dtype:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return rms_norm_fused(x, w, eps)
     if x.dtype != torch.float32:
         return (rms_norm_torch(x.float(), w.float(), eps)).to(x.dtype)
     return torch.rsqrt(torch.mean(x * x, -1, keepdim=True).add_(eps)).mul(x).mul_(w)
+
+
+def rms_norm_fused(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` over the last dim of ``x`` [..., D], scaled by ``w``: [D] (one weight for every row,
+    fused into the kernel) or any shape that broadcasts against ``x`` (Qwen3's q/k norm, [H + KVH, D]:
+    one row a head, applied after the kernel, which takes only a [D] weight)."""
+    if w.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x, (x.shape[-1],), None, eps).mul_(w)
 
 
 def rope_then_write(
