@@ -9,6 +9,7 @@ contexts (split-K) and a sliding window, a prefill chunk after cached blocks, in
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ class ExactRow:
     max_logprob_diff: float  # over every prompt and answer token
     cached_tokens: int  # prefix-cache hits of the run (the answers must not change)
     preemptions: int  # sequences preempted (swapped to the host tier, or recomputed)
+    seconds: float = 0.0  # the run's wall time (kernels compiled in it included)
+    compiled: int | None = None  # Triton kernel variants compiled in the run (None: no triton here)
 
     @property
     def ok(self) -> bool:
@@ -121,15 +124,31 @@ def exactness(shape: Shape, model_dir: Path, backends: list[str], prefix_len: in
     runs = [(b, "cached") for b in backends] + [(backends[-1], "swap"), (backends[-1], "recompute")]
     rows = []
     for backend, run in runs:
+        t0, compiled = time.perf_counter(), _compiled()
         got = kvtier_run(model_dir, prompts, backend, run, 2 if shape.window else 1)
+        seconds = time.perf_counter() - t0
+        compiled = None if compiled is None else _compiled() - compiled  # type: ignore[operator]
         same = sum(a == b for a, b in zip(got["answers"], ref["answers"], strict=True))
         pairs = zip(got["logprobs"], ref["logprobs"], strict=True)
         diff = max((abs(x - y) for a, b in pairs for x, y in zip(a, b, strict=True)), default=float("inf"))
         equal = f"{same}/{len(prompts)}"
-        rows.append(
-            ExactRow(shape.name, backend, run, got["device"], equal, diff, got["cached"], got["preempted"])
-        )
+        row = ExactRow(
+            shape.name, backend, run, got["device"], equal, diff, got["cached"], got["preempted"], seconds,
+            compiled,
+        )  # fmt: skip
+        rows.append(row)
+        # as it happens: a run that hangs or compiles for minutes on a lent GPU is named in its log
+        print(f"   {shape.name} {backend} {run}: {equal}, {seconds:.1f} s, {compiled} compiled", flush=True)
     return rows
+
+
+def _compiled() -> int | None:
+    """Triton kernel variants compiled so far in this process (None where triton is not installed)."""
+    try:
+        from kvtier.models.triton_attention import compiled_kernels
+    except ImportError:
+        return None
+    return compiled_kernels()
 
 
 # ------------------------------------------------------------------------------------------ kernels

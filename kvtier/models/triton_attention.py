@@ -399,3 +399,14 @@ def prefill(
     if splits > 1:
         _merge(part, ml, out, splits, block_d)
     return out.view(n, num_heads * head_dim)
+
+
+def compiled_kernels() -> int:
+    """The kernel variants Triton compiled in this process so far (on CUDA each is a compile and a ptxas
+    run, a second or more; the interpreter compiles none): ``kvtier bench gpu`` reports it per exactness
+    run, so a compile storm shows."""
+    total = 0
+    for fn in (_decode_kernel, _merge_parts, _prefill_kernel):
+        for entry in getattr(fn, "device_caches", {}).values():
+            total += len(entry[0])  # (kernel cache, ...): its layout after that differs between versions
+    return total
