@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvtier.config import SchedulerConfig
+from kvtier.kv.groups import KVLayout, kv_layout
 from kvtier.kv.manager import KVCacheManager
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import KVAdmission
@@ -87,14 +88,21 @@ class World:
         self.scheduler.kv.pool.check_integrity()
 
 
-def world(num_blocks: int = 1024, host_blocks: int = 0, block_bytes: int = 1, **config: object) -> World:
+def world(
+    num_blocks: int = 1024,
+    host_blocks: int = 0,
+    block_bytes: int = 1,
+    layout: KVLayout | None = None,
+    **config: object,
+) -> World:
     """A scheduler over a pool of ``num_blocks`` (and a host tier of ``host_blocks``: its copies are
-    bookkeeping only, no bytes move), whose cost model says a block is ``block_bytes``."""
+    bookkeeping only, no bytes move), whose cost model says a block is ``block_bytes``; ``layout``: a
+    hybrid model's KV groups (default: one full-attention group)."""
     clock = [0.0]
     cost = CostModel(block_bytes, prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_s=DECODE_STEP_S)
     cfg = SchedulerConfig(max_model_len=num_blocks * BLOCK, **config)  # type: ignore[arg-type]
     tiers = TierCoordinator(HostTier(host_blocks), [], "write_back") if host_blocks else None
-    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, tiers=tiers)
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, tiers=tiers, layout=layout)
     return World(Scheduler(cfg, kv, [0], cost, clock=lambda: clock[0]), clock)
 
 
@@ -527,3 +535,26 @@ def test_kv_need_counts_cached_prompt_blocks_and_admission_math() -> None:
     v = a.check(100, 40)
     assert v.retry_after_s == 6  # 12 blocks over at 2 blocks/s
     assert KVAdmission(0.0, 64).check(10**6, 10**6).admit  # factor 0: off
+
+
+# ------------------------------------------------------------------------ a hybrid model's KV groups
+GEMMA3_270M = kv_layout((["sliding_attention"] * 5 + ["full_attention"]) * 3, 32)  # a group per layer slot
+
+
+def test_story_a_hybrid_sequence_swapped_out_mid_block_resumes() -> None:
+    """Gemma 3 270M's KV groups (a full one and five sliding ones, window 32) in a pool of 24 blocks:
+    four 80-token prompts cannot run together, so some are swapped out to the host tier, one after 56
+    tokens, in the middle of its fourth block. To resume, a chunk that reaches a fifth block needs five
+    table positions in each group, 25 blocks; the 8 tokens left in its fourth block need 19. Chunks
+    used to be halved down to a whole block (16 tokens), which always reached the fifth, so it waited
+    for room that never came, and so did everyone behind it (``kvtier bench gpu``'s swap run of that
+    shape spun forever). Halved down to the rest of its block, it resumes; everyone finishes. (The
+    legacy policy, the engine's default: stall_free makes a prompt wait rather than preempt for it.)"""
+    w = world(
+        num_blocks=24, host_blocks=200, layout=GEMMA3_270M, scheduling_policy="legacy", preemption_mode="swap"
+    )
+    prefix = [w._rng.randrange(100, 30000) for _ in range(64)]
+    seqs = [w.request(f"r{i}", 80, 16, prefix=prefix) for i in range(4)]
+    w.run(max_steps=500)
+    assert all(seq.num_output_tokens == 16 for seq in seqs)
+    assert sum(w.scheduler.preemptions_by_mode.values()) > 0  # the pool did force swaps

@@ -125,7 +125,7 @@ def exactness(shape: Shape, model_dir: Path, backends: list[str], prefix_len: in
     rows = []
     for backend, run in runs:
         t0, compiled = time.perf_counter(), _compiled()
-        got = kvtier_run(model_dir, prompts, backend, run, 2 if shape.window else 1)
+        got = kvtier_run(model_dir, prompts, backend, run, shape.kv_groups())
         seconds = time.perf_counter() - t0
         compiled = None if compiled is None else _compiled() - compiled  # type: ignore[operator]
         same = sum(a == b for a, b in zip(got["answers"], ref["answers"], strict=True))

@@ -57,6 +57,21 @@ class Shape:
     def kv_bytes_per_token(self, element_bytes: int) -> int:
         return self.layers * 2 * self.kv_heads * self.head_dim * element_bytes
 
+    def layer_types(self) -> list[str]:
+        """Each layer's attention kind, as its checkpoint's config writes them (HF's names)."""
+        if not self.full_every:
+            return ["full_attention"] * self.layers
+        return [
+            "full_attention" if (i + 1) % self.full_every == 0 else "sliding_attention"
+            for i in range(self.layers)
+        ]
+
+    def kv_groups(self) -> int:
+        """The KV groups kvtier gives it (``kvtier/kv/groups.py``): a pool block holds one group's K/V."""
+        from kvtier.kv.groups import kv_layout
+
+        return kv_layout(self.layer_types(), self.window).num_groups
+
 
 SHAPES = {
     s.name: s
@@ -93,10 +108,7 @@ def hf_config(shape: Shape):  # noqa: ANN201 - a transformers PretrainedConfig
     if shape.arch == "qwen3":
         return transformers.Qwen3Config(**common)
     if shape.arch == "gemma3":
-        kinds = [
-            "full_attention" if (i + 1) % shape.full_every == 0 else "sliding_attention"
-            for i in range(shape.layers)
-        ]
+        kinds = shape.layer_types()
         return transformers.Gemma3TextConfig(
             **common, sliding_window=shape.window, layer_types=kinds, query_pre_attn_scalar=shape.head_dim
         )

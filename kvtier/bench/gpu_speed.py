@@ -15,6 +15,7 @@ Times are wall-clock around synchronized calls (``torch.cuda.synchronize``), bes
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -236,6 +237,11 @@ class DecodeRow:
     triton_tok_s: float | None  # the Triton kernels, decode steps replaying CUDA graphs where they apply
     triton_eager_tok_s: float | None  # the Triton kernels, every step eager (--enforce-eager)
     torch_tok_s: float  # the torch path (gather + SDPA), eager
+    # the median step of each eager variant (ms): a mean step (batch / tok/s) far above it is a few slow
+    # steps (on an H200 on 2026-11-28 the phases section's medians put both eager paths at 17-18 ms at
+    # batch 64, where the tok/s here made them 8 and 60 ms)
+    triton_eager_p50_ms: float | None = None
+    torch_p50_ms: float = 0.0
 
     @property
     def ratio(self) -> float | None:
@@ -279,17 +285,24 @@ def decode_batch(
             engine.step()
 
 
-def decode_tok_s(llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int) -> float:
-    """Tokens/s of ``batch`` sequences in decode-only steps: their ``context``-token prompts prefilled
-    first, then ``new_tokens`` steps timed. (Timing whole ``generate`` calls would count prefill steps
-    and the mixed steps of stall-free scheduling, whose number changes with the measured step times.)"""
+def decode_tok_s(
+    llm: Any, shape: Shape, batch: int, context: int, new_tokens: int, seed: int
+) -> tuple[float, float]:
+    """Tokens/s of ``batch`` sequences in decode-only steps, and the median step (ms): their
+    ``context``-token prompts prefilled first, then ``new_tokens`` steps timed. (Timing whole ``generate``
+    calls would count prefill steps and the mixed steps of stall-free scheduling, whose number changes
+    with the measured step times.) A mean step (``batch`` / tokens/s) far above the median is a few slow
+    steps, not a slow path."""
+    steps = []
     with decode_batch(llm, shape, batch, context, new_tokens, seed) as engine:
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             engine.step()
+            steps.append(time.perf_counter())
         sync()
         seconds = time.perf_counter() - t0
-    return batch * new_tokens / max(seconds, 1e-9)
+    spans = [b - a for a, b in zip([t0, *steps], steps, strict=False)]
+    return batch * new_tokens / max(seconds, 1e-9), 1000 * statistics.median(spans)
 
 
 def decode_rows(
@@ -303,7 +316,7 @@ def decode_rows(
 ) -> list[DecodeRow]:
     from kvtier import LLM
 
-    tok_s: dict[str, list[float]] = {}
+    tok_s: dict[str, list[tuple[float, float]]] = {}  # variant -> (tokens/s, median step ms) per batch
     blocks = max(batches) * 2 * (-(-(context + new_tokens) // BLOCK_SIZE)) + 64
     variants = {"torch": ("torch", False), "triton": ("triton", False), "triton_eager": ("triton", True)}
     for name, (backend, eager) in variants.items():
@@ -321,8 +334,10 @@ def decode_rows(
         DecodeRow(
             b,
             context,
-            *(tok_s[k][i] if k in tok_s else None for k in ("triton", "triton_eager")),
-            tok_s["torch"][i],
+            *(tok_s[k][i][0] if k in tok_s else None for k in ("triton", "triton_eager")),
+            tok_s["torch"][i][0],
+            tok_s["triton_eager"][i][1] if "triton_eager" in tok_s else None,
+            tok_s["torch"][i][1],
         )  # fmt: skip
         for i, b in enumerate(batches)
     ]

@@ -396,6 +396,7 @@ class Scheduler:
                 num_new,
                 must_finish,
                 lambda n: self.kv.swap_in(seq.seq_id, seq.token_ids, seq.num_computed_tokens, n),
+                seq.num_computed_tokens,
             )
             if not num_new:
                 return passed_over(must_finish)
@@ -422,6 +423,7 @@ class Scheduler:
                 lambda n: self.kv.allocate_slots(
                     seq.seq_id, seq.token_ids, computed.num_computed_tokens, n, computed, seq.extra_keys
                 ),
+                computed.num_computed_tokens,
             )
             if not num_new:
                 return passed_over(must_finish)
@@ -490,16 +492,22 @@ class Scheduler:
             seq.disk_wait_deadline = now + self.config.disk_load_timeout_s
         return now < seq.disk_wait_deadline
 
-    def _fit_chunk(self, num_new: int, must_finish: bool, allocate: Callable[[int], bool]) -> int:
-        """``allocate(n)`` for a prompt chunk of ``n = num_new`` tokens; the tokens allocated, 0 when it
-        does not fit. With several KV groups a chunk takes one block per group for each of its blocks (a
-        sliding group releases them once computed), so one too large for the pool is halved, down to a
-        block, rather than waiting for room that may never come (not when it ``must_finish``)."""
+    def _fit_chunk(
+        self, num_new: int, must_finish: bool, allocate: Callable[[int], bool], num_computed: int
+    ) -> int:
+        """``allocate(n)`` for a prompt chunk of ``n = num_new`` tokens after ``num_computed``; the tokens
+        allocated, 0 when it does not fit. With several KV groups a chunk takes one block per group for
+        each of its blocks (a sliding group releases them once computed), so one too large for the pool
+        is halved rather than waiting for room that may never come (not when it ``must_finish``): down
+        to the rest of the block the sequence is in, which takes no new block (a sequence swapped out
+        mid-block, resumed with a whole block's chunk, needed one table position more than the pool
+        had, on every step: a Gemma 3 shape's swap run never finished)."""
         bs = self.kv.block_size
+        floor = bs - num_computed % bs
         while not allocate(num_new):
-            if self.kv.layout.is_dense or must_finish or num_new <= bs:
+            if self.kv.layout.is_dense or must_finish or num_new <= floor:
                 return 0
-            num_new = max(bs, num_new // 2)
+            num_new = max(floor, num_new // 2)
         return num_new
 
     def grow(self, seq: Sequence, num_new: int, must_finish: bool) -> int:
@@ -511,7 +519,7 @@ class Scheduler:
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, n, None, seq.extra_keys
             )
 
-        return self._fit_chunk(num_new, must_finish, allocate)
+        return self._fit_chunk(num_new, must_finish, allocate, seq.num_computed_tokens)
 
     def entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         seq.num_yielded_steps = 0
