@@ -558,3 +558,19 @@ def test_story_a_hybrid_sequence_swapped_out_mid_block_resumes() -> None:
     w.run(max_steps=500)
     assert all(seq.num_output_tokens == 16 for seq in seqs)
     assert sum(w.scheduler.preemptions_by_mode.values()) > 0  # the pool did force swaps
+
+
+def test_story_hybrid_prompts_that_block_each_other_are_unblocked() -> None:
+    """The same KV groups in a pool of 31 blocks, 64-token chunks, six prompts (9 to 136 tokens). Two
+    long ones are admitted and computed chunk by chunk, a sliding group releasing as it goes; at 128
+    and 32 tokens each needs blocks the other holds, and stall_free preempts nobody for a prompt
+    chunk, so no step had anything to run, for ever. A step with nothing to run now preempts the
+    latest admitted (swapped to the host tier); the oldest goes on; everyone finishes."""
+    w = world(
+        num_blocks=31, host_blocks=400, layout=GEMMA3_270M, scheduling_policy="stall_free",
+        preemption_mode="swap", max_num_batched_tokens=64,
+    )  # fmt: skip
+    seqs = [w.request(f"r{i}", n, 5) for i, n in enumerate([136, 9, 87, 41, 34, 116])]
+    w.run(max_steps=500)
+    assert all(seq.num_output_tokens == 5 for seq in seqs)
+    assert w.scheduler.preemptions_by_mode["swap"] > 0

@@ -230,6 +230,8 @@ class Scheduler:
             scheduled = self._schedule_decodes(out)
             budget = self.budget.prefill_tokens(len(scheduled), self.oldest_wait_s())
             scheduled += self._schedule_prefills(out, budget, {s.seq.seq_id for s in scheduled})
+            if not scheduled and not out.preempted_seq_ids and len(self.running) > 1:
+                self._unblock(out)
         for s in scheduled:
             (out.decodes if s.num_new_tokens == 1 else out.prefills).append(s)
         out.block_copies = self.kv.take_block_copies()
@@ -524,6 +526,15 @@ class Scheduler:
     def entry(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         seq.num_yielded_steps = 0
         return ScheduledSeq(seq, seq.num_computed_tokens, num_new, self.kv.step_tables(seq.seq_id))
+
+    def _unblock(self, out: SchedulerOutput) -> None:
+        """Nothing could run: each running sequence waits for blocks the others hold (a hybrid model's
+        prompts, each part-way through its chunks in a tight pool, none of which preempts for a prompt
+        chunk here). The worst one goes (swapped out or recomputed), so the others go on next step; the
+        oldest never goes, so it gets further every time until it finishes."""
+        victim = max(self.running, key=victim_key)
+        self._preempt(victim)
+        out.preempted_seq_ids.append(victim.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         """Swap the sequence's KV out to the host tier, or drop its blocks (they stay cached) to be
