@@ -124,10 +124,10 @@ def exactness(shape: Shape, model_dir: Path, backends: list[str], prefix_len: in
     runs = [(b, "cached") for b in backends] + [(backends[-1], "swap"), (backends[-1], "recompute")]
     rows = []
     for backend, run in runs:
-        t0, compiled = time.perf_counter(), _compiled()
+        t0, before = time.perf_counter(), _compiled()
         got = kvtier_run(model_dir, prompts, backend, run, shape.kv_groups())
-        seconds = time.perf_counter() - t0
-        compiled = None if compiled is None else _compiled() - compiled  # type: ignore[operator]
+        seconds, after = time.perf_counter() - t0, _compiled()
+        compiled = None if before is None or after is None or min(before, after) < 0 else after - before
         same = sum(a == b for a, b in zip(got["answers"], ref["answers"], strict=True))
         pairs = zip(got["logprobs"], ref["logprobs"], strict=True)
         diff = max((abs(x - y) for a, b in pairs for x, y in zip(a, b, strict=True)), default=float("inf"))

@@ -403,10 +403,13 @@ def prefill(
 
 def compiled_kernels() -> int:
     """The kernel variants Triton compiled in this process so far (on CUDA each is a compile and a ptxas
-    run, a second or more; the interpreter compiles none): ``kvtier bench gpu`` reports it per exactness
-    run, so a compile storm shows."""
+    run, a second or more; the interpreter compiles none; -1: this Triton's caches are laid out
+    otherwise): ``kvtier bench gpu`` reports it per exactness run, so a compile storm shows."""
     total = 0
     for fn in (_decode_kernel, _merge_parts, _prefill_kernel):
         for entry in getattr(fn, "device_caches", {}).values():
-            total += len(entry[0])  # (kernel cache, ...): its layout after that differs between versions
+            try:
+                total += len(entry[0])  # (kernel cache, ...): the rest differs between versions
+            except (TypeError, IndexError, KeyError):
+                return -1  # a Triton whose caches look otherwise: unknown
     return total
