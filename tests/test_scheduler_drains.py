@@ -16,6 +16,7 @@ import random
 import pytest
 
 from kvtier.kv.groups import KVLayout, kv_layout
+from kvtier.sequence import SequenceStatus
 from tests.test_scheduler import BLOCK, GEMMA3_270M, world
 
 pytestmark = pytest.mark.slow
@@ -62,3 +63,50 @@ def random_world_drains(rng: random.Random) -> None:
 def test_random_worlds_drain(seed: int) -> None:
     for trial in range(300):
         random_world_drains(random.Random(seed * 100_000 + trial))
+
+
+def busy_world_drains(rng: random.Random) -> None:
+    """As above, and requests arriving between steps (priorities -1, 0, 1), one aborted now and then,
+    the running cap on or off, a time budget or a fixed one, partial prefills limited or not."""
+    layout = LAYOUTS[rng.choice(sorted(LAYOUTS))]
+    max_tokens = rng.randint(1, 40)
+    shared = rng.choice([0, 0, 32, 64])
+    lengths = [max(rng.randint(1, 150), shared + 1 if shared else 1) for _ in range(rng.randint(1, 10))]
+    least = blocks_for(layout, max(lengths) + max_tokens) + (layout.num_groups if layout else 1)
+    w = world(
+        num_blocks=(num_blocks := rng.randint(least, 3 * least)),
+        host_blocks=rng.choice([0, 50, 400]),
+        layout=layout,
+        scheduling_policy=rng.choice(["legacy", "stall_free"]),
+        preemption_mode=rng.choice(["swap", "recompute", "auto"]),
+        max_num_batched_tokens=rng.choice([32, 64, 256, 2048]),
+        max_num_seqs=rng.choice([1, 2, 4, 64]),
+        max_num_partial_prefills=rng.choice([0, 1, 2]),
+        max_step_ms=rng.choice([0.0, 100.0]),
+        itl_factor=rng.choice([0.0, 2.0, 5.0]),
+    )
+    prefix = [w._rng.randrange(100, 30000) for _ in range(shared)] or None
+    pending, seqs, aborted = list(enumerate(lengths)), [], set()
+    for _ in range(4000):
+        if not (pending or w.scheduler.running or w.scheduler.waiting):
+            break
+        if pending and (not seqs or rng.random() < 0.4):
+            i, n = pending.pop(0)
+            seqs.append(w.request(f"r{i}", n, max_tokens, priority=rng.choice([0, 0, -1, 1]), prefix=prefix))
+        live = [s for s in seqs if s.status in (SequenceStatus.RUNNING, SequenceStatus.WAITING)]
+        if live and rng.random() < 0.03:
+            victim = rng.choice(live)
+            w.scheduler.finish(victim, SequenceStatus.FINISHED_ABORTED)
+            aborted.add(victim.seq_id)
+        w.step()
+    else:
+        raise AssertionError("the world never drained")
+    kv = w.scheduler.kv
+    kv.check_integrity()
+    assert kv.pool.num_free_blocks == num_blocks  # every block back
+    assert all(s.num_output_tokens == max_tokens for s in seqs if s.seq_id not in aborted)
+
+
+def test_busy_random_worlds_drain() -> None:
+    for trial in range(300):
+        busy_world_drains(random.Random(trial))
