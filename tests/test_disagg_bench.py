@@ -41,4 +41,5 @@ def test_a_tiny_run_reports_both_splits_and_the_handoffs(
     assert colocated["errors"] == 0 and disaggregated["errors"] == 0
     assert colocated["handoffs"] == 0 and disaggregated["handoffs"] >= 2  # the long prompts at least
     assert disaggregated["bytes_per_handoff"] > 0 and disaggregated["output_tok_s"] > 0
+    assert 0 < disaggregated["handoff_overhead_p50_s"] < 60  # the median, from the router's histogram
     assert colocated["itl_p50"] > 0 and disaggregated["long_ttft_p90"] > 0

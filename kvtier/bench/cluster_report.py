@@ -162,8 +162,10 @@ def evaluate_targets(by_key: dict[str, ScenarioResult], recovery_wait_s: float) 
     return targets
 
 
-def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float:
-    """The upper bound of the Prometheus histogram bucket holding quantile ``q`` (nan: no samples)."""
+def histogram_quantile(samples: dict[str, float], name: str, q: float, interpolate: bool = False) -> float:
+    """Quantile ``q`` of a Prometheus histogram (nan: no samples): the upper bound of the bucket holding
+    it, or with ``interpolate`` a linear guess inside that bucket, as PromQL's ``histogram_quantile``
+    makes (the top bucket's lower bound when it is the open ``+Inf`` one)."""
     buckets = []
     for key, count in samples.items():
         if key.startswith(name + "_bucket{") and 'le="' in key:
@@ -171,9 +173,15 @@ def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float:
             buckets.append((math.inf if le == "+Inf" else float(le), count))
     buckets.sort()
     total = buckets[-1][1] if buckets else 0
+    below, below_count = 0.0, 0.0
     for le, count in buckets:
         if total and count >= q * total:
-            return le
+            if not interpolate or count == below_count:
+                return le
+            if le == math.inf:
+                return below
+            return below + (le - below) * (q * total - below_count) / (count - below_count)
+        below, below_count = le, count
     return math.nan
 
 

@@ -41,7 +41,10 @@ from kvtier.router.replicas import Replica
 PREFIX = "kvtier_router:"
 _TOKEN_BUCKETS = (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-_HANDOFF_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a tenth of a second apart from 0.1 s to 1 s, where a handoff's overhead lies (kvtier bench disagg's p50)
+_HANDOFF_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
 SOURCES = ("events", "polling", "none")
 # What became of a completion while prefill replicas were up (kvtier.router.disagg.why_not)
 HANDOFF_OUTCOMES = ("handoff", "prefill_failed", "short", "unscored", "no_decode")
