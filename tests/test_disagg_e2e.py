@@ -5,8 +5,10 @@ each its own process on loopback, and a lone ``kvtier serve`` (role both, no Red
     exact      greedy answers through the handoff equal the lone server's: chat, completions and the
                Responses API, streamed and not, n > 1, stop strings, logprobs, a JSON schema, a choice
     served     the decode replica's usage and /metrics show the prompt's blocks loaded from Redis
-    faults     Redis killed: the next handoffs fail nothing (the decode replica computes the prompt);
-               the prefill replica killed: neither (the router sends the request straight to decode)
+    faults     the prefill replica killed mid-handoff (frozen while the router waits on it): that
+               request is answered exactly by the decode replica; Redis killed: the next handoffs fail
+               nothing (the decode replica computes the prompt); the prefill replica killed: neither
+               (the router sends the request straight to decode)
 
 Slow (four processes start with torch); the module shares them.
 """
@@ -14,7 +16,10 @@ Slow (four processes start with torch); the module shares them.
 from __future__ import annotations
 
 import re
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -204,6 +209,26 @@ def test_a_short_prompt_skips_the_prefill_replica(cluster: dict[str, Any]) -> No
     assert PREFILL_HEADER not in r.headers and r.headers["x-kvtier-replica"] == cluster["decode"].url
     want = post(cluster["reference"].url, body).json()
     assert r.json()["choices"][0]["message"] == want["choices"][0]["message"]
+
+
+def test_zy_the_prefill_replica_killed_mid_handoff_fails_no_request(cluster: dict[str, Any]) -> None:
+    """The prefill replica is frozen while the router waits on its answer, then killed: the request,
+    which has sent no byte to the client yet, is answered exactly by the decode replica computing the
+    prompt. The replica is started again where it was, for the test after this one."""
+    router, reference, prefill = cluster["router"], cluster["reference"], cluster["prefill"]
+    body = chat("killed-mid-handoff")
+    assert prefill.proc is not None
+    prefill.proc.send_signal(signal.SIGSTOP)  # it takes the prompt and never answers
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, router.url, body)
+        time.sleep(1.0)  # the router has sent the prompt to the frozen replica
+        assert not answer.done()
+        prefill.kill()
+        got = answer.result(timeout=60)
+    assert got.status_code == 200 and got.headers["x-kvtier-replica"] == cluster["decode"].url
+    assert got.json()["choices"][0]["message"] == post(reference.url, body).json()["choices"][0]["message"]
+    prefill.start().wait_healthy()
+    wait_for(lambda: healthy_roles(router) == ["decode", "prefill"], 20)
 
 
 def test_zz_redis_then_the_prefill_replica_die_and_no_request_fails(cluster: dict[str, Any]) -> None:
