@@ -12,6 +12,7 @@ the code before either fix (its world 141 never drains) and on the code with the
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -39,12 +40,30 @@ def blocks_for(layout: KVLayout | None, tokens: int) -> int:
     return sum(window)
 
 
-def random_world_drains(rng: random.Random) -> None:
+@dataclass
+class Demand:
+    """A random world's model and requests, and the least pool that holds the longest of them."""
+
+    layout: KVLayout | None
+    max_tokens: int
+    shared: int  # tokens of a prefix every prompt starts with (0: none)
+    lengths: list[int]  # prompt tokens, one per request
+    least: int  # pool blocks: the longest sequence's, and one more per KV group
+
+
+def random_demand(rng: random.Random, most_requests: int) -> Demand:
     layout = LAYOUTS[rng.choice(sorted(LAYOUTS))]
     max_tokens = rng.randint(1, 40)
     shared = rng.choice([0, 0, 32, 64])
-    lengths = [max(rng.randint(1, 150), shared + 1 if shared else 1) for _ in range(rng.randint(1, 6))]
+    count = rng.randint(1, most_requests)
+    lengths = [max(rng.randint(1, 150), shared + 1 if shared else 1) for _ in range(count)]
     least = blocks_for(layout, max(lengths) + max_tokens) + (layout.num_groups if layout else 1)
+    return Demand(layout, max_tokens, shared, lengths, least)
+
+
+def random_world_drains(rng: random.Random) -> None:
+    d = random_demand(rng, 6)
+    layout, max_tokens, shared, lengths, least = d.layout, d.max_tokens, d.shared, d.lengths, d.least
     w = world(
         num_blocks=rng.randint(least, 3 * least),
         host_blocks=rng.choice([0, 50, 400]),
@@ -68,11 +87,8 @@ def test_random_worlds_drain(seed: int) -> None:
 def busy_world_drains(rng: random.Random) -> None:
     """As above, and requests arriving between steps (priorities -1, 0, 1), one aborted now and then,
     the running cap on or off, a time budget or a fixed one, partial prefills limited or not."""
-    layout = LAYOUTS[rng.choice(sorted(LAYOUTS))]
-    max_tokens = rng.randint(1, 40)
-    shared = rng.choice([0, 0, 32, 64])
-    lengths = [max(rng.randint(1, 150), shared + 1 if shared else 1) for _ in range(rng.randint(1, 10))]
-    least = blocks_for(layout, max(lengths) + max_tokens) + (layout.num_groups if layout else 1)
+    d = random_demand(rng, 10)
+    layout, max_tokens, shared, lengths, least = d.layout, d.max_tokens, d.shared, d.lengths, d.least
     w = world(
         num_blocks=(num_blocks := rng.randint(least, 3 * least)),
         host_blocks=rng.choice([0, 50, 400]),
