@@ -440,16 +440,22 @@ def test_story_a_restarted_redis_is_empty_and_the_router_knows(cluster: dict[str
     )
     store = redis_py.Redis.from_url(redis.url)
 
+    seen: list[tuple[int, list[tuple[int, int]]]] = []  # (in the store, [(indexed, used) a replica])
+
     def true_to_the_store() -> bool:
         in_store = sum(1 for _ in store.scan_iter(match="kvtier:v1:*"))
-        for replica in replicas:
-            indexed = replica_state(router, replica)["indexed_blocks"]["remote"]
-            if not indexed == remote_blocks_used(replica) <= in_store:
-                return False
-        return True
+        counts = [
+            (replica_state(router, r)["indexed_blocks"]["remote"], remote_blocks_used(r)) for r in replicas
+        ]
+        seen.append((in_store, counts))
+        return all(indexed == used <= in_store for indexed, used in counts)
 
     try:
-        wait_for(true_to_the_store, 10)
+        # the replicas write their host tiers to the new Redis and announce it: seconds on a loaded
+        # 2-core CI machine (10 s was once too few there)
+        wait_for(true_to_the_store, 30)
+    except AssertionError:
+        raise AssertionError(f"router vs replicas vs store, last seen: {seen[-1]}") from None
     finally:
         store.close()
     assert goes_to(router, body, replicas[1])  # its own tiers hold it
