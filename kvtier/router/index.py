@@ -13,6 +13,12 @@ forgotten block only makes the router underestimate that replica's cache, never 
 
 ``apply`` returns False on a gap (a ``seq`` jump within one instance, or a new instance not starting
 at 1): batches were lost, the index is incomplete, and the owner must resync from a snapshot.
+
+A resync reads the stream on after its newest id ``L`` taken *before* the snapshot, so the batches
+between ``L`` and the snapshot's ``seq`` come again. For the media a snapshot lists they are skipped (the
+snapshot is newer). The engine's remote tier lists what it announced, so its snapshot is the whole
+truth; a snapshot that leaves the remote medium out (a tier that cannot list) is completed from the
+stream: its remote events up to ``L`` (``replay_remote``), then those of the batches it skips.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class ReplicaIndex:
         self.last_id = "0"  # the last applied stream entry id
         self.num_gaps = 0
         self.num_forgotten = 0
+        # The last snapshot left the remote medium out: the stream's announcements are its only source.
+        self.remote_from_stream = False
 
     def __len__(self) -> int:
         return len(self.held)
@@ -54,7 +62,9 @@ class ReplicaIndex:
         if entry_id is not None:
             self.last_id = entry_id
         if batch.instance == self.instance and batch.seq <= self.seq:
-            return True  # already in the snapshot, or a replay overlap
+            if self.remote_from_stream:  # in the snapshot, but for the remote medium it left out
+                self._apply_remote(batch)
+            return True
         expected = 1 if batch.instance != self.instance else self.seq + 1
         self.instance, self.seq = batch.instance, batch.seq
         for event in batch.events:
@@ -92,9 +102,12 @@ class ReplicaIndex:
 
     def seed(self, snapshot: dict[str, Any], last_id: str | None = None) -> None:
         """Start over from a ``GET /v1/kv/blocks`` answer (the state after its ``seq``). Remote blocks
-        are kept when the snapshot does not list the remote medium (a shared store usually cannot)."""
+        are kept when the snapshot does not list the remote medium (a tier that cannot list its keys);
+        the stream completes them then (module docstring). A listed remote medium replaces them: the
+        replica's remote tier lists exactly what it announced up to that ``seq``."""
         media = snapshot.get("blocks") or {}
-        keep = REMOTE_BIT if str(Medium.REMOTE) not in media else 0
+        self.remote_from_stream = str(Medium.REMOTE) not in media
+        keep = REMOTE_BIT if self.remote_from_stream else 0
         old = self.held
         self.held = {h: bits & keep for h, bits in old.items() if bits & keep}
         for name, hashes in media.items():
@@ -106,15 +119,19 @@ class ReplicaIndex:
 
     def replay_remote(self, batches: Sequence[EventBatch]) -> None:
         """Take the remote-tier blocks from ``batches`` of the current instance (a stream read from its
-        start after a ``seed``): a snapshot cannot list a shared store, the stream's announcements can."""
+        start up to the id taken before a ``seed`` whose snapshot left the remote medium out). Only for
+        such a seed: over a snapshot that lists it, these older events would undo newer ones (a block
+        removed, then stored again after that id, would end removed)."""
         for batch in batches:
-            if batch.instance != self.instance:
-                continue
-            for event in batch.events:
-                if event.type == "cleared":
-                    self.drop_remote()
-                elif event.medium == Medium.REMOTE:
-                    self._apply_event(event)
+            if batch.instance == self.instance:
+                self._apply_remote(batch)
+
+    def _apply_remote(self, batch: EventBatch) -> None:
+        for event in batch.events:
+            if event.type == "cleared":
+                self.drop_remote()
+            elif event.medium == Medium.REMOTE:
+                self._apply_event(event)
 
     def note_remote(self, hashes: Sequence[BlockHash]) -> None:
         """The replica confirmed ``hashes`` in the remote tier (a disaggregated prefill's publish,
@@ -133,6 +150,7 @@ class ReplicaIndex:
     def clear(self) -> None:
         self.held.clear()
         self.instance, self.seq, self.last_id = None, 0, "0"
+        self.remote_from_stream = False
 
     # ------------------------------------------------------------------------------ queries
     def local_prefix(self, hashes: Sequence[BlockHash]) -> int:
@@ -145,6 +163,15 @@ class ReplicaIndex:
 
     def has_remote(self, h: BlockHash) -> bool:
         return bool(self.held.get(h, 0) & REMOTE_BIT)
+
+    def hex_blocks(self) -> dict[str, set[str]]:
+        """``{medium: {hex hash}}`` without empty media: comparable to ``BlockIndex.hex_blocks``."""
+        out: dict[str, set[str]] = {}
+        for h, bits in self.held.items():
+            for m, bit in _BITS.items():
+                if bits & bit:
+                    out.setdefault(str(m), set()).add(h.hex())
+        return out
 
     def counts(self) -> dict[str, int]:
         """Blocks per medium (for ``/router/state``)."""

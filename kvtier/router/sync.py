@@ -51,12 +51,20 @@ class IndexSync:
         return "events" if self.redis_url else "polling"
 
     async def snapshot(self, replica: Replica, last_id: str | None = None) -> bool:
-        """Seed ``replica``'s index from ``GET /v1/kv/blocks``; False (and the replica's error) on failure."""
+        """Seed ``replica``'s index from ``GET /v1/kv/blocks``; False (and the replica's error) on failure.
+        ``last_id`` None: the poller's. Its answer is dropped when the event follower took the replica
+        over while it was in flight: that index is newer, and seeding the older answer would roll it
+        back (blocks since removed counted until the next batch) or mark it unsynced for good."""
+        answer: dict[str, Any] | None = None
+        error = ""
         try:
             answer = await self.replicas.get_json(replica, "/v1/kv/blocks")
         except (httpx.HTTPError, ValueError) as exc:
-            replica.last_error = f"/v1/kv/blocks: {type(exc).__name__}: {exc}"
-            replica.synced = False
+            error = f"/v1/kv/blocks: {type(exc).__name__}: {exc}"
+        if last_id is None and replica.following:
+            return True
+        if answer is None:
+            replica.last_error, replica.synced = error, False
             return False
         replica.index.seed(answer, last_id)
         replica.synced = True
@@ -75,23 +83,31 @@ class IndexSync:
     # ------------------------------------------------------------------------------ events
     async def run_events(self) -> None:
         """Follow the event streams; on a Redis failure, hand every replica to the poller and retry."""
-        import redis
         import redis.asyncio as aioredis
 
         assert self.redis_url is not None
         client = aioredis.Redis.from_url(self.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         try:
             while True:
-                try:
-                    await self._follow(client)
-                    if not self.redis_ok:
-                        logger.warning("router: KV events from %s again", self.redis_url)
-                        self.redis_ok = True
-                except (redis.RedisError, OSError, ValueError, KeyError) as exc:
-                    self._redis_failed(exc)
+                if not await self.follow_round(client):
                     await asyncio.sleep(REDIS_RETRY_S)
         finally:
             await client.aclose()
+
+    async def follow_round(self, client: Any) -> bool:
+        """One round of the follower (resync the replicas not followed yet, one XREAD); False when Redis
+        failed: every replica is handed to the poller until a later round succeeds."""
+        import redis
+
+        try:
+            await self._follow(client)
+        except (redis.RedisError, OSError, ValueError, KeyError) as exc:
+            self._redis_failed(exc)
+            return False
+        if not self.redis_ok:
+            logger.warning("router: KV events from %s again", self.redis_url)
+            self.redis_ok = True
+        return True
 
     def _redis_failed(self, exc: BaseException) -> None:
         if self.redis_ok:
@@ -106,11 +122,7 @@ class IndexSync:
         if todo:
             await self._check_restart(client)
         for replica in todo:
-            newest = await client.xrevrange(replica.stream, count=1)
-            last_id = _text(newest[0][0]) if newest else "0"
-            if await self.snapshot(replica, last_id):
-                await self._replay_remote(client, replica, last_id)
-                replica.following = True
+            await self._resync(client, replica)
         followed = {r.stream: r for r in self.replicas.healthy() if r.following and r.stream}
         if not followed:
             await asyncio.sleep(XREAD_BLOCK_MS / 1000)
@@ -127,10 +139,30 @@ class IndexSync:
                     replica.following = False
                     break
 
+    async def _resync(self, client: Any, replica: Replica) -> None:
+        """The stream's newest id ``L``, then the snapshot, then (``_follow``) read on after ``L``. The
+        replica keeps working meanwhile: its snapshot is the state after some batch at or after ``L``,
+        and the batches between come again; the index skips them for the media the snapshot lists.
+
+        Its remote tier lists what it announced, so a snapshot with the remote medium is the whole
+        truth: replaying the stream up to ``L`` over it would apply older events over newer ones. After a
+        Redis restart that lost blocks for good: the replica's "removed" for everything (before ``L``)
+        undid the blocks it had written again since (after ``L``, skipped as in the snapshot). Only a
+        snapshot without the medium takes it from the stream (``ReplicaIndex`` module docstring)."""
+        newest = await client.xrevrange(replica.stream, count=1)
+        last_id = _text(newest[0][0]) if newest else "0"
+        if not await self.snapshot(replica, last_id):
+            return
+        if replica.index.remote_from_stream:
+            await self._replay_remote(client, replica, last_id)
+        replica.following = True
+
     async def _check_restart(self, client: Any) -> None:
         """A Redis that restarted (a new ``run_id``) is empty: forget every remote-tier block the index
-        holds. A snapshot cannot list them, so without this the router would go on counting a returning
-        prefix as a cheap remote hit on every replica, and route it by load to one that must recompute it."""
+        holds, at once. Each replica announces its own forgetting only when it notices (within about a
+        second when idle), and a snapshot that leaves the remote medium out never says so; meanwhile the
+        router would count a returning prefix as a cheap remote hit on every replica, and route it by
+        load to one that must recompute it."""
         run_id = (await client.info("server")).get("run_id")
         if self.redis_run_id is not None and run_id != self.redis_run_id:
             logger.warning("router: Redis restarted (a new run_id): forgetting the remote-tier blocks")
@@ -140,7 +172,7 @@ class IndexSync:
 
     async def _replay_remote(self, client: Any, replica: Replica, last_id: str) -> None:
         """The remote-tier blocks the replica announced (its stream up to ``last_id``, at most
-        ``STREAM_MAXLEN`` entries): what a restarted router cannot learn from ``/v1/kv/blocks``."""
+        ``STREAM_MAXLEN`` entries): what its ``/v1/kv/blocks`` did not list."""
         if last_id == "0" or replica.stream is None:
             return
         start = "-"
