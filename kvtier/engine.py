@@ -93,6 +93,8 @@ class LLMEngine:
         self.scheduler, self.admission, self.sampler = parts.scheduler, parts.admission, parts.sampler
         self.insight, self.inspector, self.kv_events = parts.insight, parts.inspector, parts.kv_events
         self.cache_identity, self.replica_id = parts.cache_identity, parts.replica_id
+        if self.tiers is not None:  # a hit's loads start as soon as they are planned (start_loads)
+            self.tiers.run_now = self._move_blocks
         self.write_ahead = WriteBackAhead(self.kv.pool, self.tiers, self.config.tiers.write_ahead_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}

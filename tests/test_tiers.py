@@ -316,6 +316,48 @@ def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     assert len(rig.host.held_keys()) == 3  # the private (partial) block is dropped after loading
 
 
+def test_story_a_hits_loads_run_the_moment_it_is_adopted() -> None:
+    """Wired as the engine wires it (``run_now``), a prefix hit's loads run inside the allocation that
+    adopts it, before the step's scheduling ends: A's blocks are back on the device while the step
+    still plans; the step's budget still counts them; the end of the step has only the rest. A
+    swap-in's loads run at once too."""
+    rig = Rig(None, host_blocks=4)
+    ran: list[SwapPlan] = []
+
+    def run_now(plan: SwapPlan) -> None:
+        ran.append(plan)
+        rig.mover.execute(plan)
+        rig.tiers.complete_plan(plan)
+
+    rig.tiers.run_now = run_now
+    rig.prefill("A", A)
+    original = rig.blocks_of("A", 3)
+    rig.kv.free("A")
+    for i in range(4):  # one-block sequences take the whole pool: A's 3 full blocks go to the host tier
+        rig.prefill(f"X{i}", [300 + i] * 3)
+    for i in range(4):
+        rig.kv.free(f"X{i}")
+    assert not ran  # no hit yet: every store waited for its step's end
+    computed = rig.kv.get_computed_blocks(A, KEYS)
+    assert len(computed.lower.host_keys) == 3
+    assert rig.kv.allocate_slots("A2", A, 12, 1, computed, KEYS)
+    assert [len(plan.loads) for plan in ran] == [3]
+    for got, want in zip(rig.blocks_of("A2", 3), original, strict=True):
+        assert same_bytes(got, want)  # on the device already, mid-step
+    assert rig.kv.num_planned_loads == 3  # what the step's budget charges
+    assert not rig.kv.end_schedule_step().loads and rig.kv.num_planned_loads == 0
+
+    assert rig.kv.swap_out("A2", len(A))
+    rig.run_plan()
+    rig.device_kv.zero_()
+    assert rig.kv.swap_in("A2", A + [7], len(A), 1)
+    assert [len(plan.loads) for plan in ran] == [3, 4]
+    for got, want in zip(rig.blocks_of("A2", 3), original, strict=True):
+        assert same_bytes(got, want)
+    rig.run_plan()
+    rig.kv.check_integrity()
+
+
 def test_swap_out_without_room_changes_nothing() -> None:
     rig = Rig(None, host_blocks=2)
     rig.prefill("A", A)

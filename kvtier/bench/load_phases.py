@@ -8,8 +8,10 @@ stores them first). Each row is the fastest of ``repeats`` with its phases' own 
 
     ttft = add_request        the prompt's block hashes
          + schedule           lookup, admission; holds allocate_slots (device blocks for the hit and the
-                              load: evictions, the tiers' plans), which holds get_new_blocks
-         + copies             the step's block copies enqueued (on CUDA: two streams, asynchronous)
+                              load: evictions, the tiers' plans, and the hit's loads enqueued as soon as
+                              they are planned: ``TierCoordinator.start_loads``), which holds get_new_blocks
+         + copies             the rest of the step's block copies enqueued (on CUDA: two streams,
+                              asynchronous); ~0 for a lone hit, whose loads ran inside allocate_slots
          + forward            the runner's host side: metadata, launches
          + forward wait       the device work still queued when the launches end: on CUDA the copies'
                               remainder (the forward waits for them) and the forward's kernels
@@ -54,7 +56,7 @@ class LoadPhaseRow:
     schedule_ms: float
     allocate_slots_ms: float  # inside schedule
     get_new_blocks_ms: float  # inside allocate_slots
-    copies_ms: float  # enqueueing them on CUDA; the copies themselves on a CPU
+    copies_ms: float  # the step's other copies: enqueued on CUDA, run on a CPU (a hit's: in allocate_slots)
     forward_ms: float  # the host side
     forward_wait_ms: float  # 0 on a CPU
     sample_ms: float

@@ -6,12 +6,13 @@ The manager drives the lower tiers at four moments::
     lookup(keys) ─► LowerHit          after the device pool misses: which following blocks the host
                                       tier holds (load them this step) and how many more are on
                                       their way up from disk or a remote store
-    hold / load                       adopting a hit: pin the host blocks, then plan their loads
+    hold / load / start_loads         adopting a hit: pin the host blocks, plan their loads, and let
+                                      them start at once (ahead of the rest of the step)
     on_device_evict / on_block_full   a cached device block is being reused / a block became full:
                                       the write policy decides whether to plan a store
     write_back                        idle: a store planned ahead of a cached block's eviction
     swap_out / swap_in / release      preemption by swap
-    take_plan() ─► SwapPlan           the step's device↔host copies, once per scheduler step
+    take_plan() ─► SwapPlan           the rest of the step's device↔host copies, once per scheduler step
 
 KV groups (a hybrid model, ``groups.py``): every call that names a block names its group too (default
 0, a dense model's only group): the tiers write it into the headers of the blocks they persist, check
@@ -153,6 +154,10 @@ class LowerTiers(Protocol):
 
     def release(self, swapped: SwappedOut) -> None:
         """A swapped-out sequence ended without resuming: unpin and drop its private blocks."""
+
+    def start_loads(self) -> None:
+        """The loads just planned may start now (with the stores planned before them), ahead of the
+        step's end; a no-op for tiers that run every copy at ``take_plan``."""
 
     def take_plan(self) -> SwapPlan:
         """The device↔host copies planned since the last call."""

@@ -294,6 +294,7 @@ class KVCacheManager:
         assert self.tiers is not None
         bs = self.block_size
         self.tiers.load([key for _, _, key, _ in loads], [block.block_id for block in blocks])
+        self.tiers.start_loads()  # the copies cross the link while the bookkeeping below runs
         for (g, i, key, source), block in zip(loads, blocks, strict=True):
             seq.tables[g][i] = block
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
@@ -496,6 +497,7 @@ class KVCacheManager:
         del self._swapped[seq_id]
         loaded = swapped.restore(self.pool.get_new_blocks(num_fresh), num_table)
         self.tiers.swap_in(swapped.out, [block.block_id for block in loaded])
+        self.tiers.start_loads()
         seq = swapped.seq
         seq.num_computed_tokens = num_computed_tokens
         for g, i, block in seq.live():

@@ -13,6 +13,11 @@ Stores go first: a block evicted this step may be handed out again in the same s
 overwritten by a load or by the forward. After the copies ran, the lower tiers' ``complete_plan``
 publishes the stored keys and unpins the loaded ones.
 
+A step may run its plan in parts: when an engine wires ``TierCoordinator.run_now``, a prefix hit's loads
+run (with every store planned before them) the moment the hit is adopted, so the link is busy while the
+rest of the step is scheduled; ``SchedulerOutput.swap`` is then what the step planned after them. The
+parts run in order (on CUDA each waits for the previous one's copies through the compute stream).
+
 Device blocks and host blocks are numbered separately: ``device_block_id`` indexes the device pool,
 ``host_block_id`` the host tier's buffer.
 """
