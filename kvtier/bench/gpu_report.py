@@ -66,6 +66,11 @@ def _checks(report: Any) -> list[list[Any]]:
         ok = all(r["max_rel_diff"] <= r["tolerance"] for r in s["kernels"])
         rows.append(["kernels: triton vs torch path", f"worst {worst['max_rel_diff']:.2g} ({worst['case']})",
                      "within tolerance", ok])  # fmt: skip
+    for r in s.get("ttft", []):
+        if r.get("loads_exact"):
+            k, n = r["loads_exact"].split("/")
+            rows.append([f"exact: ttft {r['prompt_tokens']} host loads vs device hit", f"{k}/{n} answers",
+                         "all, bit for bit", k == n])  # fmt: skip
     if 8192 not in report.plan["ttft_lengths"]:
         return rows  # a smoke run: the speed targets are for the full shapes on a GPU
     for r in s.get("ttft", []):

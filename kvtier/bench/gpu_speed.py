@@ -124,6 +124,7 @@ class TTFTRow:
     host_tokens: int  # prompt tokens the host-load run took from the host tier
     device_tokens: int  # ... the device-hit run from the device pool
     busy_load_ms: float = 0.0  # loaded back right after other prompts: it stores what it evicts first
+    loads_exact: str = ""  # "k/n": host loads (idle, busy) whose answer is the device hit's, bit for bit
 
     @property
     def host_speedup(self) -> float:
@@ -139,9 +140,17 @@ def _ttft(llm: Any, prompt: list[int]) -> tuple[float, Any]:
 
     sync()
     t0 = time.perf_counter()
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=0)
+    out = llm.generate([prompt], params)[0]
     sync()
     return 1000 * (time.perf_counter() - t0), out
+
+
+def answer(out: Any) -> tuple[int, float]:
+    """A one-token answer as (token, its logprob): a device hit and a host load read the same KV bytes
+    and compute the same last chunk, so theirs are equal bit for bit."""
+    chosen = out.outputs[0].logprobs[0]
+    return chosen.token_id, chosen.logprob
 
 
 TTFT_REPEATS = 3  # device hits and host loads: the best of this many
@@ -214,16 +223,17 @@ def ttft_rows(
             loads, busy = [], []
             for i in range(TTFT_REPEATS):
                 push_out(llm, shape, lengths, n + 1 + 97 * i, idle=False)
-                busy.append(_ttft(llm, prompt)[0])
+                busy.append(_ttft(llm, prompt))
                 push_out(llm, shape, lengths, n + 2 + 97 * i)
                 loads.append(_ttft(llm, prompt))
             host_load, host_out = min(loads, key=lambda r: r[0])
+            same = sum(answer(out) == answer(dev_out) for _, out in loads + busy)
             rows.append(
                 TTFTRow(
                     n, recompute, host_load, device_hit,
                     host_out.cached_tokens_by_tier.get(Medium.HOST, 0),
                     dev_out.cached_tokens_by_tier.get(Medium.DEVICE, 0),
-                    min(busy),
+                    min(ms for ms, _ in busy), f"{same}/{len(loads + busy)}",
                 )
             )  # fmt: skip
     return rows
@@ -237,11 +247,15 @@ class DecodeRow:
     triton_tok_s: float | None  # the Triton kernels, decode steps replaying CUDA graphs where they apply
     triton_eager_tok_s: float | None  # the Triton kernels, every step eager (--enforce-eager)
     torch_tok_s: float  # the torch path (gather + SDPA), eager
-    # the median step of each eager variant (ms): a mean step (batch / tok/s) far above it is a few slow
-    # steps (on an H200 on 2026-11-28 the phases section's medians put both eager paths at 17-18 ms at
-    # batch 64, where the tok/s here made them 8 and 60 ms)
+    # the median step of each eager variant (ms); "cold": the first pass over these context lengths. Every
+    # column but the cold ones is the second pass, over lengths the process has seen: on an H200 on
+    # 2026-11-28 the torch path's first-pass steps were 55-59 ms at every batch and the phases section
+    # (which runs later, over lengths seen) put them at 7-10 ms; a new shape costs the torch path its
+    # SDPA's per-shape setup, the Triton kernels compile once for every length
     triton_eager_p50_ms: float | None = None
     torch_p50_ms: float = 0.0
+    triton_eager_cold_p50_ms: float | None = None
+    torch_cold_p50_ms: float = 0.0
 
     @property
     def ratio(self) -> float | None:
@@ -317,6 +331,7 @@ def decode_rows(
     from kvtier import LLM
 
     tok_s: dict[str, list[tuple[float, float]]] = {}  # variant -> (tokens/s, median step ms) per batch
+    cold: dict[str, list[float]] = {}  # variant -> the first pass's median step (ms) per batch
     blocks = max(batches) * 2 * (-(-(context + new_tokens) // BLOCK_SIZE)) + 64
     variants = {"torch": ("torch", False), "triton": ("triton", False), "triton_eager": ("triton", True)}
     for name, (backend, eager) in variants.items():
@@ -329,7 +344,12 @@ def decode_rows(
         with LLM(str(model_dir), **engine) as llm:
             for warm in (32, 600):  # warm-up: kernels compiled (one part, several), allocator sized
                 decode_tok_s(llm, shape, 2, warm, 4, seed=warm)
-            tok_s[name] = [decode_tok_s(llm, shape, b, context, new_tokens, seed=10 * b) for b in batches]
+            # the same prompts twice: the second pass steps through context lengths seen once
+            passes = [
+                [decode_tok_s(llm, shape, b, context, new_tokens, 10 * b) for _ in (1, 2)] for b in batches
+            ]
+            tok_s[name] = [second for _, second in passes]
+            cold[name] = [first[1] for first, _ in passes]
     return [
         DecodeRow(
             b,
@@ -338,6 +358,8 @@ def decode_rows(
             tok_s["torch"][i][0],
             tok_s["triton_eager"][i][1] if "triton_eager" in tok_s else None,
             tok_s["torch"][i][1],
+            cold["triton_eager"][i] if "triton_eager" in cold else None,
+            cold["torch"][i],
         )  # fmt: skip
         for i, b in enumerate(batches)
     ]
