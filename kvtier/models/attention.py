@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvtier.models import kvkernels
 from kvtier.models.attention_backend import TRITON, C
@@ -340,11 +341,25 @@ def _attend(
         kv, mask = _prefill_keys(kv_new, kv_cache, layer, p, window)  # [ctx, 2, KVH, D], [n, ctx] | None
         k = kv[:, 0].transpose(0, 1)[None]  # [1, KVH, ctx, D]
         v = kv[:, 1].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )  # [1, H, n, D]
         outs.append(o[0].transpose(0, 1).reshape(p.num_tokens, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+# cuDNN's SDPA builds a graph for each new shape: 43-67 ms a shape on an H200 (2026-11-28, batches 1-64,
+# later calls of a shape 0.1-1.6 ms), and a decode's or a chunk's shape changes every step as contexts
+# grow, so the torch path on CUDA leaves it out (its eager decode steps were 55-88 ms with it, 5-17 without).
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, without cuDNN's backend on CUDA (above)."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+    with sdpa_kernel(_NOT_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
 
 
 def _prefill_keys(
@@ -392,7 +407,7 @@ def _decode_torch(
     if ctx_scale is None:
         k = ctx[:, :, 0].transpose(1, 2)  # [B, KVH, ctx, D]
         v = ctx[:, :, 1].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
+        o = sdpa(qd, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     else:
         ctx_scale = ctx_scale.view(ctx_shape[:-1])[:, :context]  # [B, ctx, 2, KVH]
         o = decode_attention_scaled(qd, ctx, ctx_scale, mask, scale)
