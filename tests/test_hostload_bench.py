@@ -25,5 +25,6 @@ def test_the_idle_and_the_busy_load_are_timed_phase_by_phase(capsys: pytest.Capt
         assert spent["ttft_ms"] > 0 and spent["recompute_ratio"] > 1  # beats recomputing 8k tokens, even here
         assert spent["forward_ms"] > 0 and spent["add_request_ms"] > 0
     hit, load = rows["device hit"], rows["host load, idle engine"]
-    for phase in ("copies_ms", "get_new_blocks_ms"):  # a hit copies nothing, takes no new block: calls only
-        assert hit[phase] < 0.25 * load[phase], phase
+    assert hit["get_new_blocks_ms"] < 0.25 * load["get_new_blocks_ms"]  # a hit takes no new block
+    # the load's copies run inside its allocation (as soon as they are planned): a hit copies nothing
+    assert hit["allocate_slots_ms"] < 0.5 * load["allocate_slots_ms"]
