@@ -64,12 +64,14 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     assert overlap["load_ms"] > 0 and overlap["forward_ms"] > 0
     assert "check" in smoke["stdout"] and "exact: tiny-gemma3 torch swap" in smoke["stdout"]
     scopes = {r["scope"] for r in s["profile"]}
-    assert scopes == {"decode step", f"host load {sorted(gpu.TINY.ttft_lengths)[1]}"}
+    middle = sorted(gpu.TINY.ttft_lengths)[1]
+    assert scopes == {"decode step", f"device hit {middle}", f"host load {middle}"}
     for scope in scopes:
         wall, *ops = [r for r in s["profile"] if r["scope"] == scope]
         assert wall["name"] == "wall" and wall["host_ms_per_step"] > 0
         assert any(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in ops)
-    assert any(r["name"] == "aten::index_copy_" for r in s["profile"] if r["scope"] != "decode step")
+    scattered = {r["scope"] for r in s["profile"] if r["name"] == "aten::index_copy_"}
+    assert f"host load {middle}" in scattered and f"device hit {middle}" not in scattered  # a hit: no load
     assert [(r["variant"], r["batch"]) for r in s["phases"]] == [("torch", b) for b in gpu.TINY.phase_batches]
     for r in s["phases"]:  # each phase took time, and together they fit in the step
         parts = [r[k] for k in ("schedule_ms", "forward_host_ms", "sample_ms", "update_ms")]
