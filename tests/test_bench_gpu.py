@@ -56,7 +56,11 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
     for r in s["ttft"]:  # the host row really came from the host tier, the device row from the pool
         assert r["host_tokens"] >= r["prompt_tokens"] - 16 and r["device_tokens"] >= r["prompt_tokens"] - 16
         assert r["busy_load_ms"] > 0 and r["host_load_ms"] > 0
-    assert [r["batch"] for r in s["decode"]] == list(gpu.TINY.decode_batches)
+    tiny = gpu.TINY
+    cases = [(b, tiny.decode_context) for b in tiny.decode_batches] + [
+        (max(tiny.decode_batches), tiny.decode_long)
+    ]
+    assert [(r["batch"], r["context"]) for r in s["decode"]] == cases
     assert all(
         r["torch_tok_s"] > 0 and r["triton_tok_s"] is r["triton_eager_tok_s"] is None for r in s["decode"]
     )
@@ -123,13 +127,18 @@ def test_the_checks_table_holds_measurements_against_the_targets() -> None:
             {"blocks": 1024, "pattern": "contiguous", "load_gbs": 40.0, "store_gbs": 30.0,
              "memcpy_h2d_gbs": 45.0, "memcpy_d2h_gbs": 45.0},
         ],
-        "decode": [{"batch": 64, "triton_tok_s": 2000.0, "triton_eager_tok_s": 900.0, "torch_tok_s": 300.0}],
+        "decode": [
+            {"batch": b, "context": c, "triton_tok_s": 2 * e, "triton_eager_tok_s": e, "torch_tok_s": t}
+            for b, c, e, t in [(16, 1024, 300.0, 300.0), (64, 1024, 900.0, 300.0), (64, 4096, 500.0, 250.0)]
+        ],
     }  # fmt: skip
     rows = {r[0]: r for r in gpu_report._checks(report)}
     assert rows["ttft 8192: recompute / host load (idle)"][1:] == ["12.0x", ">= 10x", True]
     assert rows["ttft 8192: recompute / host load (busy)"][1:] == ["6.0x", ">= 10x", False]
     assert rows["transfer 1024 blocks: mover / memcpy"][1:] == ["67%", ">= 80%", False]  # the store's 30/45
-    assert rows["decode batch 64: triton / torch (eager)"][1:] == ["3.00x", ">= 3x", True]
+    assert rows["decode batch 64, 1024 tokens: triton / torch (eager)"][1:] == ["3.00x", ">= 3x", True]
+    assert rows["decode batch 64, 4096 tokens: triton / torch (eager)"][1:] == ["2.00x", ">= 3x", False]
+    assert not any(r.startswith("decode batch 16") for r in rows)  # the target is at the largest batch
     assert gpu_report.print_report(report) == 0  # a missed speed target is a finding, not a failure
     report.errors["decode"] = "Traceback ..."
     assert gpu_report.print_report(report) == 1

@@ -13,7 +13,8 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
     kernels   the Triton kernels against the torch path on the device (decode split-K, windows,
               prefill after cached blocks; bfloat16, fp8_e4m3, int8 pools)
     transfer  host↔device block copies through the mover vs a plain pinned cudaMemcpy
-    decode    tokens/s at batch 1 / 16 / 64: Triton kernels vs gather + SDPA (1B shape, bf16)
+    decode    tokens/s at batch 1 / 16 / 64 after 1k-token prompts, and 64 after 4k: Triton kernels vs
+              gather + SDPA (1B shape, bf16)
     overlap   how much of a host→device load the forward hides (the engine's order, and the bound)
     ttft      2k / 8k / 32k-token prompts: recompute vs host-tier load vs device hit (1B shape, bf16)
     loads     the 8k prompt's device hit and host loads (idle and busy engine) split by engine phase:
@@ -73,13 +74,16 @@ class Plan:
     overlap: tuple[int, int, int]  # batch, context, blocks loaded
     profile: tuple[int, int]  # batch, decode steps
     dtype: str  # the speed sections' compute dtype
+    # one more decode row at the largest batch after prompts this long: at 1,024 tokens both eager paths
+    # were bound by their launches on an H200 (2026-11-28), so the kernels' own speed shows only here
+    decode_long: int = 0
 
 
 FULL = Plan(("llama-3.2-1b", "qwen3-0.6b", "gemma3-270m"), "llama-3.2-1b", 64, 1, (64, 256, 1024),
             (2048, 8192, 32768), (1, 16, 64), 1024, 32, (1, 64), (32, 1024, 512), (1, 16),
-            "bfloat16")  # fmt: skip
+            "bfloat16", decode_long=4096)  # fmt: skip
 TINY = Plan(("tiny-llama", "tiny-qwen3", "tiny-gemma3"), "tiny-llama", 40, 50, (4, 16), (64, 128, 256),
-            (1, 4), 32, 8, (1, 4), (4, 32, 8), (1, 4), "float32")  # fmt: skip
+            (1, 4), 32, 8, (1, 4), (4, 32, 8), (1, 4), "float32", decode_long=64)  # fmt: skip
 
 
 @dataclass
@@ -237,7 +241,9 @@ def _decode(plan: Plan, workdir: Path) -> list[Any]:
     from kvtier.bench.gpu_speed import decode_rows
 
     name, p = plan.speed_shape, plan
-    args = (p.decode_batches, p.decode_context, p.decode_tokens, p.dtype, backends(_device_type()))
+    cases = [(b, p.decode_context) for b in p.decode_batches]
+    cases += [(max(p.decode_batches), p.decode_long)] if p.decode_long else []
+    args = (cases, p.decode_tokens, p.dtype, backends(_device_type()))
     return decode_rows(_checkpoint(name, workdir), SHAPES[name], *args)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,38 +322,37 @@ def decode_tok_s(
 def decode_rows(
     model_dir: Path,
     shape: Shape,
-    batches: tuple[int, ...],
-    context: int,
+    cases: Sequence[tuple[int, int]],  # (batch, prompt tokens per sequence)
     new_tokens: int,
     dtype: str,
     backends: list[str],
 ) -> list[DecodeRow]:
     from kvtier import LLM
 
-    tok_s: dict[str, list[tuple[float, float]]] = {}  # variant -> (tokens/s, median step ms) per batch
-    cold: dict[str, list[float]] = {}  # variant -> the first pass's median step (ms) per batch
-    blocks = max(batches) * 2 * (-(-(context + new_tokens) // BLOCK_SIZE)) + 64
+    tok_s: dict[str, list[tuple[float, float]]] = {}  # variant -> (tokens/s, median step ms) per case
+    cold: dict[str, list[float]] = {}  # variant -> the first pass's median step (ms) per case
+    blocks = max(b * 2 * (-(-(c + new_tokens) // BLOCK_SIZE)) for b, c in cases) + 64
     variants = {"torch": ("torch", False), "triton": ("triton", False), "triton_eager": ("triton", True)}
     for name, (backend, eager) in variants.items():
         if backend not in backends:
             continue
         engine = dict(
-            dtype=dtype, attention_backend=backend, kv_device_blocks=blocks, max_num_seqs=max(batches),
-            enforce_eager=eager,
+            dtype=dtype, attention_backend=backend, kv_device_blocks=blocks,
+            max_num_seqs=max(b for b, _ in cases), enforce_eager=eager,
         )  # fmt: skip
         with LLM(str(model_dir), **engine) as llm:
             for warm in (32, 600):  # warm-up: kernels compiled (one part, several), allocator sized
                 decode_tok_s(llm, shape, 2, warm, 4, seed=warm)
             # the same prompts twice: the second pass steps through context lengths seen once
             passes = [
-                [decode_tok_s(llm, shape, b, context, new_tokens, 10 * b) for _ in (1, 2)] for b in batches
+                [decode_tok_s(llm, shape, b, c, new_tokens, 10 * b + c) for _ in (1, 2)] for b, c in cases
             ]
             tok_s[name] = [second for _, second in passes]
             cold[name] = [first[1] for first, _ in passes]
     return [
         DecodeRow(
             b,
-            context,
+            c,
             *(tok_s[k][i][0] if k in tok_s else None for k in ("triton", "triton_eager")),
             tok_s["torch"][i][0],
             tok_s["triton_eager"][i][1] if "triton_eager" in tok_s else None,
@@ -361,5 +360,5 @@ def decode_rows(
             cold["triton_eager"][i] if "triton_eager" in cold else None,
             cold["torch"][i],
         )  # fmt: skip
-        for i, b in enumerate(batches)
+        for i, (b, c) in enumerate(cases)
     ]
