@@ -111,6 +111,22 @@ class Router:
         await self.http.aclose()
 
 
+def run_story(replica: FakeReplica, redis_url: str, story: Callable[[Router], Awaitable[None]]) -> None:
+    """``story`` with a router on ``replica``, both closed afterwards."""
+
+    async def main() -> None:
+        router = Router(replica, redis_url)
+        try:
+            await story(router)
+        finally:
+            await router.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        replica.close()
+
+
 # ---------------------------------------------------------------------------------------- stories
 @pytest.mark.parametrize("lists_remote", [True, False], ids=["snapshot-lists-remote", "stream-only"])
 def test_a_restarted_redis_mid_republish_leaves_the_router_knowing_every_block(
@@ -127,39 +143,32 @@ def test_a_restarted_redis_mid_republish_leaves_the_router_knowing_every_block(
     h = _hashes(8)
     replica = FakeReplica(redis_server.url, "r0", lists_remote=lists_remote)
 
-    async def story() -> None:
-        router = Router(replica, redis_server.url)
-        try:
-            replica.step(stored=[(DEVICE, h), (HOST, h), (REMOTE, h)])  # written through to Redis
-            await router.start()
-            assert await router.round() and router.replica.following
-            assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
+    async def story(router: Router) -> None:
+        replica.step(stored=[(DEVICE, h), (HOST, h), (REMOTE, h)])  # written through to Redis
+        await router.start()
+        assert await router.round() and router.replica.following
+        assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
 
-            redis_server.kill()
-            assert not await router.round()  # its XREAD fails: polling meanwhile
-            assert not router.replica.following
-            redis_server.start()
-            replica.step(removed=[(REMOTE, h)])  # the store restarted empty: forget what was there
-            replica.step(stored=[(REMOTE, h[:2])])  # republish, round 1
+        redis_server.kill()
+        assert not await router.round()  # its XREAD fails: polling meanwhile
+        assert not router.replica.following
+        redis_server.start()
+        replica.step(removed=[(REMOTE, h)])  # the store restarted empty: forget what was there
+        replica.step(stored=[(REMOTE, h[:2])])  # republish, round 1
 
-            async def republish_rest() -> None:  # between the router's XREVRANGE and its snapshot
-                for i in range(2, 8, 2):
-                    replica.step(stored=[(REMOTE, h[i : i + 2])])
+        async def republish_rest() -> None:  # between the router's XREVRANGE and its snapshot
+            for i in range(2, 8, 2):
+                replica.step(stored=[(REMOTE, h[i : i + 2])])
 
-            replica.before_snapshot = republish_rest
-            assert await router.round() and router.replica.following  # the resync
-            assert replica.before_snapshot is None, "the resync did not ask for a snapshot"
-            assert await router.round()  # reads on: nothing new
-            assert router.replica.index.seq == replica.recorder.last_seq
-            assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
-            assert router.replica.index.counts()["remote"] == 8
-        finally:
-            await router.close()
+        replica.before_snapshot = republish_rest
+        assert await router.round() and router.replica.following  # the resync
+        assert replica.before_snapshot is None, "the resync did not ask for a snapshot"
+        assert await router.round()  # reads on: nothing new
+        assert router.replica.index.seq == replica.recorder.last_seq
+        assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
+        assert router.replica.index.counts()["remote"] == 8
 
-    try:
-        asyncio.run(story())
-    finally:
-        replica.close()
+    run_story(replica, redis_server.url, story)
 
 
 @pytest.mark.parametrize("lists_remote", [True, False], ids=["snapshot-lists-remote", "stream-only"])
@@ -172,29 +181,22 @@ def test_a_restarted_router_resyncing_while_the_replica_works_misses_nothing(
     h = _hashes(4)
     replica = FakeReplica(redis_server.url, "r0", lists_remote=lists_remote)
 
-    async def story() -> None:
-        router = Router(replica, redis_server.url)
-        try:
-            replica.step(stored=[(DEVICE, h), (REMOTE, h)])
-            replica.step(removed=[(REMOTE, h[1:2])])
+    async def story(router: Router) -> None:
+        replica.step(stored=[(DEVICE, h), (REMOTE, h)])
+        replica.step(removed=[(REMOTE, h[1:2])])
 
-            async def store_again() -> None:
-                replica.step(stored=[(REMOTE, h[1:2])], removed=[(DEVICE, h[3:])])
+        async def store_again() -> None:
+            replica.step(stored=[(REMOTE, h[1:2])], removed=[(DEVICE, h[3:])])
 
-            replica.before_snapshot = store_again
-            await router.start()
-            assert await router.round() and router.replica.following
-            assert replica.before_snapshot is None
-            assert router.replica.index.seq == replica.recorder.last_seq
-            assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
-            assert router.replica.index.counts()["remote"] == 4
-        finally:
-            await router.close()
+        replica.before_snapshot = store_again
+        await router.start()
+        assert await router.round() and router.replica.following
+        assert replica.before_snapshot is None
+        assert router.replica.index.seq == replica.recorder.last_seq
+        assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
+        assert router.replica.index.counts()["remote"] == 4
 
-    try:
-        asyncio.run(story())
-    finally:
-        replica.close()
+    run_story(replica, redis_server.url, story)
 
 
 def test_a_poll_answer_landing_after_the_follower_took_over_is_dropped(redis_server: Any) -> None:
@@ -204,27 +206,20 @@ def test_a_poll_answer_landing_after_the_follower_took_over_is_dropped(redis_ser
     h = _hashes(4)
     replica = FakeReplica(redis_server.url, "r0", lists_remote=True)
 
-    async def story() -> None:
-        router = Router(replica, redis_server.url)
-        try:
-            replica.step(stored=[(DEVICE, h), (REMOTE, h)])
-            await router.start()
-            stale = replica.snapshot()
+    async def story(router: Router) -> None:
+        replica.step(stored=[(DEVICE, h), (REMOTE, h)])
+        await router.start()
+        stale = replica.snapshot()
 
-            async def follower_takes_over() -> None:
-                replica.step(removed=[(DEVICE, h[:2]), (REMOTE, h[:2])])
-                assert await router.round() and router.replica.following
-                replica.snapshot = lambda: stale  # type: ignore[method-assign] (the answer taken before)
+        async def follower_takes_over() -> None:
+            replica.step(removed=[(DEVICE, h[:2]), (REMOTE, h[:2])])
+            assert await router.round() and router.replica.following
+            replica.snapshot = lambda: stale  # type: ignore[method-assign] (the answer taken before)
 
-            replica.before_snapshot = follower_takes_over
-            assert await router.sync.snapshot(router.replica)  # the poller's call
-            assert router.replica.following and router.replica.synced
-            assert router.replica.index.seq == replica.recorder.last_seq == 2
-            assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
-        finally:
-            await router.close()
+        replica.before_snapshot = follower_takes_over
+        assert await router.sync.snapshot(router.replica)  # the poller's call
+        assert router.replica.following and router.replica.synced
+        assert router.replica.index.seq == replica.recorder.last_seq == 2
+        assert router.replica.index.hex_blocks() == replica.truth.hex_blocks()
 
-    try:
-        asyncio.run(story())
-    finally:
-        replica.close()
+    run_story(replica, redis_server.url, story)
