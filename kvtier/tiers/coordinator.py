@@ -73,8 +73,7 @@ class TierCoordinator:
         self.host_bytes: HostBytes | None = None  # attached by the engine before the first step
         host.on_evict = self._host_evicted
         self._plan = SwapPlan()
-        # Runs a plan's copies at once (the engine's mover): set, a load starts the moment it is planned,
-        # with the stores planned before it, instead of at the end of the step's scheduling (start_loads).
+        # Runs a plan's copies at once (the engine's mover): set, loads start as planned (start_loads).
         self.run_now: Callable[[SwapPlan], None] | None = None
         self._loads_run = 0  # loads of this step already handed to ``run_now``
         self._promoted: dict[BlockKey, Medium] = {}  # host keys read up from an external tier, not loaded yet
@@ -285,12 +284,10 @@ class TierCoordinator:
             self._promoted.pop(key, None)
 
     def start_loads(self) -> None:
-        """Hand the plan so far (stores first, then loads) to ``run_now``, so that a prefix hit's copies
-        cross the link while the rest of the step is scheduled and launched: on an H200 the allocation's
-        bookkeeping and the copies' enqueueing took 3-4 ms of host time before the first byte of an 8k
-        hit moved. Safe for what the step plans later: on CUDA each plan's streams wait for the compute
-        stream, which waits for every earlier plan's copies (``TierMover.execute``), so a later store
-        into a host block this plan reads, or a later load into a device block it stores, runs after it."""
+        """Hand the plan so far (stores, then loads) to ``run_now``: a hit's copies cross the link while
+        the rest of the step is scheduled (an 8k hit's first byte waited 3-4 ms of host work on an H200).
+        Later plans run after it: on CUDA their streams wait for the compute stream, which waits for
+        this plan's copies (``TierMover.execute``)."""
         if self.run_now is None or not self._plan.loads:
             return
         plan, self._plan = self._plan, SwapPlan()
