@@ -41,6 +41,9 @@ logger = logging.getLogger("kvtier.router")
 HEALTH_INTERVAL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
 MAX_TIMEOUTS = 2  # health checks timing out in a row before a replica that still accepts is marked down
+# An admin's admission check is one request, not a tick: a busy replica (or router) gets more than a
+# health check's second (a 1 s limit once refused a replica for ConnectTimeout in a loaded test run)
+ADMIT_TIMEOUT_S = 5.0
 _GAUGE_LINE = re.compile(rb"^kvtier:(num_requests_running|num_requests_waiting)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
@@ -180,10 +183,10 @@ class ReplicaSet:
     async def _probe(self, replica: Replica) -> dict[str, Any]:
         """Its ``/health`` (200) and ``/v1/kv/info`` (a JSON object); AdmissionRefused naming the failure."""
         try:
-            r = await self.client.get(replica.url + "/health", timeout=HEALTH_TIMEOUT_S)
+            r = await self.client.get(replica.url + "/health", timeout=ADMIT_TIMEOUT_S)
             if r.status_code != 200:
                 raise AdmissionRefused(f"{replica.url}/health answered {r.status_code}, not 200")
-            info = await self.get_json(replica, "/v1/kv/info", timeout=HEALTH_TIMEOUT_S)
+            info = await self.get_json(replica, "/v1/kv/info", timeout=ADMIT_TIMEOUT_S)
         except httpx.HTTPStatusError as exc:
             raise AdmissionRefused(f"{replica.url}/v1/kv/info answered {exc.response.status_code}") from None
         except (httpx.HTTPError, ValueError) as exc:
