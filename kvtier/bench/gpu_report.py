@@ -84,7 +84,8 @@ def _checks(report: Any) -> list[list[Any]]:
         x = min(r["load_gbs"] / r["memcpy_h2d_gbs"], r["store_gbs"] / r["memcpy_d2h_gbs"])
         rows.append([f"transfer {r['blocks']} blocks: mover / memcpy", f"{x:.0%}", ">= 80%", x >= 0.8])
     dec = [r for r in s.get("decode", []) if r["triton_eager_tok_s"] is not None]
-    for r in (r for r in dec if r["batch"] == max(d["batch"] for d in dec)):
+    widest = max((r["batch"] for r in dec), default=0)
+    for r in (r for r in dec if r["batch"] == widest):
         x = r["triton_eager_tok_s"] / r["torch_tok_s"]
         what = f"decode batch {r['batch']}, {r['context']} tokens: triton / torch (eager)"
         rows.append([what, f"{x:.2f}x", ">= 3x", x >= 3])
