@@ -91,6 +91,7 @@ class OutputProcessor:
             finished=request.finished,
             num_cached_tokens=seq0.num_cached_tokens or 0,
             cached_tokens_by_tier=dict(seq0.cached_tokens_by_tier),
+            num_prompt_tokens_in_cache=seq0.num_prompt_tokens_in_cache,
             num_retained_tokens=request.num_retained_tokens,
             metrics=request_metrics(request),
             prompt_logprobs=None if seq0.prompt_logprobs is None else list(seq0.prompt_logprobs),

@@ -39,6 +39,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (any tier)
     # The same tokens by the tier they came from: {Medium.DEVICE: ..., Medium.HOST: ..., ...}.
     cached_tokens_by_tier: dict[Medium, int] = field(default_factory=dict)
+    # Prompt tokens the cache held (num_cached_tokens, or the whole prompt when only its last block,
+    # held too, was computed again for the logits): what the request did not add to the cache
+    num_prompt_tokens_in_cache: int = 0
     # Prompt tokens whose blocks the request's retention spans keep cached (kvtier/kv/retention.py)
     num_retained_tokens: int = 0
     # Monotonic seconds (kvtier.output_processor.request_metrics): arrival_time, first_scheduled_time,

@@ -69,6 +69,9 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     # The same tokens by the tier that served them; set with num_cached_tokens.
     cached_tokens_by_tier: dict[Medium, int] = field(default_factory=dict)
+    # Prompt tokens the cache held at first admission: num_cached_tokens, or one block more when the
+    # prompt's last full block was held but computed again for the logits (usage's cache creation).
+    num_prompt_tokens_in_cache: int = 0
     num_preemptions: int = 0
     disk_wait_deadline: float | None = None  # set while its prefix is being read from disk
     stop_reason: int | str | None = None

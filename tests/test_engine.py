@@ -107,6 +107,10 @@ def test_prefix_cache_hits_and_matches(tiny_dir, reference) -> None:
     assert token_ids(again) == reference
     # a second pass finds every full block of each prompt except the one holding its last token
     assert [o.num_cached_tokens for o in again] == [((len(p) - 1) // 4) * 4 for p in ps]
+    # ... yet the cache held every full block, that one too: a prompt of whole blocks is all held
+    held = [len(p) if len(p) % 4 == 0 else ((len(p) - 1) // 4) * 4 for p in ps]
+    assert [o.num_prompt_tokens_in_cache for o in again] == held and any(len(p) % 4 == 0 for p in ps)
+    assert [o.num_prompt_tokens_in_cache for o in first] == [o.num_cached_tokens for o in first]
     assert sum(o.num_cached_tokens for o in first) > 0  # the shared 21-token prefix
     assert llm.engine.kv.stats.prefix_cache_hits > 0
     check_pool_idle(llm)

@@ -428,6 +428,19 @@ def test_a_text_answer_streamed_and_whole() -> None:
     }
 
 
+def test_a_repeat_whose_last_block_is_computed_again_creates_nothing() -> None:
+    """A 48-token prompt sent again: the cache holds its 3 blocks, the engine reads 2 and computes the
+    last again for the logits; the breakpoint at 40 lies in it, and nothing new is written."""
+    completion = CompletionOutput(0, "a", [1], "stop", None, text_delta="a")
+    held = {"num_cached_tokens": 32, "cached_tokens_by_tier": {"device": 32}}
+    for in_cache, written in ((48, 0), (32, 8)):
+        out = RequestOutput("r", None, list(range(48)), [completion], True, **held)
+        out.num_prompt_tokens_in_cache = in_cache
+        usage = MessagesFormatter(MODEL, None, [], cache_write_end=40).response([out])["usage"]
+        assert (usage["cache_read_input_tokens"], usage["cache_creation_input_tokens"]) == (32, written)
+        assert usage["input_tokens"] == 48 - 32 - written
+
+
 def test_stop_reasons() -> None:
     fmt = MessagesFormatter(MODEL, None, ["END"])
     stopped = fmt.response([outputs_of(["a"], "stop", "END")[-1]])

@@ -178,6 +178,13 @@ class KVCacheManager:
         self._chains.extend(hashes, token_ids, root_hash(extra_keys), max_blocks * bs)
         return n, n + self.tiers.num_host_hits(hashes[n:])
 
+    def holds_every_block(self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]) -> bool:
+        """Whether the device pool (then the host tier) holds every full block of ``token_ids``, the
+        last one too, which a lookup leaves out when it ends the prompt (its last token makes the
+        logits, so the block is computed again). A pure lookup: usage's "nothing new was cached"."""
+        n = len(token_ids) // self.block_size
+        return n > 0 and self.num_prefix_blocks([*token_ids, 0], extra_keys)[1] >= n
+
     def _device_prefix(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
     ) -> tuple[list[int], list[BlockHash]]:

@@ -165,6 +165,7 @@ class Scheduler:
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
+        child.num_prompt_tokens_in_cache = parent.num_prompt_tokens_in_cache
         child.priority, child.tenant = parent.priority, parent.tenant
         child.arrival_time = parent.arrival_time
         self._start(child)
@@ -433,12 +434,21 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = computed.num_computed_tokens
                 seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
+                seq.num_prompt_tokens_in_cache = self._tokens_in_cache(seq, computed.num_computed_tokens)
         self.waiting.remove(seq)
         self._start(seq)
         self.goodput.starts.on_start()
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
         return num_new
+
+    def _tokens_in_cache(self, seq: Sequence, num_hit_tokens: int) -> int:
+        """``num_hit_tokens``, or the whole prompt when a hit of every block but the last (a multiple
+        of the block size long) left that block out only to compute the logits."""
+        n = seq.num_tokens
+        if n % self.kv.block_size or num_hit_tokens != n - self.kv.block_size:
+            return num_hit_tokens
+        return n if self.kv.holds_every_block(seq.token_ids, seq.extra_keys) else num_hit_tokens
 
     # ------------------------------------------------------------------- the legacy policy
     def _schedule_legacy(self, out: SchedulerOutput) -> list[ScheduledSeq]:

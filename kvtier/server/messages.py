@@ -208,7 +208,8 @@ def usage(out: RequestOutput, cache_write_end: int | None) -> dict[str, Any]:
     tokens by tier; ``cache_write_end``: the prompt tokens up to the last breakpoint (None: none)."""
     prompt = len(out.prompt_token_ids)
     read = min(out.num_cached_tokens, prompt)
-    written = 0 if cache_write_end is None else max(0, min(cache_write_end, prompt) - read)
+    held = max(read, out.num_prompt_tokens_in_cache)  # a last block held but computed again: not written
+    written = 0 if cache_write_end is None else max(0, min(cache_write_end, prompt) - held)
     by_tier = dict.fromkeys(TIERS, 0)
     for tier, n in out.cached_tokens_by_tier.items():
         by_tier[tier] = by_tier.get(tier, 0) + n
