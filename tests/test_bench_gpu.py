@@ -57,9 +57,8 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
         assert r["host_tokens"] >= r["prompt_tokens"] - 16 and r["device_tokens"] >= r["prompt_tokens"] - 16
         assert r["busy_load_ms"] > 0 and r["host_load_ms"] > 0
     tiny = gpu.TINY
-    cases = [(b, tiny.decode_context) for b in tiny.decode_batches] + [
-        (max(tiny.decode_batches), tiny.decode_long)
-    ]
+    cases = [(b, tiny.decode_context) for b in tiny.decode_batches]
+    cases += [(max(tiny.decode_batches), c) for c in tiny.decode_long]
     assert [(r["batch"], r["context"]) for r in s["decode"]] == cases
     assert all(
         r["torch_tok_s"] > 0 and r["triton_tok_s"] is r["triton_eager_tok_s"] is None for r in s["decode"]
