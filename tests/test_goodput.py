@@ -274,15 +274,36 @@ def test_story_a_long_prompt_in_a_quiet_hour_does_not_shut_the_door_on_the_next_
     # Steps of one or two sequences over the target: a prompt chunk's doing, not the batch's. The cap
     # shrinks no lower than it started (it used to fall to 1).
     assert goodput.running_cap.cap() == quiet.scheduler.goodput.running_cap.cap() == INITIAL_CAP
-    # Then a burst of 12 requests: the cap's four start at once on both, their first tokens within the
-    # limit (it used to be one, with the other 11 refused).
+    # Then a burst of 12 requests. Both servers refuse the same few, those whose first token would come
+    # past the 10 s limit: the queue is played out at a decode step of the batch that will run, not at
+    # the recent step, which the chunks inflated (after the long prompt 8 were refused, 0 on the quiet
+    # one, whose served burst then waited up to 20 s: a step of 4 is twice a lone step here).
+    refused = []
     for m in (quiet, after_long):
+        before = m.refused
         for i in range(12):
             m.arrive(f"burst{i}")
         m.drain()
+        refused.append(m.refused - before)
         served = [rid for rid in m.finished if rid.startswith("burst")]
-        assert len(served) >= INITIAL_CAP
-        assert all(m.first_token[rid] - m.arrivals[rid] < 10.0 for rid in served[:INITIAL_CAP])
+        assert len(served) == 12 - refused[-1] >= 2 * INITIAL_CAP
+        assert all(m.first_token[rid] - m.arrivals[rid] < 1.05 * 10.0 for rid in served)
+    assert refused[0] == refused[1] > 0
+
+
+def test_a_decode_step_is_predicted_per_batch_from_steps_without_a_chunk() -> None:
+    steps = StepTimes()
+    for _ in range(WARMUP_STEPS):
+        steps.observe(1, 1.0)
+    assert steps.decode_at(4) is None  # nothing measured yet
+    steps.observe(2, 0.10)
+    steps.observe(2, 3.00, chunked=True)  # a prompt chunk's step: in the recent EMA only
+    assert steps.decode_at(2) == steps.decode_at(1) == steps.decode_at(8) == 0.10
+    steps.observe(6, 0.30)
+    assert abs(steps.decode_at(4) - 0.20) < 1e-9  # between the sizes measured
+    assert abs(steps.decode_at(10) - 0.50) < 1e-9  # beyond: the line through the two largest
+    steps.observe(8, 0.25)  # noise: a larger batch measured faster never predicts a faster step
+    assert steps.decode_at(12) == 0.25 and steps.recent > 0.25
 
 
 def test_the_cap_shrinks_by_a_quarter_of_the_batch_it_holds() -> None:

@@ -34,10 +34,17 @@ latency target, the rest waits in order, and a request that would wait too long 
                               past its max_tokens
     predicted wait            0 when the new one would start at once; else simulated_wait_s: the
                               running sequences' and the queue's expected tokens played out on the
-                              cap's slots at the recent step (with more running than the cap, only
-                              the last finishes free a slot); once the meter has MIN_BACKLOG_S of
-                              backlog and MIN_STARTS starts, at least (sequences waiting + the new
-                              one's + those running above the cap) / start rate. The rate alone
+                              cap's slots at a decode step of the batch that will run (with more
+                              running than the cap, only the last finishes free a slot). The step:
+                              StepTimes.decode_at, an EMA per batch size of the steps without a
+                              prompt chunk, a line between sizes, the recent step before any
+                              (prompts count at the prefill rate: the recent step, which counts
+                              the chunks again, refused 8 of a burst of 12 after a long prompt,
+                              and on a quiet server let all 12 in with first tokens at 2x the
+                              limit, a step of 4 being twice a lone one: tests/test_goodput.py).
+                              Once the meter has MIN_BACKLOG_S of backlog and MIN_STARTS starts, at
+                              least (sequences waiting + the new one's + those running above the
+                              cap) / start rate. The rate alone
                               ran short: finishes come in bunches (sequences that started together
                               end together), so a request arriving after a bunch waits for the next
     its prompt's own time     FirstTokenTimes: seconds from a sequence's start to its first token
@@ -82,9 +89,11 @@ class StepTimes:
 
     recent: float | None = None
     best: dict[int, float] = field(default_factory=dict)
+    decode: dict[int, float] = field(default_factory=dict)  # batch -> EMA of its steps without a chunk
     num_seen: int = 0
 
-    def observe(self, batch: int, seconds: float) -> None:
+    def observe(self, batch: int, seconds: float, chunked: bool = False) -> None:
+        """A step of ``batch`` sequences took ``seconds`` (``chunked``: it computed prompt tokens)."""
         if batch < 1 or seconds <= 0:
             return
         self.num_seen += 1
@@ -93,6 +102,29 @@ class StepTimes:
         old = self.recent
         self.recent = seconds if old is None else old + SMOOTHING * (seconds - old)
         self.best[batch] = min(seconds, self.best.get(batch, seconds))
+        if not chunked:
+            old = self.decode.get(batch)
+            self.decode[batch] = seconds if old is None else old + SMOOTHING * (seconds - old)
+
+    def decode_at(self, batch: int) -> float | None:
+        """A step of ``batch`` decoding sequences: its EMA, else the line between the nearest measured
+        sizes around it (beyond the largest: through the two largest, never below the largest's; below
+        the smallest: the smallest's); None before any step without a chunk was measured."""
+        if batch in self.decode or not self.decode:
+            return self.decode.get(batch)
+        sizes = sorted(self.decode)
+        below, above = [n for n in sizes if n < batch], [n for n in sizes if n > batch]
+        if not below:
+            return self.decode[above[0]]
+        if above:
+            n1, n2 = below[-1], above[0]
+        elif len(below) == 1:
+            return self.decode[below[0]]
+        else:
+            n1, n2 = below[-2], below[-1]
+        s1, s2 = self.decode[n1], self.decode[n2]
+        at = s1 + (s2 - s1) * (batch - n1) / (n2 - n1)
+        return at if above else max(at, s2)
 
     def lone(self) -> float | None:
         """A lone sequence's step: the best at n = 1, else the line through the two smallest batches'
@@ -266,18 +298,21 @@ class Goodput:
         self.starts = StartMeter()
         self.first_tokens = FirstTokenTimes()
         self.output_lengths = OutputLengths()
-        self._last_step: tuple[float, int] | None = None  # (when the last step began, its batch size)
+        # (when the last step began, its batch size, whether it computed prompt tokens)
+        self._last_step: tuple[float, int, bool] | None = None
 
     def on_schedule(self, now: float, num_running: int, backlogged: bool) -> None:
         """A step is about to be built at ``now``: time the last one if its batch went on."""
         self.starts.tick(now, backlogged)
         if self._last_step is not None and num_running:
-            self.step_times.observe(self._last_step[1], now - self._last_step[0])
+            began, batch, chunked = self._last_step
+            self.step_times.observe(batch, now - began, chunked)
             self.running_cap.update(num_running)
 
-    def on_scheduled(self, now: float, batch: int) -> None:
-        """The step begun at ``now`` holds ``batch`` sequences (0: an empty step, not timed)."""
-        self._last_step = (now, batch) if batch else None
+    def on_scheduled(self, now: float, batch: int, chunked: bool = False) -> None:
+        """The step begun at ``now`` holds ``batch`` sequences (0: an empty step, not timed), with
+        prompt tokens to compute when ``chunked``."""
+        self._last_step = (now, batch, chunked) if batch else None
 
     def starts_at_once(self, num_running: int, num_waiting: int, num_new: int) -> bool:
         """Whether ``num_new`` new sequences would join the running batch at once (nobody queued)."""
@@ -297,7 +332,8 @@ class Goodput:
         if self.starts_at_once(len(running_left), len(waiting), num_new):
             return 0.0
         cap = self.running_cap.cap()
-        step_s = self.step_times.recent or fallback_step_s
+        batch = max(1, min(cap, len(running_left) + len(waiting) + num_new))
+        step_s = self.step_times.decode_at(batch) or self.step_times.recent or fallback_step_s
         wait = simulated_wait_s(list(running_left), list(waiting), cap, step_s, prefill_tokens_per_s, num_new)
         rate = self.starts.rate()
         if rate is not None:  # starts needed: the queue ahead, its own, and what runs above the cap

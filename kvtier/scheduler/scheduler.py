@@ -220,7 +220,7 @@ class Scheduler:
         now = self.clock()
         self.goodput.on_schedule(now, len(self.running), backlogged=bool(self.waiting))
         out = self._schedule()
-        self.goodput.on_scheduled(now, len(out.scheduled))
+        self.goodput.on_scheduled(now, len(out.scheduled), chunked=bool(out.prefills))
         return out
 
     def _schedule(self) -> SchedulerOutput:
