@@ -11,6 +11,7 @@ import torch
 
 from kvtier import LLM, SamplingParams
 from kvtier.config import ConfigError
+from kvtier.stats import Medium
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -114,6 +115,20 @@ def test_prefix_cache_hits_and_matches(tiny_dir, reference) -> None:
     assert sum(o.num_cached_tokens for o in first) > 0  # the shared 21-token prefix
     assert llm.engine.kv.stats.prefix_cache_hits > 0
     check_pool_idle(llm)
+
+
+def test_a_prompt_of_whole_blocks_back_from_the_host_tier_was_all_in_the_cache(tiny_dir) -> None:
+    """Pushed down to the host tier and sent again, a 64-token prompt (16 blocks of 4) loads 15 blocks
+    and computes the last again for the logits: the cache held all 64 tokens."""
+    llm = make(tiny_dir, kv_device_blocks=24, kv_host_gb=64 * 2048 / 2**30)
+    prompt = [3 + (i * 7) % 400 for i in range(64)]
+    first = llm.generate([prompt], GREEDY)[0]
+    llm.generate([[5 + (i * 131) % 490 for i in range(80)]], GREEDY)  # evicts the prompt's blocks
+    again = llm.generate([prompt], GREEDY)[0]
+    assert again.cached_tokens_by_tier.get(Medium.HOST, 0) > 0
+    assert (again.num_cached_tokens, again.num_prompt_tokens_in_cache) == (60, 64)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.close()
 
 
 def test_cache_salt_isolates_tenants(tiny_dir) -> None:

@@ -178,12 +178,23 @@ class KVCacheManager:
         self._chains.extend(hashes, token_ids, root_hash(extra_keys), max_blocks * bs)
         return n, n + self.tiers.num_host_hits(hashes[n:])
 
-    def holds_every_block(self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]) -> bool:
-        """Whether the device pool (then the host tier) holds every full block of ``token_ids``, the
-        last one too, which a lookup leaves out when it ends the prompt (its last token makes the
-        logits, so the block is computed again). A pure lookup: usage's "nothing new was cached"."""
-        n = len(token_ids) // self.block_size
-        return n > 0 and self.num_prefix_blocks([*token_ids, 0], extra_keys)[1] >= n
+    def holds_last_block(
+        self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...], hit_hashes: Sequence[BlockHash]
+    ) -> bool:
+        """Whether the device pool or the host tier holds the last full block of ``token_ids``, which a
+        lookup leaves out when it ends the prompt (its last token makes the logits, so the block is
+        computed again); ``hit_hashes``: the chain of every block before it (a hit's). One block's
+        hash and lookup (a hybrid layout: a whole pure lookup); usage's "nothing new was cached"."""
+        bs, n = self.block_size, len(token_ids) // self.block_size
+        if not self.layout.is_dense:
+            return n > 0 and self.num_prefix_blocks([*token_ids, 0], extra_keys)[1] >= n
+        if n == 0 or len(hit_hashes) != n - 1:
+            return False
+        chain = list(hit_hashes)
+        self._chains.extend(chain, token_ids, root_hash(extra_keys), n * bs)
+        if self.pool.get_cached_block(chain[-1], token_ids[(n - 1) * bs : n * bs]) is not None:
+            return True
+        return self.tiers is not None and self.tiers.num_host_hits(chain[-1:]) == 1
 
     def _device_prefix(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvtier.config import SchedulerConfig
+from kvtier.kv.computed import ComputedBlocks
 from kvtier.kv.manager import NO_COMPUTED_BLOCKS, KVCacheManager
 from kvtier.kv.plan import SwapPlan
 from kvtier.scheduler.budget import StepBudget
@@ -434,7 +435,7 @@ class Scheduler:
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = computed.num_computed_tokens
                 seq.cached_tokens_by_tier = computed.tokens_by_tier(self.kv.block_size)
-                seq.num_prompt_tokens_in_cache = self._tokens_in_cache(seq, computed.num_computed_tokens)
+                seq.num_prompt_tokens_in_cache = self._tokens_in_cache(seq, computed)
         self.waiting.remove(seq)
         self._start(seq)
         self.goodput.starts.on_start()
@@ -442,13 +443,13 @@ class Scheduler:
             seq.first_scheduled_time = self.clock()
         return num_new
 
-    def _tokens_in_cache(self, seq: Sequence, num_hit_tokens: int) -> int:
-        """``num_hit_tokens``, or the whole prompt when a hit of every block but the last (a multiple
-        of the block size long) left that block out only to compute the logits."""
-        n = seq.num_tokens
-        if n % self.kv.block_size or num_hit_tokens != n - self.kv.block_size:
-            return num_hit_tokens
-        return n if self.kv.holds_every_block(seq.token_ids, seq.extra_keys) else num_hit_tokens
+    def _tokens_in_cache(self, seq: Sequence, hit: ComputedBlocks) -> int:
+        """The hit's tokens, or the whole prompt when a hit of every block but the last (a multiple of
+        the block size long) left that block out only to compute the logits."""
+        n, bs, found = seq.num_tokens, self.kv.block_size, hit.num_computed_tokens
+        if n % bs or found != n - bs:
+            return found
+        return n if self.kv.holds_last_block(seq.token_ids, seq.extra_keys, hit.block_hashes) else found
 
     # ------------------------------------------------------------------- the legacy policy
     def _schedule_legacy(self, out: SchedulerOutput) -> list[ScheduledSeq]:
