@@ -183,6 +183,12 @@ EPHEMERAL_X = {"type": "ephemeral", "x": 1}
 WEB_SEARCH = {"type": "web_search_20250305", "name": "web_search"}
 REFUSED = [
     ({"messages": []}, "messages", "must not be empty"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "non-empty content"),
+    (
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "Hi"}]},
+        "messages[0].content",
+        "except for the optional final assistant",
+    ),
     (user({"type": "image", "source": {}}), "messages[0].content[0]", "'image'"),
     (user({"type": "document"}), "messages[0].content[0]", "'document'"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "'user' or 'assistant'"),

@@ -235,6 +235,11 @@ def _message(message: Any, at: str, calls: set[str]) -> list[dict[str, Any]]:
     return chat
 
 
+def _is_empty(message: Any) -> bool:
+    """A message whose content is "" or [] (as Anthropic's API, a 400 unless it is a final prefill)."""
+    return isinstance(message, dict) and message.get("content") in ("", [])
+
+
 def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dict[str, Any]]:
     """The chat messages; consecutive turns of one role are one turn, as Anthropic's API combines them
     (their texts joined as a message's blocks are, their calls in order): templates that insist on
@@ -242,6 +247,12 @@ def _conversation(system: list[dict[str, Any]], messages: list[Any]) -> list[dic
     chat = [{"role": "system", "content": _texts(system)}] if system else []
     calls: set[str] = set()
     for i, message in enumerate(messages):
+        if _is_empty(message) and not (i == len(messages) - 1 and message.get("role") == "assistant"):
+            raise invalid(
+                f"messages[{i}]: all messages must have non-empty content except for the optional final "
+                "assistant message",
+                f"messages[{i}].content",
+            )
         for turn in _message(message, f"messages[{i}]", calls):
             last = chat[-1] if chat else None
             if last is None or turn["role"] not in ("user", "assistant") or last["role"] != turn["role"]:
