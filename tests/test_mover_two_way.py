@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import random
 
-from kvtier.kv.plan import SwapPlan
-from kvtier.transfer.copy_plan import host_runs, two_way
+from kvtier.kv.plan import SwapPlan, paired_ids
+from kvtier.transfer.copy_plan import consecutive, host_runs, load_runs, two_way
 
 BIG = 10_000  # no run limit
 
@@ -113,3 +113,15 @@ def test_runs_follow_the_host_blocks_and_stop_at_chunks_and_their_size() -> None
     assert store_chunks == [[(40, (7, 2, 9))]] and loads == [(0, (40, (3, 8, 1)))]  # one run each
     assert host_runs(pairs, 52, 100) == [(40, (7, 2, 9)), (50, (3, 4)), (52, (5, 6))]
     assert host_runs(pairs, 100, 2) == [(40, (7, 2)), (42, (9,)), (50, (3, 4)), (52, (5, 6))]
+
+
+def test_fresh_device_blocks_pair_with_the_host_blocks_in_order() -> None:
+    """Host blocks 40-43 in key order, fresh device blocks handed out tail first (10, 9, 8, 7): paired in
+    the host blocks' order they are one run of consecutive device blocks, one copy (was a scatter)."""
+    host, fresh = [40, 41, 42, 43], [10, 9, 8, 7]
+    assert paired_ids(host, fresh) == [7, 8, 9, 10]
+    assert paired_ids([42, 40, 43, 41], fresh) == [9, 7, 10, 8]  # whatever order the keys come in
+    plan = SwapPlan(loads=list(zip(host, paired_ids(host, fresh), strict=True)))
+    assert [consecutive(devices) for _, devices in load_runs(plan, 64, 64)] == [True]
+    unpaired = SwapPlan(loads=list(zip(host, fresh, strict=True)))
+    assert [consecutive(devices) for _, devices in load_runs(unpaired, 64, 64)] == [False]

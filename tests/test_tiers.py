@@ -24,6 +24,7 @@ from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskBlockIO, DiskTier
 from kvtier.tiers.host import HostTier
+from kvtier.transfer.copy_plan import consecutive
 from kvtier.transfer.io_worker import BlockIOWorker
 from kvtier.transfer.mover import TierMover
 
@@ -355,6 +356,30 @@ def test_story_a_hits_loads_run_the_moment_it_is_adopted() -> None:
     for got, want in zip(rig.blocks_of("A2", 3), original, strict=True):
         assert same_bytes(got, want)
     rig.run_plan()
+    rig.kv.check_integrity()
+
+
+def test_story_a_hit_loads_back_into_consecutive_device_blocks() -> None:
+    """B's 4 blocks go to the host tier one after another as other prompts take the pool, which hands the
+    freed blocks back tail first. B again: its loads pair the host blocks with the device blocks in the
+    same order, so the plan is one run of consecutive blocks on both sides (one copy on CUDA, no
+    scatter), and the bytes come back unchanged."""
+    rig = Rig(None, num_blocks=8, host_blocks=8)
+    rig.prefill("B", B)
+    original = rig.blocks_of("B", 4)
+    rig.kv.free("B")
+    rig.prefill("X", list(range(500, 532)))  # 8 blocks: B's 4 stored down, the pool all X's
+    rig.kv.free("X")
+    computed = rig.kv.get_computed_blocks(B, KEYS)
+    assert len(computed.lower.host_keys) == 3  # the last block is computed again, for the logits
+    assert rig.kv.allocate_slots("B2", B, 12, 4, computed, KEYS)
+    plan = rig.kv.end_schedule_step()
+    hosts, devices = zip(*sorted(plan.loads), strict=True)
+    assert list(devices) == sorted(devices) and consecutive(devices) and consecutive(hosts)
+    rig.mover.execute(plan)
+    rig.tiers.complete_plan(plan)
+    for got, want in zip(rig.blocks_of("B2", 3), original[:3], strict=True):
+        assert same_bytes(got, want)
     rig.kv.check_integrity()
 
 

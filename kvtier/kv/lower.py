@@ -124,8 +124,9 @@ class LowerTiers(Protocol):
     def unhold(self, keys: Sequence[BlockHash]) -> None:
         """Drop pins ``hold`` took that no ``load`` took over."""
 
-    def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> None:
-        """Plan host → device loads of held ``keys``."""
+    def load(self, keys: Sequence[BlockHash], device_block_ids: Sequence[int]) -> list[int]:
+        """Plan host → device loads of held ``keys`` into the fresh ``device_block_ids``, which it may
+        pair in another order; returns the device block of each key."""
 
     def on_device_evict(self, blocks: Sequence[CachedBlock]) -> None:
         """Cached device blocks are about to be reused for other KV (one allocation's, in eviction

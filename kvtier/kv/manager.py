@@ -311,10 +311,11 @@ class KVCacheManager:
         forward reads them)."""
         assert self.tiers is not None
         bs = self.block_size
-        self.tiers.load([key for _, _, key, _ in loads], [block.block_id for block in blocks])
+        by_id = {block.block_id: block for block in blocks}
+        ids = self.tiers.load([key for _, _, key, _ in loads], list(by_id))  # paired as the host blocks
         self.tiers.start_loads()  # the copies cross the link while the bookkeeping below runs
-        for (g, i, key, source), block in zip(loads, blocks, strict=True):
-            seq.tables[g][i] = block
+        for (g, i, key, source), block_id in zip(loads, ids, strict=True):
+            block = seq.tables[g][i] = by_id[block_id]
             self._cache_block(block, key, token_ids[i * bs : (i + 1) * bs], g)
             self._origins[block.block_id] = (key, source)
         seq.touch()

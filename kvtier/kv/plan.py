@@ -19,11 +19,17 @@ rest of the step is scheduled; ``SchedulerOutput.swap`` is then what the step pl
 parts run in order (on CUDA each waits for the previous one's copies through the compute stream).
 
 Device blocks and host blocks are numbered separately: ``device_block_id`` indexes the device pool,
-``host_block_id`` the host tier's buffer.
+``host_block_id`` the host tier's buffer. Loads into fresh device blocks pair them with the host blocks
+in the same order (``paired_ids``), so that consecutive host blocks land in consecutive device blocks
+where the ids allow: one copy, no scatter (kvtier/transfer/copy_plan.py)::
+
+    host blocks        40  41  42  43          fresh device blocks {7, 8, 9, 10}
+    in key order        ->  7   8   9  10      (as handed out, tail first: 10 9 8 7, a scatter)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.hashing import BlockHash
@@ -58,3 +64,13 @@ class SwapPlan:
 
     def __len__(self) -> int:
         return len(self.stores) + len(self.loads)
+
+
+def paired_ids(host_block_ids: Sequence[int], device_block_ids: Sequence[int]) -> list[int]:
+    """``device_block_ids`` (interchangeable fresh blocks) reordered so that the k-th smallest host
+    block takes the k-th smallest device block: the device block of each host block, in its order."""
+    paired = [0] * len(host_block_ids)
+    by_host = sorted(range(len(host_block_ids)), key=host_block_ids.__getitem__)
+    for j, device in zip(by_host, sorted(device_block_ids), strict=True):
+        paired[j] = device
+    return paired

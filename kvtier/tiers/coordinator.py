@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.config import StorePolicy, check_choice
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, CachedBlock, KeyGroups, LowerHit, SwappedOut
-from kvtier.kv.plan import Demote, SwapPlan
+from kvtier.kv.plan import Demote, SwapPlan, paired_ids
 from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, KVTier
 from kvtier.tiers.external_level import ExternalLevel, HostBytes, IOResultLike, IOWorker, SharedProgress
@@ -274,12 +274,23 @@ class TierCoordinator:
     def unhold(self, keys: Sequence[BlockKey]) -> None:
         self.host.unpin(keys)
 
-    def load(self, keys: Sequence[BlockKey], device_block_ids: Sequence[int]) -> None:
-        """Plan host → device loads of ``keys``, which the caller pinned (``hold`` or ``swap_out``)."""
-        spec = self.host.prepare_load(keys)
+    def load(self, keys: Sequence[BlockKey], device_block_ids: Sequence[int]) -> list[int]:
+        """Plan host → device loads of ``keys``, which the caller pinned (``hold`` or ``swap_out``), into
+        the fresh ``device_block_ids`` paired in the same order as the host blocks: a run of consecutive
+        host blocks then lands in consecutive device blocks where the ids allow (one copy on CUDA, no
+        scatter; the pool hands a sequence's freed blocks back tail first, so in id order they paired
+        descending). Returns the device block of each key."""
+        host_block_ids = [int(h) for h in self.host.prepare_load(keys).addresses]  # type: ignore[call-overload]
         self.host.unpin(keys)
-        for key, host_block_id, block_id in zip(keys, spec.addresses, device_block_ids, strict=True):
-            self._plan.loads.append((int(host_block_id), block_id))  # type: ignore[call-overload]
+        paired = paired_ids(host_block_ids, device_block_ids)
+        self._plan_loads(keys, host_block_ids, paired)
+        return paired
+
+    def _plan_loads(
+        self, keys: Sequence[BlockKey], host_block_ids: Sequence[int], device_block_ids: Sequence[int]
+    ) -> None:
+        for key, host_block_id, block_id in zip(keys, host_block_ids, device_block_ids, strict=True):
+            self._plan.loads.append((host_block_id, block_id))
             self._plan.load_keys.append(key)
             self._promoted.pop(key, None)
 
@@ -440,8 +451,11 @@ class TierCoordinator:
         return SwappedOut(keys, private)
 
     def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> None:
-        """Plan the loads that bring a swapped-out sequence back; its pins pass to the loads."""
-        self.load(swapped.keys, device_block_ids)
+        """Plan the loads that bring a swapped-out sequence back into ``device_block_ids`` (in its keys'
+        order, as given: its tables are set); its pins pass to the loads."""
+        host_block_ids = [int(h) for h in self.host.prepare_load(swapped.keys).addresses]  # type: ignore[call-overload]
+        self.host.unpin(swapped.keys)
+        self._plan_loads(swapped.keys, host_block_ids, device_block_ids)
         self._plan.discard_keys.extend(swapped.private_keys)
 
     def release(self, swapped: SwappedOut) -> None:

@@ -16,8 +16,8 @@ On CUDA the plan's copies run on two dedicated streams (non-blocking, from pinne
 one and loads on the other, so both directions of the link move at once (a load waits only for the
 store of the block it overwrites); the runs' device block ids go up in one upload; the compute stream
 waits for both streams, so the forward starts as soon as the step's copies are done. On CPU they are
-ordinary memcpys (``index_select``/``index_copy_`` straight between pool and buffer), timed for the
-statistics and the cost model.
+ordinary memcpys (a slice copy, or ``index_select``/``index_copy_`` for scattered device blocks, straight
+between pool and buffer), timed for the statistics and the cost model.
 The mover records the copies it ran in the host tier's counters (it did the work).
 """
 
@@ -106,10 +106,17 @@ class TierMover:
             t0 = time.perf_counter()
             for host, devices in store_runs(plan, self.host.blocks_per_chunk, self.max_run):
                 out = self.host.runs(host, len(devices))
-                torch.index_select(self.device_kv, 0, torch.tensor(devices), out=out)
+                if consecutive(devices):  # a slice: ~1.5x index_select's speed on a CPU
+                    out.copy_(self.device_kv[devices[0] : devices[0] + len(devices)])
+                else:
+                    torch.index_select(self.device_kv, 0, torch.tensor(devices), out=out)
             t1 = time.perf_counter()
             for host, devices in load_runs(plan, self.host.blocks_per_chunk, self.max_run):
-                self.device_kv.index_copy_(0, torch.tensor(devices), self.host.runs(host, len(devices)))
+                src = self.host.runs(host, len(devices))
+                if consecutive(devices):
+                    self.device_kv[devices[0] : devices[0] + len(devices)].copy_(src)
+                else:
+                    self.device_kv.index_copy_(0, torch.tensor(devices), src)
             store_s, load_s = t1 - t0, time.perf_counter() - t1
         bb = self.block_bytes
         self.counters.record_stores(len(plan.stores), len(plan.stores) * bb, store_s)
