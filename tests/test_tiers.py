@@ -359,17 +359,19 @@ def test_story_a_hits_loads_run_the_moment_it_is_adopted() -> None:
     rig.kv.check_integrity()
 
 
-def test_story_a_hit_loads_back_into_consecutive_device_blocks() -> None:
-    """B's 4 blocks go to the host tier one after another as other prompts take the pool, which hands the
-    freed blocks back tail first. B again: its loads pair the host blocks with the device blocks in the
-    same order, so the plan is one run of consecutive blocks on both sides (one copy on CUDA, no
-    scatter), and the bytes come back unchanged."""
+def test_story_blocks_go_down_and_come_back_in_runs_of_consecutive_blocks() -> None:
+    """B's 4 blocks go to the host tier as another prompt takes the pool, which evicts them tail first:
+    the stores pair the host blocks with the device blocks in the same order (one run, no gather on
+    CUDA). B again: its loads pair them in the same order too, so the plan is one run of consecutive
+    blocks on both sides (one copy, no scatter), and the bytes come back unchanged."""
     rig = Rig(None, num_blocks=8, host_blocks=8)
     rig.prefill("B", B)
     original = rig.blocks_of("B", 4)
     rig.kv.free("B")
     rig.prefill("X", list(range(500, 532)))  # 8 blocks: B's 4 stored down, the pool all X's
     rig.kv.free("X")
+    devices, hosts = zip(*sorted(rig.last_plan.stores), strict=True)  # evicted tail first, paired in order
+    assert len(devices) == 4 and consecutive(devices) and consecutive(hosts)
     computed = rig.kv.get_computed_blocks(B, KEYS)
     assert len(computed.lower.host_keys) == 3  # the last block is computed again, for the logits
     assert rig.kv.allocate_slots("B2", B, 12, 4, computed, KEYS)

@@ -275,11 +275,9 @@ class TierCoordinator:
         self.host.unpin(keys)
 
     def load(self, keys: Sequence[BlockKey], device_block_ids: Sequence[int]) -> list[int]:
-        """Plan host → device loads of ``keys``, which the caller pinned (``hold`` or ``swap_out``), into
-        the fresh ``device_block_ids`` paired in the same order as the host blocks: a run of consecutive
-        host blocks then lands in consecutive device blocks where the ids allow (one copy on CUDA, no
-        scatter; the pool hands a sequence's freed blocks back tail first, so in id order they paired
-        descending). Returns the device block of each key."""
+        """Plan host → device loads of ``keys`` (pinned by ``hold`` or ``swap_out``) into the fresh
+        ``device_block_ids``, paired in the host blocks' order (``paired_ids``: no scatter where both
+        runs are consecutive). Returns the device block of each key."""
         host_block_ids = [int(h) for h in self.host.prepare_load(keys).addresses]  # type: ignore[call-overload]
         self.host.unpin(keys)
         paired = paired_ids(host_block_ids, device_block_ids)
@@ -365,8 +363,20 @@ class TierCoordinator:
         assert len(keys) == len(blocks), "an uncached device block cannot be evicted"
         if self.on_offered is not None and keys:
             self.on_offered(Medium.HOST, keys)
+        first = len(self._plan.stores)
         for block, key in zip(blocks, keys, strict=True):
             self._store(block.block_id, key, block.group, block.cold)
+        self._pair_stores(first)
+
+    def _pair_stores(self, first: int) -> None:
+        """The stores planned from ``first`` on take their fresh host blocks in the device blocks' order
+        (``paired_ids``): evicted tail first, they came paired descending, a gather on CUDA."""
+        stores = self._plan.stores[first:]
+        if len(stores) > 1:
+            devices = [device for device, _ in stores]
+            hosts = paired_ids(devices, [host for _, host in stores])
+            self.host.reassign(self._plan.store_keys[first:], hosts)
+            self._plan.stores[first:] = list(zip(devices, hosts, strict=True))
 
     def write_back(self, block_id: int, key: BlockKey, group: int = 0, cold: bool = False) -> bool:
         """Ahead of eviction (kvtier/kv/write_ahead.py): the store ``on_device_evict`` would plan."""
