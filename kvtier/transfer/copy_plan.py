@@ -2,12 +2,14 @@
 
 A ``SwapPlan``'s pairs become *runs* of consecutive host block ids (never across a host chunk, at most
 ``max_run`` blocks). A run's device blocks may lie anywhere in the pool: the pool hands out blocks in
-eviction order, so a prefix loaded back lands in scattered blocks while its host blocks are adjacent
+eviction order, so a prefix loaded back may land in scattered blocks while its host blocks are adjacent
 (the host tier stores a sequence's evicted blocks one after another; the runs sort the pairs by host
-block, since the pool evicts a sequence's tail first). A run is then ONE copy of contiguous host bytes,
-plus, when its device blocks are not consecutive, one gather (a store) or scatter (a load) on the device
-through a staging buffer: on an H200 an 8k-token prefix was 512 single-block copies, ~20 us of host
-time each (10 ms to enqueue 256 MiB) and 67% of a plain memcpy's bandwidth::
+block, since the pool evicts a sequence's tail first). Fresh blocks are paired in order on both sides
+(``kvtier.kv.plan.paired_ids``), so a run is scattered only where the ids are. A run is ONE copy of
+contiguous host bytes, plus, when its device blocks are not consecutive, one gather (a store) or
+scatter (a load) on the device through a staging buffer: on an H200 an 8k-token prefix was 512
+single-block copies, ~20 us of host time each (10 ms to enqueue 256 MiB) and 67% of a plain memcpy's
+bandwidth::
 
     loads  (host, device)  (40, 7) (41, 2) (42, 9) (50, 3)   ->   runs (40, (7, 2, 9)), (50, (3,))
     stores (device, host)  (5, 10) (8, 11)                   ->   runs (10, (5, 8))
