@@ -49,10 +49,10 @@ from kvtier.stats import Medium
 from kvtier.tiers.base import BlockKey, KVTier
 from kvtier.tiers.external_level import ExternalLevel, HostBytes, IOResultLike, IOWorker, SharedProgress
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.shared_writes import SharedWrites
 
 __all__ = ["ExternalLevel", "HostBytes", "IOResultLike", "IOWorker", "SharedProgress", "TierCoordinator"]
 
-REPUBLISH_IN_FLIGHT = 32  # host blocks written again after an outage at once (each a copy in memory)
 IO_STALL_S = 5.0
 """At shutdown (``flush``, ``close``), a tier whose worker finishes no read or write for this long is
 stuck (a hung disk, a mount gone away): it is turned off with one log line and its daemon thread left
@@ -80,6 +80,7 @@ class TierCoordinator:
         self._swap_ids = itertools.count()
         self._private: set[BlockKey] = set()  # keys of swapped-out sequences' private blocks
         self._listener: BlockListener | None = None  # KV events (attach_listener)
+        self.shared = SharedWrites(self.external, host, self._private, self._store_down)
         # Tiers the equivalence canary caught serving wrong bytes (kvtier/insight/canary.py): nothing
         # is loaded from them until ``release``. Quarantining HOST stops every load from below the
         # device, since disk and remote blocks are staged through host memory.
@@ -512,35 +513,13 @@ class TierCoordinator:
             level.worker.submit_store(key, address, snapshot, group_of(key))
 
     def shared_presence(self) -> Callable[[Sequence[BlockKey]], int | None] | None:
-        """The write-through shared tier's own count of how many of a prompt's keys it holds, safe to
-        call from any thread (``RemoteTier.presence``); None without such a tier."""
-        level = next((lv for lv in self.external if lv.tier.medium == Medium.REMOTE), None)
-        if level is None or level.policy != "write_through":
-            return None
-        presence = getattr(level.tier, "presence", None)
-        return presence() if presence is not None else None
+        """``SharedWrites.presence``: the write-through shared tier's count, from any thread."""
+        return self.shared.presence()
 
     def publish(self, keys: Sequence[BlockKey]) -> SharedProgress:
-        """Disaggregated prefill: where ``keys`` (a prompt's full blocks, KV group 0's keys) stand in the
-        write-through shared tier, writing down the host blocks it lacks and is not getting (evicted from
-        it, or written while it was down). Call between steps: a key in the pending ``SwapPlan`` is
-        counted as storing (the next step's copies write it down)."""
-        level = next((lv for lv in self.external if lv.tier.medium == Medium.REMOTE), None)
-        if level is None or level.policy != "write_through" or not level.tier.accepting:
-            return SharedProgress(0, 0, len(keys), active=False)
-        planned = set(self._plan.store_keys)
-        held = storing = 0
-        down = []
-        for key in dict.fromkeys(keys):
-            if level.tier.contains(key, self.host.group_of(key)):
-                held += 1
-            elif key in level.storing or key in planned:
-                storing += 1
-            elif self.host.contains(key) and key not in self._private:
-                down.append(key)
-        self._store_down(level, down)
-        storing += sum(1 for key in down if key in level.storing)
-        return SharedProgress(held, storing, len(dict.fromkeys(keys)) - held - storing, active=True)
+        """Disaggregated prefill (``SharedWrites.publish``): call between steps; a key in the pending
+        ``SwapPlan`` counts as storing (the next step's copies write it down)."""
+        return self.shared.publish(keys, set(self._plan.store_keys))
 
     def poll(self) -> None:
         """Apply the external tiers' finished reads and writes (and write the host blocks again to a
@@ -548,26 +527,8 @@ class TierCoordinator:
         for level in self.external:
             for r in level.worker.poll():
                 self._apply(level, r)
-            self._republish(level)
+            self.shared.republish(level)
             level.tier.tick()
-
-    def _republish(self, level: ExternalLevel) -> None:
-        """A write-through tier that came back after an outage may be empty (a restarted Redis): write
-        the host tier's blocks to it again, a few per step (at most ``REPUBLISH_IN_FLIGHT`` copies in
-        memory), newest first. Another replica may need them: a conversation that moved between
-        replicas has its blocks in both, and the shared copy was the only one the other could load.
-        Blocks the store still holds cost one EXISTS each (``RedisBlockIO.write_batch``)."""
-        generation = getattr(level.tier, "generation", None)
-        if generation is None or level.policy != "write_through" or not level.tier.accepting:
-            return
-        if level.generation != generation:
-            if level.generation is not None:  # not at start-up: nothing was lost then
-                level.republish = [k for k in self.host.held_keys() if k not in self._private]
-            level.generation = generation
-        room = REPUBLISH_IN_FLIGHT - len(level.storing)
-        if level.republish and room > 0:
-            batch = [level.republish.pop() for _ in range(min(room, len(level.republish)))]
-            self._store_down(level, [k for k in batch if self.host.host_block_of(k) is not None])
 
     def wait(self, timeout: float) -> None:
         """Block until a tier's reads have all landed, else until some write finishes (or ``timeout``):
