@@ -51,6 +51,7 @@ from kvtier.kv.groups import DENSE_LAYOUT, KVLayout
 from kvtier.kv.hashing import BlockHash, ChainMemo, ExtraKey, group_key, root_hash
 from kvtier.kv.lower import NO_LOWER_HIT, BlockListener, LowerTiers
 from kvtier.kv.plan import SwapPlan
+from kvtier.kv.prefix_lookup import device_prefix, holds_last_block
 from kvtier.kv.retention import Retention, RetentionSpan, retain_spans
 from kvtier.kv.seq_blocks import (
     Load,
@@ -181,36 +182,17 @@ class KVCacheManager:
     def holds_last_block(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...], hit_hashes: Sequence[BlockHash]
     ) -> bool:
-        """Whether the device pool or the host tier holds the last full block of ``token_ids``, which a
-        lookup leaves out when it ends the prompt (its last token makes the logits, so the block is
-        computed again); ``hit_hashes``: the chain of every block before it (a hit's). One block's
-        hash and lookup (a hybrid layout: a whole pure lookup); usage's "nothing new was cached"."""
-        bs, n = self.block_size, len(token_ids) // self.block_size
+        """``prefix_lookup.holds_last_block`` (a hybrid layout: a whole pure lookup, every group's)."""
         if not self.layout.is_dense:
+            n = len(token_ids) // self.block_size
             return n > 0 and self.num_prefix_blocks([*token_ids, 0], extra_keys)[1] >= n
-        if n == 0 or len(hit_hashes) != n - 1:
-            return False
-        chain = list(hit_hashes)
-        self._chains.extend(chain, token_ids, root_hash(extra_keys), n * bs)
-        if self.pool.get_cached_block(chain[-1], token_ids[(n - 1) * bs : n * bs]) is not None:
-            return True
-        return self.tiers is not None and self.tiers.num_host_hits(chain[-1:]) == 1
+        root = root_hash(extra_keys)
+        return holds_last_block(self.pool, self._chains, self.tiers, token_ids, root, hit_hashes)
 
     def _device_prefix(
         self, token_ids: Sequence[int], extra_keys: tuple[ExtraKey, ...]
     ) -> tuple[list[int], list[BlockHash]]:
-        """One group: the ids and hashes of the leading full blocks of ``token_ids`` the device holds
-        (at most ``(len(token_ids) - 1) // block_size``; stops at the first miss)."""
-        bs = self.block_size
-        block_ids: list[int] = []
-        chain: list[BlockHash] = []
-        self._chains.extend(chain, token_ids, root_hash(extra_keys), max(0, (len(token_ids) - 1) // bs) * bs)
-        for i, key in enumerate(chain):
-            block = self.pool.get_cached_block(key, token_ids[i * bs : (i + 1) * bs])
-            if block is None:
-                break
-            block_ids.append(block.block_id)
-        return block_ids, chain[: len(block_ids)]
+        return device_prefix(self.pool, self._chains, token_ids, root_hash(extra_keys))
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of ``num_tokens`` computed tokens holds over every KV group (one group:
