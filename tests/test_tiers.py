@@ -300,16 +300,21 @@ def test_story_a_cold_block_without_host_room_goes_to_free_disk_room_only(tmp_pa
 
 def test_story_swap_out_and_in_restores_a_partial_block() -> None:
     """A running sequence with 13 computed tokens (3 full blocks + 1 slot) is swapped out: all 4
-    blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes."""
+    blocks go to host, pinned; the device blocks are reused; swap-in brings back the same bytes, into
+    fresh blocks paired in the host blocks' order (one run each way: no gather, no scatter on CUDA)."""
     rig = Rig(None, host_blocks=4)
     rig.prefill("A", A)
     original = rig.blocks_of("A", 4)
     assert rig.kv.swap_out("A", len(A))
     rig.run_plan()
     assert rig.kv.is_swapped("A") and "A" in rig.kv
+    devices, hosts = zip(*sorted(rig.last_plan.stores), strict=True)
+    assert len(devices) == 4 and consecutive(devices) and consecutive(hosts)
     rig.device_kv.zero_()
     assert rig.kv.swap_in("A", A + [7], len(A), 1)
     rig.run_plan()
+    hosts, devices = zip(*sorted(rig.last_plan.loads), strict=True)
+    assert len(devices) == 4 and consecutive(devices) and consecutive(hosts)
     assert rig.blocks_of("A", 4)[0].abs().sum() > 0
     for got, want in zip(rig.blocks_of("A", 4), original, strict=True):
         assert same_bytes(got, want)

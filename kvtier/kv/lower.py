@@ -150,8 +150,9 @@ class LowerTiers(Protocol):
         """Plan stores that keep ``(device_block_id, hash or None)`` blocks (of KV ``groups``, parallel;
         () = all group 0) pinned in the host tier; None (nothing planned) when the host tier has no room."""
 
-    def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> None:
-        """Plan the loads that bring a swapped-out sequence back."""
+    def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> list[int]:
+        """Plan the loads that bring a swapped-out sequence back into the fresh ``device_block_ids``,
+        which it may pair in another order; returns the device block of each of its keys."""
 
     def release(self, swapped: SwappedOut) -> None:
         """A swapped-out sequence ended without resuming: unpin and drop its private blocks."""

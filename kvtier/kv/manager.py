@@ -496,8 +496,9 @@ class KVCacheManager:
             return False
         assert self.tiers is not None
         del self._swapped[seq_id]
-        loaded = swapped.restore(self.pool.get_new_blocks(num_fresh), num_table)
-        self.tiers.swap_in(swapped.out, [block.block_id for block in loaded])
+        tiers = self.tiers
+        fresh = self.pool.get_new_blocks(num_fresh)
+        swapped.restore(fresh, num_table, lambda ids: tiers.swap_in(swapped.out, ids))  # paired loads
         self.tiers.start_loads()
         seq = swapped.seq
         seq.num_computed_tokens = num_computed_tokens

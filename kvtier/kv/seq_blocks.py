@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.kv.block_pool import BlockPool, KVBlock
@@ -312,15 +312,21 @@ class Swapped:
         """Device blocks a resume covering ``num_table`` positions takes (loads and new ones)."""
         return sum(num_table - first for first in self.firsts)
 
-    def restore(self, fresh: list[KVBlock], num_table: int) -> list[KVBlock]:
+    def restore(
+        self, fresh: list[KVBlock], num_table: int, plan_loads: Callable[[list[int]], list[int]]
+    ) -> None:
         """Give ``seq`` its tables back from ``fresh`` blocks (group by group, positions
-        ``[firsts[g], num_table)``, null before); returns the blocks to load, in ``out.keys`` order."""
+        ``[firsts[g], num_table)``, null before). ``plan_loads`` plans the loads of ``out.keys`` into the
+        blocks to load (their ids, in that order) and returns the block each key takes (its pairing)."""
         self.seq.tables, loaded, start = [], [], 0
         for first in self.firsts:
             blocks = fresh[start : start + num_table - first]
             start += len(blocks)
             self.seq.tables.append([None] * first + blocks)
             loaded += blocks[: self.num_blocks - first]
+        by_id = {block.block_id: block for block in loaded}
+        seats = [(g, i) for g, first in enumerate(self.firsts) for i in range(first, self.num_blocks)]
+        for (g, i), block_id in zip(seats, plan_loads(list(by_id)), strict=True):
+            self.seq.tables[g][i] = by_id[block_id]
         self.seq.num_released = list(self.firsts)
         self.seq.touch()
-        return loaded

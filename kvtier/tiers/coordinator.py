@@ -456,18 +456,19 @@ class TierCoordinator:
             self._private.difference_update(private)
             return None
         self.host.pin(spec.keys)
+        first = len(self._plan.stores)
         for (block_id, key), host_block_id in zip(needed, spec.addresses, strict=True):
             self._plan.stores.append((block_id, int(host_block_id)))  # type: ignore[call-overload]
             self._plan.store_keys.append(key)
+        self._pair_stores(first)
         return SwappedOut(keys, private)
 
-    def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> None:
-        """Plan the loads that bring a swapped-out sequence back into ``device_block_ids`` (in its keys'
-        order, as given: its tables are set); its pins pass to the loads."""
-        host_block_ids = [int(h) for h in self.host.prepare_load(swapped.keys).addresses]  # type: ignore[call-overload]
-        self.host.unpin(swapped.keys)
-        self._plan_loads(swapped.keys, host_block_ids, device_block_ids)
+    def swap_in(self, swapped: SwappedOut, device_block_ids: Sequence[int]) -> list[int]:
+        """Plan the loads that bring a swapped-out sequence back (``load``'s pairing; its pins pass to
+        the loads); returns the device block of each of its keys."""
+        paired = self.load(swapped.keys, device_block_ids)
         self._plan.discard_keys.extend(swapped.private_keys)
+        return paired
 
     def release(self, swapped: SwappedOut) -> None:
         """A swapped-out sequence finished without resuming (abort): unpin, drop private blocks."""
