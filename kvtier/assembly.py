@@ -19,11 +19,12 @@ or a serving role is decided here, and ``LLMEngine`` only runs them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import EngineArgs, EngineConfig, resolve_engine_config
+from kvtier.config import EngineArgs, EngineConfig, TierConfig, resolve_engine_config
 from kvtier.insight.hub import CacheInsight
 from kvtier.insight.inspector import CacheFacts, KVInspector
 from kvtier.kv.groups import kv_layout
@@ -36,16 +37,20 @@ from kvtier.models.kv_quant import STORAGE_DTYPES
 from kvtier.models.llama import LlamaModel
 from kvtier.models.loader import LoadedModel
 from kvtier.models.qpack import cached_dense, keep_dense, load_packed
+from kvtier.models.slot_gate import SlotGate
 from kvtier.scheduler.admission import Admission
 from kvtier.scheduler.preemption import CostModel
 from kvtier.scheduler.scheduler import Scheduler
 from kvtier.tier_stack import build_tiers
 from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import TierCoordinator
+from kvtier.transfer import cuda_copy
 from kvtier.transfer.mover import TierMover
 from kvtier.worker.runner import ModelRunner
 from kvtier.worker.sampler import Sampler
 from kvtier.worker.structured import Grammars
+
+log = logging.getLogger("kvtier.engine")
 
 
 def default_device() -> torch.device:
@@ -104,6 +109,19 @@ def _graphs_apply(args: EngineArgs, device: torch.device, attention: str) -> boo
     return device.type == "cuda" and attention == attention_backend.TRITON and not args.enforce_eager
 
 
+def _use_graphs(runner: ModelRunner, mover: TierMover | None, config: EngineConfig) -> None:
+    """Capture the decode-shaped steps' graphs; if that fails with the layered loads' waits inside,
+    the loads stay whole and capture runs again without them."""
+    rows, max_len = config.scheduler.max_num_batched_tokens, config.max_model_len
+    if runner.use_graphs(rows, max_len) or runner.cache.gate is None:
+        return
+    log.warning("--layered-loads off: the CUDA graphs could not be captured with its waits")
+    runner.cache.gate = None
+    if mover is not None:
+        mover.gate = None
+    runner.use_graphs(rows, max_len)
+
+
 def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, device: torch.device):
     """The device pool, the tiers under it and the block manager over both, in the model's KV groups
     (one for a dense model; a hybrid one's sliding groups keep only the blocks their window reaches)."""
@@ -117,11 +135,24 @@ def _kv_side(loaded: LoadedModel, config: EngineConfig, model: LlamaModel, devic
         runner.kv_cache.element_size(),
     )
     retention = _retention(config)
-    tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache, retention)
+    gate = _slot_gate(config.tiers, runner)
+    tiers, mover = build_tiers(config.tiers, identity, runner.kv_cache, retention, gate)
     kv = KVCacheManager(
         cache.num_device_blocks, cache.block_size, cache.enable_prefix_caching, None, tiers, layout, retention
     )
     return runner, tiers, mover, kv
+
+
+def _slot_gate(tiers: TierConfig, runner: ModelRunner) -> SlotGate | None:
+    """The pool's gate for layered host loads (kvtier/models/slot_gate.py) when they are asked for,
+    there is a host tier, and (on CUDA) the runtime's 2-D copy can be called; None otherwise."""
+    if not tiers.layered_loads or tiers.num_host_blocks <= 0:
+        return None
+    if runner.device.type == "cuda" and not cuda_copy.available():
+        log.warning("--layered-loads: the CUDA runtime's cudaMemcpy2DAsync was not found; loads stay whole")
+        return None
+    runner.cache.gate = SlotGate(runner.kv_cache.shape[1], runner.device)
+    return runner.cache.gate
 
 
 def _retention(config: EngineConfig) -> Retention | None:
@@ -159,7 +190,7 @@ def assemble(args: EngineArgs, loaded: LoadedModel) -> EngineParts:
     model = build_model(loaded, config, device, args.weight_dtype, attention)
     runner, tiers, mover, kv = _kv_side(loaded, config, model, device)
     if _graphs_apply(args, device, attention):
-        runner.use_graphs(config.scheduler.max_num_batched_tokens, config.max_model_len)
+        _use_graphs(runner, mover, config)
     eos = tuple(sorted(set(tokenizer.eos_token_ids) | set(config.model.eos_token_ids)))
     cost_model = CostModel(cache.block_bytes)
     scheduler = Scheduler(config.scheduler, kv, eos, cost_model)

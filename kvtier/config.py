@@ -191,6 +191,7 @@ class TierConfig:
     remote_policy: StorePolicy = "write_through"
     remote_ttl_s: int = 86400
     write_ahead_blocks: int = 0  # kvtier/kv/write_ahead.py: the pool's next evictions, stored while idle
+    layered_loads: bool = False  # host loads slot by slot, each layer waiting for its own (slot_gate.py)
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,7 @@ def resolve_engine_config(args: EngineArgs, model: ModelConfig) -> EngineConfig:
             args.kv_remote_policy,
             int(args.kv_remote_ttl_s),
             _write_ahead_blocks(args, num_host_blocks),
+            args.layered_loads,
         ),
     )
 
@@ -368,6 +370,14 @@ class EngineArgs:
             "help": "never use CUDA graphs: every step launches its kernels from Python (by default on "
             "CUDA, with the triton backend and a model of full-attention layers, decode-shaped steps "
             "replay a graph captured at start: kvtier/worker/graphs.py)"
+        },
+    )
+    layered_loads: bool = field(
+        default=False,
+        metadata={
+            "help": "experimental: a prefix loaded back from the host tier is copied layer by layer and "
+            "each layer's attention waits only for its own KV, so the forward runs under the copies "
+            "(on CUDA not measured yet: kvtier bench gpu compares it; kvtier/models/slot_gate.py)"
         },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block (a power of two)"})

@@ -301,6 +301,8 @@ class LLMEngine:
 
     def _execute(self, out: SchedulerOutput) -> StepLogits:
         """One forward pass; afterwards the step's K/V exist and the scheduler advances."""
+        if self.insight.canary.capturing:
+            self.runner.settle_loads()  # the sampled hits' bytes: loaded ones too
         self.insight.canary.capture(self.runner.cache)  # the bytes sampled hits were served
         result = self.runner.execute(out)
         for seq, entries in result.prompt_logprobs:

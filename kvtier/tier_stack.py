@@ -18,6 +18,7 @@ import torch
 
 from kvtier.config import TierConfig
 from kvtier.kv.retention import Retention
+from kvtier.models.slot_gate import SlotGate
 from kvtier.tiers.base import TierIdentity
 from kvtier.tiers.coordinator import ExternalLevel, TierCoordinator
 from kvtier.tiers.disk import DiskTier
@@ -29,10 +30,15 @@ log = logging.getLogger("kvtier.engine")
 
 
 def build_tiers(
-    config: TierConfig, identity: TierIdentity, device_kv: torch.Tensor, retention: Retention | None = None
+    config: TierConfig,
+    identity: TierIdentity,
+    device_kv: torch.Tensor,
+    retention: Retention | None = None,
+    gate: SlotGate | None = None,
 ) -> tuple[TierCoordinator | None, TierMover | None]:
     """The host tier (and the external tiers under it) with the mover that copies their bytes, or Nones;
-    ``retention``: the prompt-cache retention each tier honours (kvtier/kv/retention.py)."""
+    ``retention``: the prompt-cache retention each tier honours (kvtier/kv/retention.py); ``gate``: the
+    pool's, for layered loads (kvtier/models/slot_gate.py)."""
     if config.num_host_blocks <= 0:
         return None, None
     host = HostTier(config.num_host_blocks, retention=retention)
@@ -52,7 +58,7 @@ def build_tiers(
         external.append(ExternalLevel(remote, worker, config.remote_policy))
         log.info("remote tier: %s (%s, ttl %d s)", store.url, config.remote_policy, config.remote_ttl_s)
     coordinator = TierCoordinator(host, external, config.store_policy)
-    mover = TierMover(device_kv, config.num_host_blocks, host.counters)
+    mover = TierMover(device_kv, config.num_host_blocks, host.counters, gate)
     coordinator.host_bytes = mover
     log.info(
         "host tier: %d blocks, %.2f GiB (%d bytes pinned)",

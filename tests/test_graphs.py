@@ -156,3 +156,33 @@ def test_padding_rows_write_only_the_spare_block(tiny_llama_dir: Any) -> None:
     assert changed.nonzero().flatten().tolist() == [3]  # block 3, slot 2 of each layer
     assert bool(runner.cache.raw[-1].any())  # the padding row went to the spare block
     assert graphs.bucket(3) == 4 and runner.cache.raw.shape[0] == 33
+
+
+def test_a_layered_host_load_through_graph_rows_waits_for_each_slot(tiny: str) -> None:
+    """``--layered-loads``: a prompt pushed down to the host tier comes back, and its last block runs as
+    a graph's rows; each layer of that static step waited for its slot of the loaded blocks (on CUDA an
+    event-wait node in the graph), and the answers are the whole load's."""
+    from kvtier.bench.gpu_speed import settle
+    from kvtier.stats import Medium
+
+    prompt = [3 + (i * 7) % 400 for i in range(30)]
+    got = {}
+    for layered in (False, True):
+        llm = LLM(tiny, attention_backend="triton", block_size=BS, kv_device_blocks=20, max_num_seqs=4,
+                  kv_host_gb=1 / 1024, layered_loads=layered)  # fmt: skip
+        runner = llm.engine.runner
+        assert runner.use_graphs(16, llm.engine.max_model_len, capture=False) and runner.graphs is not None
+        first = llm.generate([prompt], GREEDY)[0]
+        llm.generate([[5 + (i * 131) % 490 for i in range(60)]], GREEDY)  # evicts the prompt's blocks
+        settle(llm.engine)
+        real, rows = runner.graphs.run, []
+        runner.graphs.run = lambda r, real=real, rows=rows: (rows.append(len(r.ids)), real(r))[1]  # type: ignore
+        again = llm.generate([prompt], GREEDY)[0]
+        assert again.cached_tokens_by_tier.get(Medium.HOST, 0) > 0 and rows[0] == 2  # the last 2 tokens
+        got[layered] = [first.outputs[0].token_ids, again.outputs[0].token_ids]
+        gate = runner.cache.gate
+        assert (gate is not None) == layered
+        if gate is not None:
+            assert gate.waited == [0, 1] and not gate.armed
+        llm.close()
+    assert got[True] == got[False] and got[True][0] == got[True][1]

@@ -28,6 +28,8 @@ Sections (``--sections``, in this order; each one's failure is reported and the 
               backend) against transformers on the CPU, Llama 3.2 1B, Qwen3 0.6B and Gemma 3 270M
               shapes (the last with sliding-window layers: two KV groups); each run's time and
               Triton compiles printed as it ends
+    layered   host loads copied whole against layer slot by layer slot (--layered-loads): the mover
+              alone (1,024 blocks), and the 8k prompt's idle load in one engine, both ways in turn
 
 The last table checks the issue's targets: host load of an 8k prefix ≥ 10x faster than recomputing it,
 mover ≥ 80% of cudaMemcpy, Triton decode at batch 64 ≥ 3x the torch path. Results also go to ``--json``
@@ -54,7 +56,10 @@ class Skipped(Exception):
 
 # The run order: exactness last, so that a run that hangs there (as one on an H200 did on 2026-11-28, in a
 # Qwen3 or Gemma 3 run) leaves every speed section measured (--json is written after each section).
-SECTIONS = ("kernels", "transfer", "decode", "overlap", "ttft", "loads", "profile", "phases", "exact")
+# ``layered`` after it: the first CUDA run of its 2-D copies and of event waits inside captured graphs.
+SECTIONS = (
+    "kernels", "transfer", "decode", "overlap", "ttft", "loads", "profile", "phases", "exact", "layered",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,20 @@ def _profile(plan: Plan, workdir: Path) -> list[Any]:
     return decode + host_load_rows(model, SHAPES[name], plan.ttft_lengths, plan.dtype, backend)
 
 
+def _layered(plan: Plan, workdir: Path) -> list[Any]:
+    import torch
+
+    from kvtier.bench.gpu_layered import copy_rows, ttft_row
+    from kvtier.bench.gpu_models import SHAPES
+
+    name = plan.speed_shape
+    backend = backends(_device_type())[-1]
+    rows = copy_rows(SHAPES[name], plan.transfer_blocks[-1:], getattr(torch, plan.dtype))
+    return [*rows, ttft_row(_checkpoint(name, workdir), SHAPES[name], plan.ttft_lengths, plan.dtype, backend)]
+
+
 SECTION_RUNNERS = {
+    "layered": _layered,
     "exact": _exact,
     "kernels": _kernels,
     "transfer": _transfer,

@@ -13,6 +13,7 @@ _DERIVED = {
     "ttft": ("host_speedup", "busy_speedup"),
     "decode": ("ratio", "graphs_gain"),
     "phases": ("host_per_row_us",),
+    "layered": ("gain", "layered_speedup"),
 }
 
 
@@ -71,6 +72,11 @@ def _checks(report: Any) -> list[list[Any]]:
             k, n = r["loads_exact"].split("/")
             rows.append([f"exact: ttft {r['prompt_tokens']} host loads vs device hit", f"{k}/{n} answers",
                          "all, bit for bit", k == n])  # fmt: skip
+    for r in s.get("layered", []):
+        k, _, n = r["exact"].partition("/")
+        ok = r["exact"] == "yes" or (n != "" and k == n)
+        what = "pools equal, layered vs whole" if r["recompute_ms"] is None else "answers as the device hit's"
+        rows.append([f"exact: layered {r['case']}", r["exact"], what, ok])
     if 8192 not in report.plan["ttft_lengths"]:
         return rows  # a smoke run: the speed targets are for the full shapes on a GPU
     for r in s.get("ttft", []):
@@ -78,6 +84,10 @@ def _checks(report: Any) -> list[list[Any]]:
             if r["prompt_tokens"] == 8192 and r.get(key):
                 x = r["recompute_ms"] / r[key]
                 rows.append([f"ttft 8192: recompute / host load ({engine})", f"{x:.1f}x", ">= 10x", x >= 10])
+    for r in s.get("layered", []):
+        if r["case"].startswith("ttft 8192"):
+            x = r["recompute_ms"] / r["layered_ms"]
+            rows.append(["ttft 8192: recompute / host load (idle, layered)", f"{x:.1f}x", ">= 10x", x >= 10])
     big = [r for r in s.get("transfer", []) if r["pattern"] == "contiguous"]
     if big:
         r = big[-1]

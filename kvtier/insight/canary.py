@@ -195,6 +195,11 @@ class Canary:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    @property
+    def capturing(self) -> bool:
+        """Whether the next ``capture`` copies bytes out of the pool (a sampled request this step)."""
+        return bool(self._capturing)
+
     # ------------------------------------------------------------------------------ sampling
     def on_adopt(self, token_ids: Sequence[int], adopted: AdoptedPrefix) -> None:
         """A request adopted a cached prefix: sample it, and pick the blocks to check in every group."""

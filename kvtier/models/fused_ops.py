@@ -82,7 +82,11 @@ class TorchOps:
         kv_cache: PagedKVCache, layer: int, meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         """RoPE on the Q and K heads of ``qkv`` ([T, (H + 2*KVH) * D], in place), then the new K/V
-        written to their slots; returns them as stored ([T, 2, KVH, D], ``write_kv``'s result)."""
+        written to their slots; returns them as stored ([T, 2, KVH, D], ``write_kv``'s result). A layered
+        load in flight (``kv_cache.gate``): the layer's slot is waited for first, before the layer writes
+        or reads the pool."""
+        if kv_cache.gate is not None:
+            kv_cache.gate.wait(layer)
         return rope_then_write(self, qkv, positions, heads, kv_cache, layer, meta)
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
@@ -121,6 +125,8 @@ class FusedOps:
         each token's K|V row copied to its slot (instead of torch's index_put, ~30 us a layer)."""
         num_heads, num_kv_heads, head_dim = heads
         raw = kv_cache.raw
+        if kv_cache.gate is not None:
+            kv_cache.gate.wait(layer)  # as ``TorchOps.rope_store``
         if not kv_cache.writes_float32_rows:
             return rope_then_write(self, qkv, positions, heads, kv_cache, layer, meta)
         T, q_size = qkv.shape[0], num_heads * head_dim

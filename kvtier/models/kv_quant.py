@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from kvtier.config import QUANTIZED_KV_DTYPES
+from kvtier.models.slot_gate import SlotGate
 
 # The torch dtype of each dtype name: compute dtypes (float32, bfloat16, float16) and KV storage.
 STORAGE_DTYPES = {
@@ -198,6 +199,8 @@ class PagedKVCache:
         nb, bs, kvh, d = num_blocks, block_size, num_kv_heads, head_dim
         self.rotation: torch.Tensor | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # gather_unscaled(reuse=True)'s, by name
+        # layered loads in flight (kvtier/models/slot_gate.py): a layer waits for its slot before reading
+        self.gate: SlotGate | None = None
         if not fmt.quantized:
             self.raw = _zeros((nb, num_layers, bs, 2, kvh, d), fmt.storage, device)
             self.data, self.scales = self.raw, None

@@ -18,6 +18,8 @@ store of the block it overwrites); the runs' device block ids go up in one uploa
 waits for both streams, so the forward starts as soon as the step's copies are done. On CPU they are
 ordinary memcpys (a slice copy, or ``index_select``/``index_copy_`` for scattered device blocks, straight
 between pool and buffer), timed for the statistics and the cost model.
+With a ``SlotGate`` (``--layered-loads``), a plan of loads alone goes layer slot by layer slot and the
+compute stream does not wait for it: each layer waits for its own slot (``kvtier/models/slot_gate.py``).
 The mover records the copies it ran in the host tier's counters (it did the work).
 """
 
@@ -31,7 +33,9 @@ from typing import NamedTuple
 import torch
 
 from kvtier.kv.plan import SwapPlan
+from kvtier.models.slot_gate import SlotGate
 from kvtier.stats import TierCounters
+from kvtier.transfer import cuda_copy
 from kvtier.transfer.copy_plan import Run, consecutive, load_runs, store_runs, two_way
 from kvtier.worker.staging import StepStaging
 
@@ -80,10 +84,16 @@ class Moved(NamedTuple):
 
 class TierMover:
     def __init__(
-        self, device_kv: torch.Tensor, num_host_blocks: int, counters: TierCounters | None = None
+        self,
+        device_kv: torch.Tensor,
+        num_host_blocks: int,
+        counters: TierCounters | None = None,
+        gate: SlotGate | None = None,  # layered loads (None: every plan is waited for whole)
     ) -> None:
-        self.device_kv = device_kv  # [num_blocks, *block_shape]
+        self.device_kv = device_kv  # [num_blocks, S, ...]: S layer slots per block
         self.cuda = device_kv.device.type == "cuda"
+        assert gate is None or gate.num_slots == device_kv.shape[1], "one gate event per layer slot"
+        self.gate = gate
         self.host = HostBuffer(num_host_blocks, device_kv.shape[1:], device_kv.dtype, pin=self.cuda)
         self.block_bytes = self.host.block_bytes
         self.max_run = max(1, RUN_BYTES // self.block_bytes)  # blocks per copy
@@ -100,7 +110,9 @@ class TierMover:
             demote.data = self.device_snapshot(demote.device_block_id)
         if not plan.stores and not plan.loads:
             return Moved(0, 0.0)
-        if self._stream is not None:
+        if self.gate is not None and not plan.stores:
+            store_s, load_s = 0.0, self._load_layered(plan, self.gate)
+        elif self._stream is not None:
             store_s, load_s = self._execute_cuda(plan)
         else:
             t0 = time.perf_counter()
@@ -129,6 +141,9 @@ class TierMover:
         assert self._stream is not None and self._store_stream is not None
         compute = torch.cuda.current_stream()
         t0 = time.perf_counter()
+        armed = self.gate.last_event() if self.gate is not None else None
+        if armed is not None:  # a layered plan's copies (gated per layer) may have filled what is stored
+            self._store_stream.wait_event(armed)
         store_chunks, loads = two_way(plan, self.host.blocks_per_chunk, self.max_run)
         stage = StepStaging()  # every run's device ids, one upload (on the compute stream)
         stored = [[(run, stage.add(run[1])) for run in chunk] for chunk in store_chunks]
@@ -174,6 +189,57 @@ class TierMover:
             staging.copy_(src, non_blocking=True)
             self.device_kv.index_copy_(0, ids, staging)
 
+    # ------------------------------------------------------------------------ layered loads
+    def _load_layered(self, plan: SwapPlan, gate: SlotGate) -> float:
+        """The plan's loads slot by slot, each slot's event recorded after its copies; the compute
+        stream does not wait (each layer waits for its slot: ``SlotGate``). Runs span whole host chunks:
+        no store is waited for. Returns the seconds spent (on CUDA: enqueueing)."""
+        t0 = time.perf_counter()
+        runs = load_runs(plan, self.host.blocks_per_chunk, self.host.blocks_per_chunk)
+        stream = self._stream
+        if stream is None:
+            for slot in range(gate.num_slots):
+                for host, devices in runs:
+                    self._load_slot_cpu(host, devices, slot)
+                gate.record(slot, None)
+            gate.arm()
+            return time.perf_counter() - t0
+        stage = StepStaging()  # the scattered runs' device ids, one upload
+        staged = [None if consecutive(devices) else stage.add(devices) for _, devices in runs]
+        stage.upload(self.device_kv.device)
+        stream.wait_stream(torch.cuda.current_stream())  # fresh blocks: earlier forwards may read them
+        with torch.cuda.stream(stream):
+            for slot in range(gate.num_slots):
+                for (host, devices), ids in zip(runs, staged, strict=True):
+                    self._load_slot_cuda(host, devices, None if ids is None else stage.get(ids), slot)
+                gate.record(slot, stream)
+        gate.arm()
+        return time.perf_counter() - t0
+
+    def _load_slot_cpu(self, host: int, devices: tuple[int, ...], slot: int) -> None:
+        src = self.host.runs(host, len(devices))[:, slot]  # [n, ...] strided: one slot of each block
+        if consecutive(devices):
+            self.device_kv[devices[0] : devices[0] + len(devices), slot].copy_(src)
+        else:
+            self.device_kv[:, slot].index_copy_(0, torch.tensor(devices), src)
+
+    def _load_slot_cuda(
+        self, host: int, devices: tuple[int, ...], ids: torch.Tensor | None, slot: int
+    ) -> None:
+        """One slot of a run: a 2-D copy (rows of ``slot_bytes``, one per block) straight into the
+        pool, or into staging and then a scatter when the run's device blocks are not consecutive."""
+        n, block_bytes = len(devices), self.block_bytes
+        slot_bytes = block_bytes // self.device_kv.shape[1]
+        src = self.host.runs(host, n).data_ptr() + slot * slot_bytes
+        stream = torch.cuda.current_stream().cuda_stream
+        if ids is None:
+            dst = self.device_kv[devices[0]].data_ptr() + slot * slot_bytes
+            cuda_copy.copy_2d_h2d(dst, block_bytes, src, block_bytes, slot_bytes, n, stream)
+            return
+        staging = torch.empty((n, *self.device_kv.shape[2:]), dtype=self.device_kv.dtype, device=ids.device)
+        cuda_copy.copy_2d_h2d(staging.data_ptr(), slot_bytes, src, block_bytes, slot_bytes, n, stream)
+        self.device_kv[:, slot].index_copy_(0, ids, staging)
+
     def synchronize(self) -> None:
         if self._stream is not None and self._store_stream is not None:
             self._stream.synchronize()
@@ -186,6 +252,8 @@ class TierMover:
 
     def device_snapshot(self, block_id: int) -> memoryview:
         """A host copy of a device block's bytes (a demote: the host tier had no room for it)."""
+        if self.gate is not None:
+            self.gate.settle()  # a layered plan may have loaded it
         if self._stream is not None:
             torch.cuda.current_stream().synchronize()  # written by earlier forwards
         return byte_view(self.device_kv[block_id].to("cpu", copy=True))

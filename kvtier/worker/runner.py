@@ -177,15 +177,29 @@ class ModelRunner:
 
     def _copy_staged(self, stage: StepStaging, pairs: tuple[int, int] | None) -> None:
         if pairs is not None:
+            self.settle_loads()  # a copied block may be one a layered plan is loading
             src, dst = stage.get(pairs[0]), stage.get(pairs[1])
             self.kv_cache.index_copy_(0, dst, self.kv_cache.index_select(0, src))
 
-    @torch.inference_mode()
+    def settle_loads(self) -> None:
+        """The compute stream waits for every layered load in flight (``kvtier/models/slot_gate.py``):
+        what a reader of the pool other than the forward's layers calls first."""
+        if self.cache.gate is not None:
+            self.cache.gate.settle()
+
     def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run the step: logits [N, V] (float32) for the scheduled seqs whose ``samples`` is True, in
-        row order (decodes, then prefills), and the prompt logprobs of the chunks that want them.
+        row order (decodes, then prefills), and the prompt logprobs of the chunks that want them. Its
+        layers waited for their slots of a layered load; afterwards the compute stream has waited for
+        all of it."""
+        try:
+            return self._execute(out)
+        finally:
+            self.settle_loads()
 
-        The step's integer metadata, copy-on-write pairs included, reaches the device in one transfer
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> StepLogits:
+        """The step's integer metadata, copy-on-write pairs included, reaches the device in one transfer
         (``StepStaging``): gathered as Python ints, uploaded, then read through views."""
         graphs = self.graphs
         rows = None if graphs is None else graph_rows(out, self.block_size, graphs.max_rows, self.num_groups)
