@@ -307,6 +307,7 @@ def test_errors_are_anthropics(client: anthropic.Anthropic, server: BackgroundSe
     choice = {"type": "tool", "name": "get_time"}
     assert "get_time" in refused(anthropic.BadRequestError, tools=[WEATHER], tool_choice=choice)
     assert "model" in refused(anthropic.NotFoundError, model="no-such-model")
+    assert "temperature" in refused(anthropic.BadRequestError, extra_body={"temperature": 1.5})  # 0-1 only
     headers = {"x-api-key": KEY, "content-type": "application/json"}
     r = httpx.post(server.url + "/v1/messages", json={"model": MODEL, "messages": HELLO}, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError
@@ -60,7 +60,6 @@ from kvtier.server.anthropic_output import (
 from kvtier.server.protocol import (
     MAX_STOP,
     JSONValue,
-    Temperature,
     Text,
     TopK,
     TopP,
@@ -480,6 +479,10 @@ class CountTokensRequest(_Request):
         return Chat(conversation, tools, choice, tuple(prefixes), continue_final, thinking, output)
 
 
+# Anthropic's range (OpenAI's goes to 2): a temperature past 1 is a 400 naming it, as there.
+UnitTemperature = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
 class MessagesRequest(CountTokensRequest):
     """``POST /v1/messages``."""
 
@@ -488,7 +491,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: JSONValue = None
     diagnostics: JSONValue = None
-    temperature: Temperature | None = None
+    temperature: UnitTemperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
 
