@@ -59,6 +59,8 @@ def check_engine_args(args: EngineArgs) -> None:
         raise ConfigError(f"kv_disk_gb must be positive, got {args.kv_disk_gb}")
     if args.kv_disk_dir is not None and args.kv_host_gb <= 0:
         raise ConfigError("kv_disk_dir needs kv_host_gb > 0: disk blocks are read back through host memory")
+    if args.layered_loads and args.kv_host_gb <= 0:
+        raise ConfigError("layered_loads needs kv_host_gb > 0: it changes how host-tier blocks are loaded")
     for name, hint in hints.items():
         if typing.get_origin(hint) is Literal:
             check_choice(name, getattr(args, name), hint)

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
+from kvtier.config import ConfigError
 from kvtier.kv.plan import SwapPlan
 from kvtier.models.slot_gate import SlotGate
 from kvtier.stats import Medium
+from kvtier.transfer import cuda_copy
 from kvtier.transfer import mover as mover_module
 from kvtier.transfer.mover import TierMover
 
@@ -120,6 +122,11 @@ def test_a_hybrid_model_waits_for_the_slot_of_each_layer(tiny_gemma3_sliding_dir
     llm.close()
 
 
-def test_layered_loads_need_a_host_tier(four_layers) -> None:
-    with LLM(four_layers, block_size=4, kv_device_blocks=24, layered_loads=True) as llm:
-        assert llm.engine.runner.cache.gate is None and llm.engine.mover is None
+def test_layered_loads_without_a_host_tier_are_a_clear_error(four_layers) -> None:
+    with pytest.raises(ConfigError, match="layered_loads needs kv_host_gb"):
+        LLM(four_layers, block_size=4, kv_device_blocks=24, layered_loads=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU torch: no CUDA runtime in the process")
+def test_the_2d_copy_is_unavailable_without_a_cuda_runtime() -> None:
+    assert not cuda_copy.available()
