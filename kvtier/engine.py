@@ -41,6 +41,7 @@ import torch
 
 from kvtier.assembly import assemble
 from kvtier.config import ConfigError, EngineArgs
+from kvtier.insight.hub import IDLE_SLICE_S
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.plan import SwapPlan
 from kvtier.kv.retention import RetentionSpan
@@ -102,6 +103,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_retained_hit_tokens = 0  # prompt tokens read from the cache within a retention
+        self._last_step_s = 0.0  # what the insight replay before the next step may take a share of
         self._closed = False
         # time.monotonic() of the next idle upkeep of the tiers (None: no tier below the host)
         below_host = self.tiers is not None and bool(self.tiers.external)
@@ -250,10 +252,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         # The sizing trackers' backlog, a slice at a time under steady load: before this step, not
         # after the last one, whose tokens were out without waiting for it.
-        self.insight.catch_up()
+        self.insight.catch_up(self._last_step_s)
+        t0 = time.perf_counter()
         try:
             return self._step()
         finally:
+            self._last_step_s = time.perf_counter() - t0
             if self.kv_events is not None:
                 self.kv_events.end_step()  # the step's KV events, one batch (published in the background)
 
@@ -490,8 +494,8 @@ class LLMEngine:
         """Replay the sizing trackers' backlog and run one pending canary check (a recomputation of a
         cached prefix); False if nothing waited."""
         drained = self.insight.has_backlog
-        if drained:
-            self.insight.drain()
+        if drained:  # a slice: the server's loop looks for new requests between calls
+            self.insight.drain(budget_s=IDLE_SLICE_S)
         return self.insight.canary.run_one(self.model) or drained
 
     # ------------------------------------------------------------------------------ the cache's reports

@@ -14,10 +14,13 @@
 
 The trackers are bookkeeping, not serving: the events they replay (every block of every lookup,
 thirteen simulated sizes per lower tier) are queued as they happen and replayed in order by ``drain``,
-which the engine runs when no request waits (``LLMEngine.run_idle_work``), and which ``advice`` and
-``snapshots`` run before they read. Under steady load (no idle moment), a backlog past
-``SOFT_BACKLOG_KEYS`` replays a slice before each step (``catch_up``); past ``MAX_BACKLOG_KEYS`` it drains
-at once (bounded memory).
+which the engine runs when no request waits (``LLMEngine.run_idle_work``, in slices of ``IDLE_SLICE_S``
+so that a request arriving meanwhile waits little), and which ``advice`` and ``snapshots`` run before
+they read. Under steady load (no idle moment), a backlog past ``SOFT_BACKLOG_KEYS`` replays a slice
+before each step (``catch_up``): on average ``STEP_SHARE`` of the steps' time. A stream the slices
+cannot keep up with (the backlog past ``SHED_BACKLOG_KEYS``, then past twice that, ...) halves every
+tracker's sampling rate (``shed``): the curves get noisier, the steps never slower. Past
+``MAX_BACKLOG_KEYS`` the backlog drains at once (bounded memory).
 The counters and the canary see each event as it happens.
 
 The device pool is an LRU over one stream (every lookup, computed and freed block): a reuse-distance
@@ -30,6 +33,9 @@ the measured hit ratio next to the estimated one.
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -43,10 +49,20 @@ from kvtier.kv.computed import AdoptedPrefix
 from kvtier.kv.hashing import BlockHash
 from kvtier.stats import Medium
 
-# Block keys queued for the trackers: past SOFT, each step replays a slice of STEP_SLICE (a server under
-# steady load never idles); past MAX, all at once (a bound on memory whatever happens).
+logger = logging.getLogger("kvtier.insight")
+
+# Block keys queued for the trackers: past SOFT, each step earns STEP_SHARE of its time (MIN_SLICE_S at
+# least, MAX_CREDIT_S banked at most) and spends it replaying the oldest events, at most STEP_SLICE keys (a
+# server under steady load never idles): a fixed 2,048 keys a step took 8.5 ms on a 2-core Xeon (up to
+# 18), as long as a decode step on a GPU. Past SHED keys, the trackers sample half as many keys (again at
+# twice the backlog, ...); past MAX, all at once (a bound on memory whatever happens).
 SOFT_BACKLOG_KEYS = 1 << 13
 STEP_SLICE_KEYS = 1 << 11
+STEP_SHARE = 0.05
+MIN_SLICE_S = 0.0002
+MAX_CREDIT_S = 0.05
+IDLE_SLICE_S = 0.02
+SHED_BACKLOG_KEYS = 1 << 15
 MAX_BACKLOG_KEYS = 1 << 20
 
 
@@ -74,6 +90,9 @@ class CacheInsight:
         self._offers: list[tuple[Medium, Sequence[BlockHash]]] = []  # not yet told to the simulators
         self._backlog: list[tuple[Callable[..., None], tuple[Any, ...]]] = []  # events not yet replayed
         self._backlog_keys = 0
+        self._shed_at = SHED_BACKLOG_KEYS  # the backlog that halves the sampling rates next
+        self._credit_s = 0.0  # replay time the steps earned and did not spend (negative: overspent)
+        self.num_sheds = 0
         self.canary = Canary(canary_rate, block_size, dtype, seed)
         self.num_requests = 0  # adopted lookups (one per admitted prompt)
         self.asked: Counter[Medium] = Counter()  # blocks looked up in each tier
@@ -138,29 +157,52 @@ class CacheInsight:
     def has_backlog(self) -> bool:
         return bool(self._backlog)
 
-    def drain(self, max_keys: int | None = None) -> None:
+    def drain(self, max_keys: int | None = None, budget_s: float | None = None) -> float:
         """Replay the queued events into the trackers, in the order they happened: all of them (and the
-        offers they hold back), or the oldest, up to ``max_keys`` block keys."""
-        if max_keys is None:
+        offers they hold back), or the oldest, up to ``max_keys`` block keys, while less than
+        ``budget_s`` seconds were spent (none when it is not positive). Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if max_keys is None and budget_s is None:
             backlog, self._backlog, self._backlog_keys = self._backlog, [], 0
             for replay, args in backlog:
                 replay(*args)
             self._flush_offers()
-            return
+            return time.perf_counter() - t0
+        end = math.inf if budget_s is None else t0 + budget_s
         done = keys = 0
         for replay, args in self._backlog:
-            if keys >= max_keys:
+            if (max_keys is not None and keys >= max_keys) or time.perf_counter() >= end:
                 break
             replay(*args)
             keys += len(args[-1])
             done += 1
         del self._backlog[:done]
         self._backlog_keys -= keys
+        return time.perf_counter() - t0
 
-    def catch_up(self) -> None:
-        """Before a step: a slice of a backlog past ``SOFT_BACKLOG_KEYS`` (the rest waits for idle time)."""
-        if self._backlog_keys > SOFT_BACKLOG_KEYS:
-            self.drain(STEP_SLICE_KEYS)
+    def catch_up(self, step_s: float = 0.0) -> None:
+        """Before a step, past ``SOFT_BACKLOG_KEYS``: replay the oldest events with the time the steps
+        earned (``STEP_SHARE`` of the last one's ``step_s``; an event that overran it is paid back by the
+        next steps); ``shed`` when the backlog still grows. The rest waits for idle time."""
+        if self._backlog_keys <= SOFT_BACKLOG_KEYS:
+            self._shed_at, self._credit_s = SHED_BACKLOG_KEYS, 0.0  # caught up
+            return
+        self._credit_s = min(MAX_CREDIT_S, self._credit_s + max(MIN_SLICE_S, STEP_SHARE * step_s))
+        self._credit_s -= self.drain(STEP_SLICE_KEYS, self._credit_s)
+        if self._backlog_keys > self._shed_at:
+            self.shed()
+            self._shed_at *= 2
+
+    def shed(self) -> None:
+        """Every tracker samples half as many keys from now on: the replay that cannot keep up with the
+        stream costs half as much per key (the queued keys past the new thresholds replay as skips)."""
+        for tracker in self.trackers.values():
+            tracker.halve_rate()
+        self.num_sheds += 1
+        logger.warning(
+            "cache insight: its replay fell %d block keys behind; sampling rate halved (to %.3g)",
+            self._backlog_keys, self.tracker.rate,
+        )  # fmt: skip
 
     def snapshots(self) -> dict[Medium, Any]:
         """Every tracker's snapshot, the backlog replayed first."""

@@ -203,6 +203,18 @@ class TierSimulator:
             self.threshold = top
             while self._heap and -self._heap[0][0] >= top:
                 gone.add(heapq.heappop(self._heap)[1])
+        self._forget(gone)
+
+    def halve_rate(self) -> None:
+        """Sample half as many keys from now on (the engine's replay could not keep up): the threshold
+        halves, the keys at or above it are forgotten, each simulated size holds half as many."""
+        self.threshold = max(1, self.threshold // 2)
+        gone = set()
+        while self._heap and -self._heap[0][0] >= self.threshold:
+            gone.add(heapq.heappop(self._heap)[1])
+        self._forget(gone)
+
+    def _forget(self, gone: set[bytes]) -> None:
         self._tracked -= gone
         for cache in self.caches:
             for key in gone & cache.held.keys():

@@ -193,6 +193,14 @@ class ReuseTracker:
                 last = self._last.pop(key)
                 self._times.add(last, -1)
 
+    def halve_rate(self) -> None:
+        """Sample half as many keys from now on (the engine's replay could not keep up): the threshold
+        halves and the tracked keys at or above it are forgotten, as a shrink does."""
+        self.threshold = max(1, self.threshold // 2)
+        while self._heap and -self._heap[0][0] >= self.threshold:
+            _, key = heapq.heappop(self._heap)
+            self._times.add(self._last.pop(key), -1)
+
     def _compact(self) -> None:
         """The clock reached its end: renumber the live access times 1..n in order."""
         order = sorted(self._last.items(), key=lambda item: item[1])
