@@ -279,8 +279,7 @@ class TierCoordinator:
         """Plan host → device loads of ``keys`` (pinned by ``hold`` or ``swap_out``) into the fresh
         ``device_block_ids``, paired in the host blocks' order (``paired_ids``: no scatter where both
         runs are consecutive). Returns the device block of each key."""
-        host_block_ids = [int(h) for h in self.host.prepare_load(keys).addresses]  # type: ignore[call-overload]
-        self.host.unpin(keys)
+        host_block_ids = self.host.pinned_blocks(keys)  # their pins now carry the load
         paired = paired_ids(host_block_ids, device_block_ids)
         self._plan_loads(keys, host_block_ids, paired)
         return paired
@@ -288,10 +287,11 @@ class TierCoordinator:
     def _plan_loads(
         self, keys: Sequence[BlockKey], host_block_ids: Sequence[int], device_block_ids: Sequence[int]
     ) -> None:
-        for key, host_block_id, block_id in zip(keys, host_block_ids, device_block_ids, strict=True):
-            self._plan.loads.append((host_block_id, block_id))
-            self._plan.load_keys.append(key)
-            self._promoted.pop(key, None)
+        self._plan.loads.extend(zip(host_block_ids, device_block_ids, strict=True))
+        self._plan.load_keys.extend(keys)
+        if self._promoted:
+            for key in keys:
+                self._promoted.pop(key, None)
 
     def start_loads(self) -> None:
         """Hand the plan so far (stores, then loads) to ``run_now``: a hit's copies cross the link while

@@ -92,6 +92,15 @@ class HostTier(KVTier):
         self.pin(keys)
         return LoadSpec(tuple(keys), tuple(host_block_ids))
 
+    def pinned_blocks(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The host blocks of held ``keys`` the caller pinned already (``pin``): ``prepare_load`` without
+        a second pin, the caller's carrying the load through to ``complete_load``."""
+        held = self._held
+        try:
+            return [held[key] for key in keys]
+        except KeyError as exc:
+            raise KeyError(f"host tier: load of a key it does not hold ({exc.args[0].hex()[:12]})") from None
+
     def complete_load(self, keys: Sequence[BlockKey]) -> None:
         self.unpin(keys)
         for key in keys:
