@@ -151,7 +151,11 @@ def _slot_gate(tiers: TierConfig, runner: ModelRunner) -> SlotGate | None:
     if runner.device.type == "cuda" and not cuda_copy.available():
         log.warning("--layered-loads: the CUDA runtime's cudaMemcpy2DAsync was not found; loads stay whole")
         return None
-    runner.cache.gate = SlotGate(runner.kv_cache.shape[1], runner.device)
+    try:
+        runner.cache.gate = SlotGate(runner.kv_cache.shape[1], runner.device)
+    except TypeError as exc:  # a torch without external CUDA events (torch.cuda.Event(external=True))
+        log.warning("--layered-loads: %s; loads stay whole", exc)
+        return None
     return runner.cache.gate
 
 

@@ -81,6 +81,9 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
         assert all(p > 0 for p in parts) and r["device_wait_ms"] >= 0
         assert 0 < r["plan_ms"] < r["forward_host_ms"]  # eager: the runner plans the step's metadata
         assert sum(parts) <= 1.5 * r["step_ms"]  # medians of each: about the step's
+    *moved, load = s["layered"]  # the mover alone, then the 8k-like load both ways in one engine
+    assert [r["exact"] for r in moved] == ["yes", "yes"] and all(r["layered_ms"] > 0 for r in moved)
+    assert load["gated"] == "3/3" and load["exact"] == "6/6" and load["recompute_ms"] > 0
 
 
 def test_the_phase_clock_times_an_objects_own_methods_and_puts_them_back() -> None:

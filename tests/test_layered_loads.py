@@ -98,6 +98,8 @@ def load_back(directory: str, layered: bool, **kwargs) -> tuple[list[list[int]],
 def test_a_layered_load_answers_as_a_whole_one_and_every_layer_waited_for_its_slot(
     four_layers, backend
 ) -> None:
+    if backend == "c" and torch.cuda.is_available():
+        pytest.skip("the C kernels run on a CPU")
     whole, plain = load_back(four_layers, False, attention_backend=backend)
     got, llm = load_back(four_layers, True, attention_backend=backend)
     assert got == whole and got[0] == got[1]
@@ -130,3 +132,16 @@ def test_layered_loads_without_a_host_tier_are_a_clear_error(four_layers) -> Non
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU torch: no CUDA runtime in the process")
 def test_the_2d_copy_is_unavailable_without_a_cuda_runtime() -> None:
     assert not cuda_copy.available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: 2-D copies, waits in graphs")
+def test_on_cuda_a_graph_replayed_layered_load_answers_as_a_whole_one(four_layers) -> None:
+    """The prefix's last block replays a captured graph whose layers wait for their slots' events."""
+    pytest.importorskip("triton")
+    whole, plain = load_back(four_layers, False, attention_backend="triton")
+    got, llm = load_back(four_layers, True, attention_backend="triton")
+    assert llm.engine.runner.graphs is not None and llm.engine.mover is not None
+    assert llm.engine.mover.gate is not None  # capture kept the waits
+    assert got == whole and llm.engine.runner.cache.gate.waited == [0, 1, 2, 3]
+    plain.close()
+    llm.close()

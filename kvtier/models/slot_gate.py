@@ -19,7 +19,8 @@ nodes (the events are ``external``: a
 replay waits for the records made before it was launched), so a graph-replayed hit is gated too. Every
 other reader of the pool (copy-on-write copies, the canary's capture, a demote's snapshot, the next
 plan's stores) calls ``settle`` first. On a CPU the copies are synchronous: the gate only notes the
-slots waited for (``waited``), which is how tests check that every layer asked.
+slots waited for (``waited``; a graph replay notes the waits it captured), which is how tests and
+``kvtier bench gpu`` check that every layer asked.
 """
 
 from __future__ import annotations

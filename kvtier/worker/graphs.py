@@ -199,6 +199,9 @@ class StepGraphs:
             hidden = self._forward(b)
         else:
             graph.replay()
+            gate = self.cache.gate  # captured with the layered loads' waits: note them as eager ones are
+            if gate is not None and gate.armed:
+                gate.waited.extend(slot for _, slot in self.model.kv_slots)
         assert hidden is not None
         rows_hidden = hidden[:n]
         if len(rows.logits_rows) == n:
