@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -49,6 +49,7 @@ from kvtier.kv.write_ahead import WriteBackAhead
 from kvtier.models.loader import LoadedModel, load_model
 from kvtier.output_processor import OutputProcessor
 from kvtier.outputs import RequestOutput
+from kvtier.prompt_input import PromptType, check_prompt, prompt_token_ids
 from kvtier.row_faults import contain
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.inspection import describe_requests
@@ -60,7 +61,6 @@ from kvtier.worker.runner import StepLogits
 from kvtier.worker.sampler import RowError, SampleRequest
 from kvtier.worker.structured import Grammars
 
-PromptType = str | list[int] | Mapping[str, Any]
 Sample = tuple[Sequence, tuple[int, Any]]  # (sequence, (token id, logprobs or None))
 Failure = tuple[Sequence, RowError]  # (the sequence whose row sampled, why it could not)
 TIER_WAIT_S = 0.05  # how long a step with nothing to run waits for a lower-tier read
@@ -124,21 +124,6 @@ class LLMEngine:
         return self.sampler.grammars
 
     # --------------------------------------------------------------------------- requests
-    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise ConfigError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
-        if isinstance(prompt, Seq) and not isinstance(prompt, bytes | bytearray):
-            return None, list(prompt)
-        raise ConfigError(
-            f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
-
     def add_request(
         self,
         prompt: PromptType,
@@ -162,8 +147,8 @@ class LLMEngine:
         ``final_only``: ``step`` returns its output once, finished (no copy of the answer each step)."""
         params = params if params is not None else SamplingParams()
         params.validate()
-        text, token_ids = self.tokenize_prompt(prompt)
-        self._check_prompt(token_ids)
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer)
+        check_prompt(token_ids, self.model_config.vocab_size, self.max_model_len)
         self._check_token_params(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -197,21 +182,6 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has no context: no logprob
         return seq
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        vocab = self.model_config.vocab_size
-        if not token_ids:
-            raise ConfigError("the prompt is empty")
-        if not set(map(type, token_ids)) <= {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
-            # the fast test above runs in C; the slow one names the first bad token
-            for t in token_ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ConfigError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ConfigError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which leaves no room for output"
-            )
 
     def _check_token_params(self, params: SamplingParams) -> None:
         """Token ids named by the parameters must be in the vocabulary (the sampler indexes by them); bad

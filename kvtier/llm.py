@@ -17,9 +17,10 @@ from typing import Any
 
 from kvtier.chat_format import ChatTemplateArgs
 from kvtier.config import ConfigError, EngineArgs
-from kvtier.engine import LLMEngine, PromptType
+from kvtier.engine import LLMEngine
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
+from kvtier.prompt_input import PromptType
 from kvtier.sampling_params import SamplingParams, StructuredOutputs
 from kvtier.tools import (
     CLOSE,

@@ -59,9 +59,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
 from kvtier.config import ConfigError
-from kvtier.engine import LLMEngine, PromptType
+from kvtier.engine import LLMEngine
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
+from kvtier.prompt_input import PromptType
 from kvtier.sampling_params import SamplingParams
 from kvtier.scheduler.admission import KVCapacityExceeded, QueueWaitExceeded
 from kvtier.server import bodies, diagnostics, prompts, tools

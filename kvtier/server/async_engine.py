@@ -46,9 +46,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtier.config import ConfigError
-from kvtier.engine import LLMEngine, PromptType
+from kvtier.engine import LLMEngine
 from kvtier.kv.retention import RetentionSpan
 from kvtier.outputs import RequestOutput
+from kvtier.prompt_input import PromptType
 from kvtier.sampling_params import SamplingParams
 from kvtier.stats import EngineStats
 from kvtier.worker.structured import COMPILE_TIMEOUT_S, Grammars

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from kvtier.chat_format import ChatFormatError, ChatTemplateArgs
 from kvtier.config import ConfigError
-from kvtier.engine import PromptType
+from kvtier.prompt_input import PromptType
 from kvtier.server.async_engine import AsyncEngine, EngineNotReady
 from kvtier.server.protocol import APIError, bad_request
 from kvtier.tokenizer import Tokenizer
