@@ -74,7 +74,7 @@ def test_the_speed_sections_measure_what_they_name(smoke: dict) -> None:
         assert wall["name"] == "wall" and wall["host_ms_per_step"] > 0
         assert any(r["name"].startswith("aten::") and r["calls_per_step"] > 0 for r in ops)
     copies = {r["scope"]: r["calls_per_step"] for r in s["profile"] if r["name"] == "aten::copy_"}
-    assert copies[f"host load {middle}"] > copies[f"device hit {middle}"]  # the load's copy; a hit: none
+    assert copies[f"host load {middle}"] > copies.get(f"device hit {middle}", 0)  # a hit may list none
     assert [(r["variant"], r["batch"]) for r in s["phases"]] == [("torch", b) for b in gpu.TINY.phase_batches]
     for r in s["phases"]:  # each phase took time, and together they fit in the step
         parts = [r[k] for k in ("schedule_ms", "forward_host_ms", "sample_ms", "update_ms")]
