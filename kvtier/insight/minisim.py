@@ -197,22 +197,23 @@ class TierSimulator:
         if len(self._tracked) <= self.max_keys:
             return
         target = self.max_keys - self.max_keys // SHRINK_SLACK
-        gone = set()
+        gone: set[bytes] = set()
         while len(self._tracked) - len(gone) > target:
-            top = -self._heap[0][0]
-            self.threshold = top
-            while self._heap and -self._heap[0][0] >= top:
-                gone.add(heapq.heappop(self._heap)[1])
+            gone |= self._lower_threshold(-self._heap[0][0])
         self._forget(gone)
 
     def halve_rate(self) -> None:
         """Sample half as many keys from now on (the engine's replay could not keep up): the threshold
         halves, the keys at or above it are forgotten, each simulated size holds half as many."""
-        self.threshold = max(1, self.threshold // 2)
+        self._forget(self._lower_threshold(max(1, self.threshold // 2)))
+
+    def _lower_threshold(self, threshold: int) -> set[bytes]:
+        """Sample keys under ``threshold`` only; the tracked keys at or above it (to ``_forget``)."""
+        self.threshold = threshold
         gone = set()
-        while self._heap and -self._heap[0][0] >= self.threshold:
+        while self._heap and -self._heap[0][0] >= threshold:
             gone.add(heapq.heappop(self._heap)[1])
-        self._forget(gone)
+        return gone
 
     def _forget(self, gone: set[bytes]) -> None:
         self._tracked -= gone

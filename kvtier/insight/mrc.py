@@ -186,18 +186,17 @@ class ReuseTracker:
     def _shrink(self) -> None:
         """Over ``max_keys``: lower the threshold to the largest tracked hash and forget those keys."""
         while len(self._last) > self.max_keys:
-            top = -self._heap[0][0]
-            self.threshold = top
-            while self._heap and -self._heap[0][0] >= top:
-                _, key = heapq.heappop(self._heap)
-                last = self._last.pop(key)
-                self._times.add(last, -1)
+            self._lower_threshold(-self._heap[0][0])
 
     def halve_rate(self) -> None:
         """Sample half as many keys from now on (the engine's replay could not keep up): the threshold
         halves and the tracked keys at or above it are forgotten, as a shrink does."""
-        self.threshold = max(1, self.threshold // 2)
-        while self._heap and -self._heap[0][0] >= self.threshold:
+        self._lower_threshold(max(1, self.threshold // 2))
+
+    def _lower_threshold(self, threshold: int) -> None:
+        """Sample keys under ``threshold`` only: the tracked ones at or above it are forgotten."""
+        self.threshold = threshold
+        while self._heap and -self._heap[0][0] >= threshold:
             _, key = heapq.heappop(self._heap)
             self._times.add(self._last.pop(key), -1)
 
