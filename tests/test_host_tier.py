@@ -85,3 +85,33 @@ def test_storing_a_held_key_again_is_skipped_and_discard_frees_unpinned() -> Non
     tier.discard([k("A")])
     assert tier.num_used_blocks == 0
     tier.check_integrity()
+
+
+def test_a_batch_store_on_a_full_tier_evicts_in_one_pass_what_one_at_a_time_would() -> None:
+    """A busy engine's load evicts hundreds of device blocks at once, each stored to a full host tier: one
+    reservation walks the least recently used unpinned keys once, and takes the keys as if stored one by
+    one: a held key is skipped, unless a key before it in the batch evicted it (then it is stored again)."""
+    evicted: list[BlockKey] = []
+    tier = HostTier(5, on_evict=lambda key, slot: evicted.append(key))
+    store(tier, "A", "B", "C", "D", "E")
+    tier.pin([k("B")])
+    spec = tier.prepare_store([k("C"), k("F"), k("A"), k("G"), k("F"), k("E")])  # C and E held, F twice
+    assert spec.keys == (k("F"), k("A"), k("G"))  # F evicts A, A evicts C, G evicts D; E stays held
+    assert spec.evicted == (k("A"), k("C"), k("D")) == tuple(evicted)  # B is pinned
+    one_by_one = HostTier(5)
+    store(one_by_one, "A", "B", "C", "D", "E")
+    one_by_one.pin([k("B")])
+    assert [one_by_one.prepare_store([k(n)]).keys for n in "CFAGFE"] == [
+        (),
+        (k("F"),),
+        (k("A"),),
+        (k("G"),),
+        (),
+        (),
+    ]
+    tier.complete_store(spec.keys)
+    assert tier.held_keys() == [k("B"), k("E"), k("F"), k("A"), k("G")]
+    tier.pin([k("A"), k("F"), k("G")])
+    spec = tier.prepare_store([k("X"), k("Y"), k("Z")])  # room for one: E, the last unpinned
+    assert spec.keys == (k("X"),) and spec.evicted == (k("E"),)
+    tier.check_integrity()

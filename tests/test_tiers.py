@@ -223,6 +223,52 @@ def test_story_write_back_skips_blocks_the_host_already_holds() -> None:
     rig.kv.check_integrity()
 
 
+def test_an_eviction_batch_plans_the_stores_that_storing_block_by_block_plans() -> None:
+    """A busy engine's load evicts hundreds of device blocks in one call: with no external tier the host
+    tier reserves them in one pass. The plan (stores paired in the device blocks' order), the keys it
+    evicted and the keys it holds are those of ``_store`` called block by block."""
+    from dataclasses import dataclass
+
+    from kvtier.tiers.base import BlockKey
+
+    @dataclass
+    class Evicted:
+        block_id: int
+        block_hash: BlockKey
+        group: int = 0
+        cold: bool = False
+
+    def key(i: int) -> BlockKey:
+        return BlockKey(i.to_bytes(32, "little"))
+
+    def coordinator() -> tuple[TierCoordinator, list[BlockKey]]:
+        evicted: list[BlockKey] = []
+        host = HostTier(8)
+        host.complete_store(host.prepare_store([key(i) for i in range(8)]).keys)  # full: keys 0-7
+        host.pin([key(1), key(4)])
+        coordinator = TierCoordinator(host)
+        host.on_evict = lambda k, slot: evicted.append(k)
+        return coordinator, evicted
+
+    # device blocks 40, 39, ... (tail first): key 5 is held already, key 20 comes twice
+    blocks = [Evicted(40 - j, key(i)) for j, i in enumerate([20, 21, 5, 22, 20, 23, 24, 25, 26, 27])]
+    batched, batch_evicted = coordinator()
+    batched.on_device_evict(blocks)
+    one_by_one, evicted = coordinator()
+    for block in blocks:
+        one_by_one._store(block.block_id, block.block_hash, block.group, block.cold)
+    one_by_one._pair_stores(0)
+    assert batched._plan.stores == one_by_one._plan.stores and len(batched._plan.stores) == 6
+    assert (
+        batched._plan.store_keys == one_by_one._plan.store_keys == [key(i) for i in (20, 21, 22, 23, 24, 25)]
+    )
+    assert batch_evicted == evicted == [key(i) for i in (0, 2, 3, 5, 6, 7)]  # key 5 too, as block by block
+    assert sorted(batched.host.held_keys() + list(batched.host._reserved)) == sorted(
+        one_by_one.host.held_keys() + list(one_by_one.host._reserved)
+    )
+    batched.host.check_integrity()
+
+
 def test_story_a_full_host_tier_keeps_its_room_for_blocks_no_tier_holds(tmp_path: Path) -> None:
     """With the host tier full, a device block the disk already holds is not stored into it (that would
     evict another block to make room for a copy that is safe anyway); one held nowhere else is. A step

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,19 +177,30 @@ class TierProtection:
     def victim(self, held: OrderedDict[BlockHash, Any], pins: Counter[BlockHash]) -> BlockHash | None:
         """A tier's eviction victim: the least recently used ``held`` key neither pinned nor protected
         (None: none is); the protected keys passed over move to the recently used end."""
+        walk = self.evictable(held, pins)
+        found = next(walk, None)
+        walk.close()
+        return found
+
+    def evictable(self, held: OrderedDict[BlockHash, Any], pins: Counter[BlockHash]) -> Generator[BlockHash]:
+        """``victim`` over and over in one walk: the keys to evict, least recently used first, while the
+        caller evicts none of them yet; closed, the protected keys passed over move to the recently used
+        end (as ``victim`` moves them)."""
+        guarded = self.retention is not None and len(self.retention) > 0
+        if not guarded:
+            self.keys.clear()  # nothing is retained: no key is protected
         passed: list[BlockHash] = []
-        victim = None
-        for key in held:
-            if pins[key]:
-                continue
-            if self.protects(key):
-                passed.append(key)
-                continue
-            victim = key
-            break
-        for key in passed:
-            held.move_to_end(key)
-        return victim
+        try:
+            for key in held:
+                if pins.get(key):
+                    continue
+                if guarded and self.protects(key):
+                    passed.append(key)
+                    continue
+                yield key
+        finally:
+            for key in passed:
+                held.move_to_end(key)
 
     def forget(self, key: BlockHash) -> None:
         """``key`` left the tier."""

@@ -365,9 +365,27 @@ class TierCoordinator:
         if self.on_offered is not None and keys:
             self.on_offered(Medium.HOST, keys)
         first = len(self._plan.stores)
-        for block, key in zip(blocks, keys, strict=True):
-            self._store(block.block_id, key, block.group, block.cold)
+        if self.persists or any(block.cold for block in blocks):
+            for block, key in zip(blocks, keys, strict=True):
+                self._store(block.block_id, key, block.group, block.cold)
+        else:
+            self._store_warm(blocks, keys)
         self._pair_stores(first)
+
+    def _store_warm(self, blocks: Sequence[CachedBlock], keys: list[BlockKey]) -> None:
+        """``_store`` of warm ``blocks`` with no external tier in use, in one host reservation (it takes the
+        keys as one by one, held ones skipped); a key the host tier cannot take has nowhere else to go:
+        dropped, as ``_store`` drops it."""
+        first_block: dict[BlockKey, int] = {}
+        groups = []
+        for block, key in zip(blocks, keys, strict=True):
+            if key not in first_block:
+                first_block[key] = block.block_id
+                groups.append(block.group)
+        spec = self.host.prepare_store(list(first_block), groups)
+        devices = [first_block[key] for key in spec.keys]
+        self._plan.stores.extend(zip(devices, map(int, spec.addresses), strict=True))  # type: ignore[arg-type]
+        self._plan.store_keys.extend(spec.keys)
 
     def _pair_stores(self, first: int) -> None:
         """The stores planned from ``first`` on take their fresh host blocks in the device blocks' order

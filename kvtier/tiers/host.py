@@ -114,18 +114,27 @@ class HostTier(KVTier):
         """Reserve host blocks for ``keys`` (evicting the least recently used unpinned ones); ``cold``
         keys (a sliding group's blocks out of their window) take free blocks only, and are held first in
         line for eviction, so they never push out a block a returning prompt needs."""
+        held, reserved, free = self._held, self._reserved, self._free
+        walk = None if cold else self.protection.evictable(held, self._pins)
         accepted: list[BlockKey] = []
-        host_block_ids: list[int] = []
-        evicted: list[BlockKey] = []
-        for key in dict.fromkeys(keys):  # in order, without duplicates
-            if key in self._held or key in self._reserved:
-                continue
-            if not self._free and (cold or not self._evict_one(evicted)):
-                break  # no free room for a cold block, or everything is pinned or reserved
-            host_block_id = self._free.pop()
-            self._reserved[key] = host_block_id
+        evicted: dict[BlockKey, None] = {}  # in order
+        room = len(free)
+        for key in dict.fromkeys(keys):  # in order, without duplicates, as if stored one by one (a held
+            if key in reserved or (key in held and key not in evicted):  # key evicted for an earlier
+                continue  # one is stored again)
+            if room:
+                room -= 1
+            else:
+                victim = None if walk is None else next(walk, None)
+                if victim is None:
+                    break  # no free room for a cold block, or everything is pinned or reserved
+                evicted[victim] = None
             accepted.append(key)
-            host_block_ids.append(host_block_id)
+        if walk is not None:
+            walk.close()
+        self._evict(list(evicted))
+        host_block_ids = [free.pop() for _ in accepted]
+        reserved.update(zip(accepted, host_block_ids, strict=True))
         self._note_groups(keys, groups, accepted)
         if cold:
             self._cold.update(accepted)
@@ -153,21 +162,17 @@ class HostTier(KVTier):
         else:
             self._forget_groups(keys)
 
-    def _evict_one(self, evicted: list[BlockKey]) -> bool:
-        key = self.protection.victim(self._held, self._pins)
-        if key is None:
-            return False
-        host_block_id = self._held[key]
-        if self.on_evict is not None:
-            self.on_evict(key, host_block_id)
-        del self._held[key]
-        self._pins.pop(key, None)
-        self.protection.forget(key)
-        self._free.append(host_block_id)
-        evicted.append(key)
-        self.counters.blocks_evicted += 1
-        self._announce_removed([key])
-        return True
+    def _evict(self, keys: list[BlockKey]) -> None:
+        """Free the blocks of held ``keys`` (``protection.evictable``'s)."""
+        for key in keys:
+            host_block_id = self._held.pop(key)
+            if self.on_evict is not None:
+                self.on_evict(key, host_block_id)
+            self._pins.pop(key, None)
+            self.protection.forget(key)
+            self._free.append(host_block_id)
+        self.counters.blocks_evicted += len(keys)
+        self._announce_removed(keys)
 
     # ------------------------------------------------------------------------ pins
     def pin(self, keys: Iterable[BlockKey]) -> None:
