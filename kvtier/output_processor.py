@@ -8,11 +8,15 @@ a special token unless ``skip_special_tokens`` is False.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TypeVar
 
-from kvtier.outputs import CompletionOutput, RequestOutput
+from kvtier.outputs import CompletionOutput, Grown, RequestOutput
 from kvtier.sequence import Request, Sequence
 from kvtier.tokenizer import IncrementalDetokenizer, Tokenizer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -74,10 +78,10 @@ class OutputProcessor:
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=seq.output_token_ids,  # a slice: the caller's own copy
+                    token_ids=_items(seq.token_ids, finished, seq.num_prompt_tokens),
                     finish_reason=seq.status.value if finished else None,
                     stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    logprobs=None if seq.logprobs is None else _items(seq.logprobs, finished),
                     text_delta=text[emitted_chars:],
                     num_new_tokens=seq.num_output_tokens - emitted_tokens,
                 )
@@ -94,13 +98,21 @@ class OutputProcessor:
             num_prompt_tokens_in_cache=seq0.num_prompt_tokens_in_cache,
             num_retained_tokens=request.num_retained_tokens,
             metrics=request_metrics(request),
-            prompt_logprobs=None if seq0.prompt_logprobs is None else list(seq0.prompt_logprobs),
+            prompt_logprobs=None
+            if seq0.prompt_logprobs is None
+            else _items(seq0.prompt_logprobs, request.finished),
             error=request.error,
         )
 
     def forget(self, request: Request) -> None:
         for seq in request.seqs:
             self._states.pop(seq.seq_id, None)
+
+
+def _items(items: list[T], finished: bool, start: int = 0) -> Seq[T]:
+    """``items[start:]`` for an output: the caller's own list once finished, else a window on the growing
+    list (a stream's step copies nothing)."""
+    return items[start:] if finished else Grown(items, start)
 
 
 def request_metrics(request: Request) -> dict[str, float]:

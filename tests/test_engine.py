@@ -358,6 +358,35 @@ def test_a_final_only_request_is_output_once_finished_and_equal(tiny_dir) -> Non
     assert final.outputs[0].num_new_tokens == 10 and final.outputs[0].text_delta == final.outputs[0].text
 
 
+def test_a_streams_outputs_are_windows_that_later_steps_leave_alone(tiny_dir) -> None:
+    """A running request's output carries its tokens and logprobs (and prompt logprobs) as windows on the
+    sequence's growing lists, not copies: a step of a long stream costs the same at its last token as at
+    its first. Each window keeps showing what its step had, while later steps append; the final output
+    holds plain lists equal to the last windows grown by the last step."""
+    from kvtier.outputs import Grown
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1, prompt_logprobs=1, ignore_eos=True)
+    with make(tiny_dir) as llm:
+        engine = llm.engine
+        rid = engine.add_request({"prompt_token_ids": prompts(200)[6]}, params)
+        seen = []
+        while engine.has_unfinished_requests():
+            seen += [(out, list(out.outputs[0].token_ids)) for out in engine.step() if out.request_id == rid]
+    final = seen[-1][0]
+    running = [out for out, _ in seen[:-1]]
+    assert len(running) == 7 and all(type(o.outputs[0].token_ids) is Grown for o in running)
+    assert [len(o.outputs[0].token_ids) for o in running] == list(range(1, 8))  # as at their steps
+    assert all(o.outputs[0].token_ids == copy for o, copy in seen)  # nothing appended shows
+    assert all(len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids) for o in running)
+    out = final.outputs[0]
+    assert type(out.token_ids) is list and type(out.logprobs) is list and type(final.prompt_logprobs) is list
+    assert (
+        out.token_ids[:7] == running[-1].outputs[0].token_ids
+        and out.logprobs[:7] == running[-1].outputs[0].logprobs
+    )
+    assert final.prompt_logprobs == running[0].prompt_logprobs and len(final.prompt_logprobs) == 60
+
+
 def test_prompt_forms_and_streaming(tiny_dir) -> None:
     llm = make(tiny_dir)
     text = "The quick brown fox"
