@@ -19,10 +19,12 @@ from kvtier.server.response_store import (
     MemoryResponses,
     RedisResponses,
     StoredResponse,
+    new_item_id,
     new_response_id,
     open_response_store,
     owner_tag,
     replica_tag,
+    response_of_item,
 )
 from kvtier.server.serve import BackgroundServer
 from tests.served import served_llm
@@ -41,6 +43,20 @@ def test_a_response_id_names_the_replica_that_made_it() -> None:
     assert new_response_id("host-a:8000") != made
     for foreign in ("resp_1", "msg_" + made[4:], made.upper(), made + "0", None, 7):
         assert owner_tag(foreign) is None
+
+
+def test_an_item_id_names_the_response_that_holds_it() -> None:
+    made = new_response_id("host-a:8000")
+    item = new_item_id("msg", made)
+    assert (
+        item.startswith("msg_")
+        and response_of_item(item) == made
+        and response_of_item(new_item_id("fc", made))
+    )
+    assert new_item_id("msg", made) != item
+    for foreign in ("msg_1", new_item_id("msg", None), new_item_id("msg", "resp_1"), item.upper(), item + "0",
+                    item[:-1], "msg" + item[4:], made, None, 7):  # fmt: skip
+        assert response_of_item(foreign) is None
 
 
 def test_the_memory_store_keeps_the_most_recent_for_their_time() -> None:
@@ -76,13 +92,20 @@ def test_the_redis_store_signs_what_it_keeps(redis_server) -> None:  # noqa: ANN
 
 
 def test_the_router_sends_a_continued_conversation_where_it_is_kept() -> None:
-    """owner_first puts the replica named by previous_response_id first, whatever the scores said."""
+    """owner_first puts the replica named by previous_response_id (or by a referenced item's id) first,
+    whatever the scores said."""
     replicas = [SimpleNamespace(info={"replica_id": rid}) for rid in ("a:1", "b:2", "c:3")]
     decision = Decision((0, 2, 1), "cache_hit", 40)
     continued = owner_first(decision, replicas, {"previous_response_id": new_response_id("b:2")})
     assert continued.ranking == (1, 0, 2) and continued.reason == "stored_response"
     assert owner_first(decision, replicas, {"previous_response_id": new_response_id("gone:9")}) == decision
     assert owner_first(decision, replicas, {"input": "hi"}) == decision
+    item_id = new_item_id("msg", new_response_id("c:3"))
+    referenced = {"input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": "msg_1"},
+                            {"type": "item_reference", "id": item_id}]}  # fmt: skip
+    assert owner_first(decision, replicas, referenced) == decision  # the first reference names none
+    del referenced["input"][1]
+    assert owner_first(decision, replicas, referenced).ranking == (2, 0, 1)  # the one that made the item
 
 
 # ----------------------------------------------------------------------------------------- served

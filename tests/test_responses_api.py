@@ -93,7 +93,7 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
 
 REFUSED = [
     ({"background": True}, "background", "leave it out"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "send the item itself"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "'item_reference'"),  # unresolved
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0]",
@@ -351,6 +351,47 @@ def test_story_a_conversation_continued_by_previous_response_id(
     with pytest.raises(NotFoundError, match="Previous response with id"):
         client.responses.create(model=MODEL, input="x", previous_response_id=first.id, max_output_tokens=2)
     assert client.responses.retrieve(then.id).output_text == then.output_text  # stored whole, no chain
+
+
+@pytest.mark.slow
+def test_story_a_conversation_rebuilt_from_item_references(server: BackgroundServer, client: OpenAI) -> None:
+    """A client that keeps its own conversation sends earlier turns as ``item_reference``s to the stored
+    items (their ids name the response that holds them): the answer equals the conversation sent inline,
+    the new response stores the items themselves, and an id that names nothing, or another key's item,
+    is a 400 naming the reference."""
+    first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=12, temperature=0)
+    (asked,) = client.responses.input_items.list(first.id).data
+    (answer,) = first.output
+    refs = [{"type": "item_reference", "id": asked.id}, {"type": "item_reference", "id": answer.id}]
+    follow_up = {"role": "user", "content": "And another one?"}
+    then = client.responses.create(
+        model=MODEL,
+        input=[*refs, follow_up],
+        max_output_tokens=12,
+        temperature=0,  # type: ignore[list-item]
+    )
+    inline = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": first.output_text},
+        follow_up,
+    ]
+    whole = client.responses.create(
+        model=MODEL, input=inline, max_output_tokens=12, temperature=0, store=False
+    )
+    assert then.output_text == whole.output_text and then.usage.input_tokens == whole.usage.input_tokens
+    assert then.usage.input_tokens_details.cached_tokens > 0
+    stored = client.responses.input_items.list(then.id, order="asc").data
+    assert [i.id for i in stored[:2]] == [asked.id, answer.id] and stored[1].type == "message"
+    for bad in ("msg_nothing", answer.id[:-1] + ("0" if answer.id[-1] != "0" else "1")):
+        with pytest.raises(BadRequestError, match="no stored item") as refused:
+            client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": bad}])  # type: ignore[list-item]
+        assert refused.value.body["param"] == "input[0].id"
+    other = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": MODEL, "input": refs},
+        headers={"Authorization": "Bearer someone-else"},
+    )
+    assert other.status_code == 400 and other.json()["error"]["param"] == "input[0].id"
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from kvtier.router.prompt import CHAT_PATH, Prompt, load_tokenizer, parse_prompt
 from kvtier.router.replicas import Replica, ReplicaSet
 from kvtier.router.sync import IndexSync
 from kvtier.router.tokens import PieceEncoder
-from kvtier.server.response_store import owner_tag, replica_tag
+from kvtier.server.response_store import owner_tag, replica_tag, response_of_item
 from kvtier.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvtier.router")
@@ -91,12 +91,25 @@ def owner_index(healthy: list[Replica], response_id: Any) -> int | None:
     return next((i for i, rid in enumerate(ids) if isinstance(rid, str) and replica_tag(rid) == tag), None)
 
 
+def stored_response_of(body: Any) -> Any:
+    """The stored response a Responses request builds on: the one it continues (``previous_response_id``),
+    else the one its first ``item_reference`` names (kvtier item ids name their response), or None."""
+    if not isinstance(body, dict):
+        return None
+    if body.get("previous_response_id") is not None:
+        return body["previous_response_id"]
+    items = body.get("input")
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            return response_of_item(item.get("id"))
+    return None
+
+
 def owner_first(decision: policies.Decision, healthy: list[Replica], body: Any) -> policies.Decision:
-    """A Responses request continuing a stored response (``previous_response_id``) first to the replica
-    that made it, while it is healthy: the conversation is kept there (unless the replicas share a
-    store) and so is its KV."""
-    previous = body.get("previous_response_id") if isinstance(body, dict) else None
-    owner = owner_index(healthy, previous)
+    """A Responses request continuing a stored response (``previous_response_id``), or referencing its
+    items, first to the replica that made it, while it is healthy: the conversation is kept there
+    (unless the replicas share a store) and so is its KV."""
+    owner = owner_index(healthy, stored_response_of(body))
     if owner is None:
         return decision
     ranking = (owner, *(i for i in decision.ranking if i != owner))

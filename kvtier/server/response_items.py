@@ -25,25 +25,27 @@ Every event names its item (``item_id``) and place (``output_index``, ``content_
 
 from __future__ import annotations
 
-import secrets
 from typing import Any
 
 from kvtier.reasoning import AnswerStream
+from kvtier.server.response_store import new_item_id
 from kvtier.tools import ToolEvent
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
 
 
 class OutputItems:
     """One completion's output items: ``feed(delta)`` and ``finish()`` return the stream's events (dicts
     without ``sequence_number``), ``items`` holds the items (each ``completed`` once closed)."""
 
-    def __init__(self, tool_names: frozenset[str] | None, reasoning_parser: str | None):
+    def __init__(
+        self, tool_names: frozenset[str] | None, reasoning_parser: str | None, response_id: str | None = None
+    ):
         self._answer = AnswerStream(tool_names, reasoning_parser)
+        self.response_id = response_id  # the items' ids name it (an item_reference finds them)
         self.items: list[dict[str, Any]] = []
         self._open: str | None = None  # the type of the item still open
+
+    def _id(self, prefix: str) -> str:
+        return new_item_id(prefix, self.response_id)
 
     @property
     def called(self) -> bool:
@@ -63,7 +65,12 @@ class OutputItems:
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events = []
         if self._open != "reasoning":
-            item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": []}
+            item = {
+                "type": "reasoning",
+                "id": new_item_id("rs", self.response_id),
+                "summary": [],
+                "content": [],
+            }
             events += [*self._close(), self._start(item)]
             item["content"].append({"type": "reasoning_text", "text": ""})
         self.items[-1]["content"][0]["text"] += text
@@ -83,7 +90,12 @@ class OutputItems:
                     {"type": "response.output_text.delta", **self._place(), "delta": e.text, "logprobs": []}
                 )
             elif e.kind == "call":
-                item = {"type": "function_call", "id": new_id("fc"), "call_id": e.call_id, "name": e.name}
+                item = {
+                    "type": "function_call",
+                    "id": new_item_id("fc", self.response_id),
+                    "call_id": e.call_id,
+                    "name": e.name,
+                }
                 events += [*self._close(), self._start({**item, "arguments": "", "status": "in_progress"})]
             else:
                 self.items[-1]["arguments"] += e.text
@@ -94,7 +106,7 @@ class OutputItems:
     def _open_message(self) -> list[dict[str, Any]]:
         item = {
             "type": "message",
-            "id": new_id("msg"),
+            "id": self._id("msg"),
             "status": "in_progress",
             "role": "assistant",
             "content": [],

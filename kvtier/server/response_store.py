@@ -42,6 +42,7 @@ TTL_S = 30 * 24 * 3600  # OpenAI keeps a stored response 30 days
 REDIS_PREFIX = b"kvtier:resp:v1:"
 _TAG_HEX = 8  # a replica tag's hex digits in a response id
 _RANDOM_HEX = 32
+_ITEM_RANDOM_HEX = 8  # an item id's own random digits, after its response's
 
 
 def replica_tag(replica_id: str) -> str:
@@ -60,9 +61,34 @@ def owner_tag(response_id: Any) -> str | None:
     if not isinstance(response_id, str) or not response_id.startswith("resp_"):
         return None
     rest = response_id[5:]
-    if len(rest) != _TAG_HEX + _RANDOM_HEX or not all(c in "0123456789abcdef" for c in rest):
+    if len(rest) != _TAG_HEX + _RANDOM_HEX or not _is_hex(rest):
         return None
     return rest[:_TAG_HEX]
+
+
+def new_item_id(prefix: str, response_id: str | None = None) -> str:
+    """``<prefix>_<hex>``: an item's id. In a kvtier response (``response_id``) it names that response
+    (``<prefix>_<its tag and random><random>``), so an ``item_reference`` to it finds the stored response
+    that holds it (:func:`response_of_item`)."""
+    if owner_tag(response_id) is None:
+        return f"{prefix}_{secrets.token_hex(12)}"
+    assert response_id is not None
+    return f"{prefix}_{response_id[5:]}{secrets.token_hex(_ITEM_RANDOM_HEX // 2)}"
+
+
+def response_of_item(item_id: Any) -> str | None:
+    """The stored response an item id names (:func:`new_item_id`), or None (not one of these)."""
+    if not isinstance(item_id, str):
+        return None
+    _, sep, rest = item_id.partition("_")
+    if not sep or len(rest) != _TAG_HEX + _RANDOM_HEX + _ITEM_RANDOM_HEX:
+        return None
+    response_id = "resp_" + rest[: _TAG_HEX + _RANDOM_HEX]
+    return response_id if owner_tag(response_id) is not None and _is_hex(rest) else None
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def owner_of(authorization: str) -> str:

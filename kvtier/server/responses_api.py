@@ -27,8 +27,9 @@ the route and its events are :mod:`.responses_route`.
                                                       that read it, as vLLM passes it)
 
 ``previous_response_id`` continues a stored response (:mod:`.response_store`): its input and output
-items come first (``chat(history)``), its ``instructions`` do not carry over, as OpenAI's. A 400: an
-``item_reference``, ``background``, other tools (web search, files...), images and files in the input,
+items come first (``chat(history)``), its ``instructions`` do not carry over, as OpenAI's. An
+``item_reference`` is replaced by the stored item before (``responses_stored.resolve_references``). A
+400: ``background``, other tools (web search, files...), images and files in the input,
 ``top_logprobs`` and ``max_tool_calls``. Errors name the Responses field (``input[2].call_id``,
 ``max_output_tokens``, ``tools[0].parameters``).
 """
@@ -216,10 +217,7 @@ def _add_item(messages: list[dict[str, Any]], item: Any, at: str, calls: set[str
         content = output if isinstance(output, str) else _text(output, f"{at}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": content})
     else:
-        why = " (send the item itself)" if kind == "item_reference" else ""
-        raise bad_request(
-            f"{at}: input items of type '{clip(kind)}' are not supported by this server{why}", at
-        )
+        raise bad_request(f"{at}: input items of type '{clip(kind)}' are not supported by this server", at)
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:

@@ -159,7 +159,7 @@ class ResponsesFormatter:
 
     async def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
-        items = OutputItems(self.tool_names, self.reasoning_parser)
+        items = OutputItems(self.tool_names, self.reasoning_parser, self.response_id)
         items.feed(out.outputs[0].text)
         items.finish()
         return await self._kept(self._response(self._status(out), items, out))
@@ -172,7 +172,7 @@ class ResponsesFormatter:
         self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
     ) -> AsyncIterator[str]:
         """The events as the outputs come; an engine failure is an ``error`` event."""
-        items = OutputItems(self.tool_names, self.reasoning_parser)
+        items = OutputItems(self.tool_names, self.reasoning_parser, self.response_id)
         started = self._response("in_progress", None, None)
         yield self._event({"type": "response.created", "response": started})
         yield self._event({"type": "response.in_progress", "response": started})
@@ -206,13 +206,15 @@ class _Prepared:
     items: list[dict[str, Any]]  # the input items it runs on: a continued response's, then its own
 
 
-async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
-    """Model (404), the response it continues (400, 404), parameters and tools (400), tool schemas (400),
-    loaded (503), length (400)."""
+async def _prepare(request: Request, body: ResponsesRequest, response_id: str | None = None) -> _Prepared:
+    """Model (404), the response it continues (400, 404), the items it references (400), parameters and
+    tools (400), tool schemas (400), loaded (503), length (400). ``response_id``: the answer's (its new
+    input items' ids name it)."""
     state = request.app.state
     check_model(state.settings.model_name, body.model)
     with in_responses_names():
         continued = await responses_stored.previous(request, body)
+        body = await responses_stored.resolve_references(request, body, continued)
         history = continued.conversation() if continued is not None else []
         chat: ChatCompletionRequest = body.chat(history)
         params = chat.sampling_params()
@@ -235,7 +237,7 @@ async def _prepare(request: Request, body: ResponsesRequest) -> _Prepared:
             chat.template_args(),
         )
     names = frozenset(t.name for t in given_tools) if choice.mode != "none" else None
-    items = [*history, *responses_stored.with_ids(body.input_items())]
+    items = [*history, *responses_stored.with_ids(body.input_items(), response_id)]
     return _Prepared(chat, params, given_tools, names, tokenizer, prompt, items)
 
 
@@ -246,7 +248,8 @@ async def create_response(request: Request, serving: Serving) -> Response:
     body = await bodies.parse(request, ResponsesRequest)
     serving.check_open(request)
     state = request.app.state
-    run = await _prepare(request, body)
+    response_id = new_response_id(state.engine.replica_id)
+    run = await _prepare(request, body, response_id)
     chat = run.chat
     authorization = request.headers.get("authorization", "")
     salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
@@ -275,7 +278,7 @@ async def create_response(request: Request, serving: Serving) -> Response:
         state.settings.reasoning_parser,
         decode,
         diagnose,
-        new_response_id(state.engine.replica_id),
+        response_id,
         keeper if body.store and keeper.enabled else None,
     )
     ttl_s = max((r.ttl_s for r in chat.retention), default=None)

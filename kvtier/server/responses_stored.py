@@ -5,6 +5,9 @@ and the stored-response routes.
 
     previous(...)            the response a request continues (404 previous_response_not_found: none,
                              expired, deleted, or another key's; 400 when this server keeps none)
+    resolve_references(...)  ``item_reference`` input items replaced by the stored items they name: the
+                             continued response's, or those of the stored response an item id names
+                             (400 naming ``input[i].id`` for one found nowhere)
     Keeper.keep(response)    stores an answer (store: true) with the input it ran on, before the client
                              sees it whole; false when the store failed (the answer says store: false)
     GET    /v1/responses/{id}                 the response object
@@ -29,8 +32,14 @@ from fastapi.responses import JSONResponse
 from kvtier.server import prompts
 from kvtier.server.api_errors import APIError, bad_request, clip
 from kvtier.server.error_handlers import unavailable
-from kvtier.server.response_items import new_id
-from kvtier.server.response_store import ResponseStore, StoredResponse, StoreUnavailable, owner_of
+from kvtier.server.response_store import (
+    ResponseStore,
+    StoredResponse,
+    StoreUnavailable,
+    new_item_id,
+    owner_of,
+    response_of_item,
+)
 from kvtier.server.responses_api import ResponsesRequest
 
 logger = logging.getLogger("kvtier.server.responses")
@@ -74,13 +83,61 @@ async def previous(request: Request, body: ResponsesRequest) -> StoredResponse |
     return await _get(request, body.previous_response_id, "previous_response_id")
 
 
-def with_ids(items: list[Any]) -> list[dict[str, Any]]:
-    """Input items as stored: each with an id (``msg_...``, ``fc_...``: its own when it has one)."""
+def with_ids(items: list[Any], response_id: str | None = None) -> list[dict[str, Any]]:
+    """Input items as stored: each with an id (``msg_...``, ``fc_...``: its own when it has one; a new one
+    names ``response_id``)."""
     out = []
     for item in items:
         kind = item.get("type", "message")
-        out.append(item if "id" in item else {"id": new_id(_ITEM_PREFIX.get(kind, "item")), **item})
+        new = new_item_id(_ITEM_PREFIX.get(kind, "item"), response_id)
+        out.append(item if "id" in item else {"id": new, **item})
     return out
+
+
+async def resolve_references(
+    request: Request, body: ResponsesRequest, continued: StoredResponse | None
+) -> ResponsesRequest:
+    """``body`` with each ``item_reference`` input item replaced by the stored item it names: one of the
+    continued response's items, or one of the stored response the id names (a kvtier item id names the
+    response that made it: ``new_item_id``), this request's credentials'. A 400 naming ``input[i].id``
+    for an id found nowhere."""
+    raw = body.input_items()
+    if not any(isinstance(item, dict) and item.get("type") == "item_reference" for item in raw):
+        return body
+    known = {item.get("id"): item for item in continued.conversation()} if continued else {}
+    found: dict[str, StoredResponse | None] = {}
+    resolved = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or item.get("type") != "item_reference":
+            resolved.append(item)
+            continue
+        item_id = item.get("id")
+        if not isinstance(item_id, str) or not item_id:
+            raise bad_request(f"input[{i}].id must be a non-empty string (an item's id)", f"input[{i}].id")
+        target = known.get(item_id) or await _item_of(request, item_id, found)
+        if target is None:
+            message = (
+                f"input[{i}]: no stored item with id '{clip(item_id)}' (expired, deleted or never stored)"
+            )
+            raise bad_request(message, f"input[{i}].id")
+        resolved.append(dict(target))
+    return body.model_copy(update={"input": resolved})
+
+
+async def _item_of(request: Request, item_id: str, found: dict[str, StoredResponse | None]) -> Any:
+    """The item ``item_id`` of the stored response its id names, or None (``found``: those read)."""
+    response_id = response_of_item(item_id)
+    if response_id is None:
+        return None
+    if response_id not in found:
+        try:
+            found[response_id] = await _get(request, response_id)
+        except APIError as exc:
+            if exc.status != 404:
+                raise
+            found[response_id] = None
+    stored = found[response_id]
+    return next((x for x in stored.conversation() if x.get("id") == item_id), None) if stored else None
 
 
 @dataclass
