@@ -108,6 +108,23 @@ def test_the_router_sends_a_continued_conversation_where_it_is_kept() -> None:
     assert owner_first(decision, replicas, referenced).ranking == (2, 0, 1)  # the one that made the item
 
 
+def test_a_background_response_its_replica_no_longer_runs_reads_failed() -> None:
+    """A restarted replica finds its background responses stored queued or in progress, and runs none
+    of them: GET answers them failed. Another replica's, a running one and a finished one read as stored."""
+    from kvtier.server.responses_background import BackgroundRuns, as_seen
+
+    runs = BackgroundRuns()
+    mine = {"id": new_response_id("a:1"), "background": True, "status": "in_progress", "error": None}
+    seen = as_seen(mine, runs, "a:1")
+    assert seen["status"] == "failed" and "restarted" in seen["error"]["message"]
+    assert as_seen({**mine, "status": "queued"}, runs, "a:1")["status"] == "failed"
+    for same in ({**mine, "status": "completed"}, {**mine, "background": False}):
+        assert as_seen(same, runs, "a:1") == same
+    assert as_seen(mine, runs, "b:2") == mine and as_seen(mine, runs, None) == mine
+    runs._runs[mine["id"]] = None  # type: ignore[assignment]  # running here
+    assert as_seen(mine, runs, "a:1") == mine
+
+
 # ----------------------------------------------------------------------------------------- served
 @pytest.fixture
 def shared(redis_server) -> Iterator[tuple[BackgroundServer, BackgroundServer]]:  # noqa: ANN001

@@ -18,6 +18,7 @@ from kvtier.router.core import RouterSettings
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_prompt
 from kvtier.server.api_errors import APIError
 from kvtier.server.app import ServerSettings
+from kvtier.server.async_engine import EngineDeadError
 from kvtier.server.response_items import OutputItems
 from kvtier.server.responses_api import ResponsesRequest, in_responses_names
 from kvtier.server.responses_route import reasoning_tokens
@@ -92,7 +93,8 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
 
 
 REFUSED = [
-    ({"background": True}, "background", "leave it out"),
+    ({"background": True, "store": False}, "background", "store: true"),
+    ({"background": True, "stream": True}, "stream", "poll GET"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "'item_reference'"),  # unresolved
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -392,6 +394,62 @@ def test_story_a_conversation_rebuilt_from_item_references(server: BackgroundSer
         headers={"Authorization": "Bearer someone-else"},
     )
     assert other.status_code == 400 and other.json()["error"]["param"] == "input[0].id"
+
+
+def until_status(client: OpenAI, response_id: str, statuses: tuple[str, ...], timeout: float = 120) -> Any:
+    deadline = time.monotonic() + timeout
+    while (polled := client.responses.retrieve(response_id)).status not in statuses:
+        assert time.monotonic() < deadline, f"{response_id} stayed {polled.status}"
+        time.sleep(0.05)
+    return polled
+
+
+LONG = {"format": {"type": "json_schema", "name": "numbers", "strict": True,  # at least ~600 tokens
+                   "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 300}}}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_story_a_background_response_is_polled_and_another_cancelled(
+    server: BackgroundServer, client: OpenAI
+) -> None:
+    """``background: true``: the POST answers at once, queued; polling reads it in progress, then the
+    answer a foreground request gives. A long one is cancelled midway: it stays cancelled with its output
+    so far, a second cancel answers the same, and a foreground response cannot be cancelled. One the
+    engine ends with an error (as a shutdown past its grace does) reads failed, with the error."""
+    queued = client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0, background=True
+    )
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = until_status(client, queued.id, ("completed", "incomplete"))
+    foreground = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0)
+    assert (
+        done.output_text == foreground.output_text
+        and done.usage.output_tokens == foreground.usage.output_tokens
+    )
+    assert done.background is True and foreground.background is False
+    long = client.responses.create(
+        model=MODEL, input="Count.", text=LONG, max_output_tokens=2000, background=True
+    )  # type: ignore[arg-type]
+    running = until_status(client, long.id, ("in_progress",))
+    assert running.usage is None
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.output and cancelled.output_text.startswith("[")
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).model_dump() == client.responses.retrieve(long.id).model_dump()
+    with pytest.raises(BadRequestError, match="background: true"):
+        client.responses.cancel(foreground.id)
+    with pytest.raises(BadRequestError, match="poll"):
+        client.responses.create(model=MODEL, input="x", background=True, stream=True)
+    with pytest.raises(BadRequestError, match="store: true"):
+        client.responses.create(model=MODEL, input="x", background=True, store=False)
+    doomed = client.responses.create(
+        model=MODEL, input="Count.", text=LONG, max_output_tokens=2000, background=True
+    )  # type: ignore[arg-type]
+    until_status(client, doomed.id, ("in_progress",))
+    engine, loop = server.app.state.engine, server.server._loop
+    loop.call_soon_threadsafe(engine.abort_all, EngineDeadError("the engine stopped (a test)"))  # type: ignore[union-attr]
+    failed = until_status(client, doomed.id, ("failed",))
+    assert failed.error.code == "server_error" and "(a test)" in failed.error.message
 
 
 @pytest.mark.slow

@@ -94,6 +94,7 @@ from kvtier.server.protocol import (
 from kvtier.server.response_store import MAX_ENTRIES as MAX_STORED
 from kvtier.server.response_store import open_response_store
 from kvtier.server.responses import DONE, Formatter, Kind, sse
+from kvtier.server.responses_background import BackgroundRuns
 from kvtier.server.responses_route import responses_router
 from kvtier.server.tokenize_routes import tokenize_router
 from kvtier.tokenizer import Tokenizer
@@ -195,6 +196,7 @@ def create_app(
         settings.max_stored_responses,
         settings.response_store_secret,
     )
+    app.state.background = BackgroundRuns()  # background responses running here
     app.state.started = int(time.time())
     app.state.draining = False  # set on SIGTERM (kvtier.server.shutdown)
     app.add_middleware(

@@ -35,7 +35,7 @@ from kvtier.outputs import RequestOutput
 from kvtier.reasoning import CLOSE
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import bodies, diagnostics, prompts, responses_stored, tools
-from kvtier.server.api_errors import not_found
+from kvtier.server.api_errors import bad_request, not_found
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
 from kvtier.server.auth import check_key
 from kvtier.server.messages import Serving
@@ -104,6 +104,7 @@ class ResponsesFormatter:
             "object": "response",
             "created_at": self.created_at,
             "status": status,
+            "background": body.background,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions,
@@ -151,18 +152,25 @@ class ResponsesFormatter:
     def _status(self, out: RequestOutput) -> str:
         return "incomplete" if out.outputs[0].finish_reason == "length" else "completed"
 
-    async def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+    async def keep(self, response: dict[str, Any]) -> dict[str, Any]:
         """``response``, stored first when it is to be (``store`` false if that failed)."""
         if self.keeper is not None:
             self.stored = await self.keeper.keep(self.response_id, response)
         return {**response, "store": self.stored}
 
-    async def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
-        (out,) = finals
+    def _items(self, out: RequestOutput) -> OutputItems:
         items = OutputItems(self.tool_names, self.reasoning_parser, self.response_id)
         items.feed(out.outputs[0].text)
         items.finish()
-        return await self._kept(self._response(self._status(out), items, out))
+        return items
+
+    def snapshot(self, status: str, out: RequestOutput | None = None) -> dict[str, Any]:
+        """The response at ``status`` (a background run's): no output yet, or ``out``'s so far (no usage)."""
+        return self._response(status, None if out is None else self._items(out), None)
+
+    async def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
+        (out,) = finals
+        return await self.keep(self._response(self._status(out), self._items(out), out))
 
     def _event(self, payload: dict[str, Any]) -> str:
         self._sequence += 1
@@ -186,7 +194,7 @@ class ResponsesFormatter:
                 for payload in items.finish():
                     yield self._event(payload)
                 status = self._status(out)
-                final = await self._kept(self._response(status, items, out))
+                final = await self.keep(self._response(status, items, out))
                 yield self._event({"type": f"response.{status}", "response": final})
                 return
         except (EngineNotReady, EngineDeadError) as exc:
@@ -250,6 +258,9 @@ async def create_response(request: Request, serving: Serving) -> Response:
     state = request.app.state
     response_id = new_response_id(state.engine.replica_id)
     run = await _prepare(request, body, response_id)
+    if body.background and not responses_stored.Keeper(request, []).enabled:
+        message = "background is not supported by this server (it keeps no responses: --response-store off)"
+        raise bad_request(message, "background")
     chat = run.chat
     authorization = request.headers.get("authorization", "")
     salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)
@@ -283,6 +294,8 @@ async def create_response(request: Request, serving: Serving) -> Response:
     )
     ttl_s = max((r.ttl_s for r in chat.retention), default=None)
     diagnostics.record_answer(log, fmt.response_id, [run.prompt], salt, ttl_s)
+    if body.background:
+        return JSONResponse(await state.background.start(fmt, streams[0]))
     return await serving.respond(request, fmt, streams, body.stream)
 
 
@@ -319,8 +332,12 @@ def responses_router(serving: Serving) -> APIRouter:
     async def input_items(request: Request, response_id: str) -> JSONResponse:
         return await responses_stored.input_items(request, response_id)
 
+    @router.post("/responses/{response_id}/cancel")
+    async def cancel(request: Request, response_id: str) -> JSONResponse:
+        return await responses_stored.cancel(request, response_id)
+
     @router.api_route("/responses/{rest:path}", methods=["GET", "POST", "DELETE"], include_in_schema=False)
     async def other(request: Request, rest: str) -> Response:
-        raise not_found()  # cancel (nothing runs in the background) and the like
+        raise not_found()
 
     return router

@@ -12,6 +12,7 @@ and the stored-response routes.
                              sees it whole; false when the store failed (the answer says store: false)
     GET    /v1/responses/{id}                 the response object
     DELETE /v1/responses/{id}                 {"id", "object": "response", "deleted": true}
+    POST   /v1/responses/{id}/cancel          a background response stopped (responses_background)
     GET    /v1/responses/{id}/input_items     {"object": "list", "data": [items], "first_id", "last_id",
                                                "has_more"}; ``order`` (desc, the default | asc), ``limit``
                                                (1-100, 20), ``after`` (an item id)
@@ -30,6 +31,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from kvtier.server import prompts
+from kvtier.server import responses_background as background
 from kvtier.server.api_errors import APIError, bad_request, clip
 from kvtier.server.error_handlers import unavailable
 from kvtier.server.response_store import (
@@ -169,7 +171,22 @@ class Keeper:
 async def retrieve(request: Request, response_id: str) -> JSONResponse:
     if request.query_params.get("stream") in ("true", "1"):
         raise bad_request("stream is not supported when retrieving a response (leave it out)", "stream")
-    return JSONResponse((await _get(request, response_id)).response)
+    response = (await _get(request, response_id)).response
+    state = request.app.state
+    return JSONResponse(background.as_seen(response, state.background, state.engine.replica_id))
+
+
+async def cancel(request: Request, response_id: str) -> JSONResponse:
+    """``POST /v1/responses/{id}/cancel``: a background response running here stops, stored cancelled;
+    one that ended is answered as stored (404: not kept, another key's; 400: not a background one)."""
+    stored = await _get(request, response_id)
+    background.check_cancellable(stored.response)
+    state = request.app.state
+    cancelled = await state.background.cancel(response_id)
+    if cancelled is not None:
+        return JSONResponse(cancelled)
+    response = (await _get(request, response_id)).response  # ended meanwhile, or ran elsewhere
+    return JSONResponse(background.as_seen(response, state.background, state.engine.replica_id))
 
 
 async def delete(request: Request, response_id: str) -> JSONResponse:
