@@ -5,6 +5,7 @@ two-step tool loop; cached input tokens on a repeated prompt; refusals naming th
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -94,7 +95,6 @@ def test_a_tool_loop_maps_onto_chat_messages() -> None:
 
 REFUSED = [
     ({"background": True, "store": False}, "background", "store: true"),
-    ({"background": True, "stream": True}, "stream", "poll GET"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "'item_reference'"),  # unresolved
     (
         {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -438,8 +438,6 @@ def test_story_a_background_response_is_polled_and_another_cancelled(
     assert client.responses.cancel(long.id).model_dump() == client.responses.retrieve(long.id).model_dump()
     with pytest.raises(BadRequestError, match="background: true"):
         client.responses.cancel(foreground.id)
-    with pytest.raises(BadRequestError, match="poll"):
-        client.responses.create(model=MODEL, input="x", background=True, stream=True)
     with pytest.raises(BadRequestError, match="store: true"):
         client.responses.create(model=MODEL, input="x", background=True, store=False)
     doomed = client.responses.create(
@@ -450,6 +448,54 @@ def test_story_a_background_response_is_polled_and_another_cancelled(
     loop.call_soon_threadsafe(engine.abort_all, EngineDeadError("the engine stopped (a test)"))  # type: ignore[union-attr]
     failed = until_status(client, doomed.id, ("failed",))
     assert failed.error.code == "server_error" and "(a test)" in failed.error.message
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data: "):
+            yield json.loads(line[6:])
+
+
+@pytest.mark.slow
+def test_story_a_streamed_background_response_is_followed_again_after_its_client_left(
+    server: BackgroundServer, client: OpenAI
+) -> None:
+    """``background`` with ``stream``: the client reads a few events and leaves; the run goes on. It comes
+    back with ``starting_after`` and gets every later event, in order, to the end: the deltas of both
+    parts are the stored answer. A response made without them has no events to stream (400)."""
+    short = {
+        "format": {
+            **LONG["format"],
+            "schema": {"type": "array", "items": {"type": "integer"}, "minItems": 40, "maxItems": 40},
+        }
+    }
+    body = {
+        "model": MODEL,
+        "input": "Count.",
+        "text": short,
+        "max_output_tokens": 1000,
+        "background": True,
+        "stream": True,
+    }
+    key = {"Authorization": "Bearer unused"}  # the client's: the same owner
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=key, timeout=120) as first:
+        events = sse_events(first.iter_lines())
+        seen = [next(events) for _ in range(4)]  # created, in_progress, output_item.added, content_part.added
+    rid, last = seen[0]["response"]["id"], seen[-1]["sequence_number"]
+    assert client.responses.retrieve(rid).status in ("queued", "in_progress")  # running without its client
+    url, query = server.url + f"/v1/responses/{rid}", {"stream": "true", "starting_after": str(last)}
+    with httpx.stream("GET", url, params=query, headers=key, timeout=120) as again:
+        rest = list(sse_events(again.iter_lines()))
+    assert [e["sequence_number"] for e in seen + rest] == list(range(len(seen) + len(rest)))
+    assert rest[-1]["type"] == "response.completed" and rest[-1]["response"]["status"] == "completed"
+    deltas = "".join(e["delta"] for e in seen + rest if e["type"] == "response.output_text.delta")
+    kept = client.responses.retrieve(rid)
+    assert deltas == kept.output_text and len(json.loads(deltas)) == 40 and kept.background is True
+    with httpx.stream("GET", url, params={"stream": "true"}, headers=key, timeout=120) as whole:  # ended
+        assert list(sse_events(whole.iter_lines())) == seen + rest
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    refused = httpx.get(server.url + f"/v1/responses/{foreground.id}", params={"stream": "true"}, headers=key)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
 
 
 @pytest.mark.slow

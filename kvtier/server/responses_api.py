@@ -29,7 +29,7 @@ the route and its events are :mod:`.responses_route`.
 ``previous_response_id`` continues a stored response (:mod:`.response_store`): its input and output
 items come first (``chat(history)``), its ``instructions`` do not carry over, as OpenAI's. An
 ``item_reference`` is replaced by the stored item before (``responses_stored.resolve_references``). A
-400: ``background`` with ``stream`` or without ``store``, other tools (web search, files...), images
+400: ``background`` without ``store``, other tools (web search, files...), images
 and files in the input,
 ``top_logprobs`` and ``max_tool_calls``. Errors name the Responses field (``input[2].call_id``,
 ``max_output_tokens``, ``tools[0].parameters``).
@@ -151,9 +151,6 @@ class ResponsesRequest(BaseModel):
     def _check_unsupported(self) -> None:
         if self.background and not self.store:
             raise bad_request("background requires store: true (its answer is read back by id)", "background")
-        if self.background and self.stream:
-            message = "background with stream is not supported by this server: poll GET /v1/responses/{id}"
-            raise bad_request(message, "stream")
         refused = (
             ("top_logprobs", bool(self.top_logprobs)),
             ("max_tool_calls", self.max_tool_calls is not None),

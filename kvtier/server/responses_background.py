@@ -2,7 +2,9 @@
 polling ``GET /v1/responses/{id}`` and stopped by ``POST /v1/responses/{id}/cancel``, as OpenAI's::
 
     POST /v1/responses (background)  stored {"status": "queued"} ─► answered with it, at once (the store
-                                     down: 503, nothing runs)
+                                     down: 503, nothing runs); with stream: its events, as a foreground
+                                     stream's, kept (``EventLog``): the client may leave and follow them
+                                     again (GET ...?stream=true&starting_after=N)
     the run                          stored "in_progress" at its first output ─► stored "completed" |
                                      "incomplete" (the answer, as a foreground one) | "failed" ("error":
                                      the engine's, e.g. shutting down) | "cancelled" (the output so far)
@@ -21,7 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from fastapi.responses import StreamingResponse
 
 from kvtier.outputs import RequestOutput
 from kvtier.server.api_errors import bad_request
@@ -31,6 +38,7 @@ from kvtier.server.response_store import owner_tag, replica_tag
 
 logger = logging.getLogger("kvtier.server.responses")
 ACTIVE = ("queued", "in_progress")
+MAX_LOGS = 256  # streamed background responses whose events are kept after their end
 
 
 class _Formatter(Protocol):
@@ -41,14 +49,88 @@ class _Formatter(Protocol):
     def snapshot(self, status: str, out: RequestOutput | None = None) -> dict[str, Any]: ...
     async def response(self, finals: list[RequestOutput]) -> dict[str, Any]: ...
     async def keep(self, response: dict[str, Any]) -> dict[str, Any]: ...
+    def stream(
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
+    ) -> AsyncIterator[str]: ...
+
+
+class EventLog:
+    """A streamed background response's events, kept so that a client can follow them from any point
+    (``GET /v1/responses/{id}?stream=true&starting_after=N``): entry ``i`` is sequence number ``i``."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.closed = False
+        self._grew = asyncio.Event()
+
+    def append(self, chunk: str) -> None:
+        self.events.append(chunk)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    async def follow(self, start: int = 0) -> AsyncIterator[str]:
+        """The events from ``start`` on, as they come, until the run ends."""
+        i = start
+        while True:
+            grew = self._grew
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.closed:
+                return
+            await grew.wait()
+
+
+@dataclass
+class _Run:
+    """One background response's run: its outputs (the first stores it in progress), the last of them and
+    the engine's error, if it ended with one."""
+
+    fmt: _Formatter
+    stream: RequestStream
+    log: EventLog | None  # streamed: its events
+    last: RequestOutput | None = None
+    error: Exception | None = None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            async for out in self.stream:
+                if self.last is None:
+                    await self.fmt.keep(self.fmt.snapshot("in_progress", out))
+                self.last = out
+                yield 0, out
+        except Exception as exc:
+            self.error = exc
+            raise
+
+    async def answer(self) -> None:
+        """The run to its end: the answer stored as a foreground one is (by the formatter)."""
+        if self.log is None:
+            async for _, out in self.outputs():
+                if out.finished:
+                    await self.fmt.response([out])
+            return
+        async for chunk in self.fmt.stream(self.outputs(), 1):  # an engine error: its event, then the end
+            self.log.append(chunk)
+        if self.error is not None:
+            raise self.error
 
 
 class BackgroundRuns:
-    """The background responses running in this server, by response id."""
+    """The background responses running in this server, by response id, and the events of the streamed
+    ones (the most recent ``MAX_LOGS`` kept after their end)."""
 
     def __init__(self) -> None:
         self._runs: dict[str, asyncio.Task[None]] = {}
         self._cancelled: dict[str, dict[str, Any]] = {}  # what a cancel stored, for the cancel to answer
+        self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -56,18 +138,30 @@ class BackgroundRuns:
     def running(self, response_id: str) -> bool:
         return response_id in self._runs
 
-    async def start(self, fmt: _Formatter, stream: RequestStream) -> dict[str, Any]:
-        """Store the response queued, start its run; returns the queued response (the POST's answer)."""
+    def log(self, response_id: str) -> EventLog | None:
+        """The events of a streamed background response made here (None: not one, or no longer kept)."""
+        return self._logs.get(response_id)
+
+    async def start(
+        self, fmt: _Formatter, stream: RequestStream, streamed: bool
+    ) -> dict[str, Any] | EventLog:
+        """Store the response queued and start its run; returns the queued response (the POST's answer),
+        or, ``streamed``, the run's events to follow."""
         queued = await fmt.keep(fmt.snapshot("queued"))
         if not queued["store"]:  # nobody could read it back: not started
             stream.abort()
             raise unavailable(
                 "the response store is unavailable: retry the background request", "store_unavailable"
             )
-        task = asyncio.create_task(self._run(fmt, stream))
+        log = EventLog() if streamed else None
+        if log is not None:
+            self._logs[fmt.response_id] = log
+            while len(self._logs) > MAX_LOGS and (oldest := next(iter(self._logs))) not in self._runs:
+                del self._logs[oldest]
+        task = asyncio.create_task(self._run(_Run(fmt, stream, log)))
         self._runs[fmt.response_id] = task
         task.add_done_callback(lambda _: self._runs.pop(fmt.response_id, None))
-        return queued
+        return queued if log is None else log
 
     async def cancel(self, response_id: str) -> dict[str, Any] | None:
         """Cancel the run of ``response_id`` here: the response as stored cancelled (None: none runs)."""
@@ -82,24 +176,28 @@ class BackgroundRuns:
                 raise
         return self._cancelled.pop(response_id, None)
 
-    async def _run(self, fmt: _Formatter, stream: RequestStream) -> None:
-        last: RequestOutput | None = None
+    async def _run(self, run: _Run) -> None:
+        fmt = run.fmt
         try:
-            async for out in stream:
-                if last is None:
-                    await fmt.keep(fmt.snapshot("in_progress", out))
-                last = out
-                if out.finished:
-                    await fmt.response([out])  # stored by the formatter, as a foreground answer is
-                    return
+            await run.answer()
         except asyncio.CancelledError:
-            stream.abort()
-            self._cancelled[fmt.response_id] = await fmt.keep(fmt.snapshot("cancelled", last))
+            run.stream.abort()
+            self._cancelled[fmt.response_id] = await fmt.keep(fmt.snapshot("cancelled", run.last))
         except Exception as exc:  # the engine's error (shutting down, dead): the response failed
-            stream.abort()
+            run.stream.abort()
             logger.warning("background response %s failed: %s", fmt.response_id, exc)
-            failed = fmt.snapshot("failed", last)
+            failed = fmt.snapshot("failed", run.last)
             await fmt.keep({**failed, "error": {"code": "server_error", "message": str(exc)}})
+        finally:
+            if run.log is not None:
+                run.log.close()
+
+
+def followed(log: EventLog, after: int = -1) -> StreamingResponse:
+    """A streamed background response's events after sequence number ``after``, as they come (the run
+    goes on if the client leaves)."""
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(log.follow(after + 1), media_type="text/event-stream", headers=headers)
 
 
 def check_cancellable(response: dict[str, Any]) -> None:

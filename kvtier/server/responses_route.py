@@ -35,6 +35,7 @@ from kvtier.outputs import RequestOutput
 from kvtier.reasoning import CLOSE
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import bodies, diagnostics, prompts, responses_stored, tools
+from kvtier.server import responses_background as background
 from kvtier.server.api_errors import bad_request, not_found
 from kvtier.server.async_engine import EngineDeadError, EngineNotReady
 from kvtier.server.auth import check_key
@@ -294,8 +295,9 @@ async def create_response(request: Request, serving: Serving) -> Response:
     )
     ttl_s = max((r.ttl_s for r in chat.retention), default=None)
     diagnostics.record_answer(log, fmt.response_id, [run.prompt], salt, ttl_s)
-    if body.background:
-        return JSONResponse(await state.background.start(fmt, streams[0]))
+    if body.background:  # answered at once (queued), or its events followed: it runs on without the client
+        started = await state.background.start(fmt, streams[0], body.stream)
+        return JSONResponse(started) if isinstance(started, dict) else background.followed(started)
     return await serving.respond(request, fmt, streams, body.stream)
 
 
@@ -321,7 +323,7 @@ def responses_router(serving: Serving) -> APIRouter:
         return await count_input_tokens(request)
 
     @router.get("/responses/{response_id}")
-    async def retrieve(request: Request, response_id: str) -> JSONResponse:
+    async def retrieve(request: Request, response_id: str) -> Response:
         return await responses_stored.retrieve(request, response_id)
 
     @router.delete("/responses/{response_id}")

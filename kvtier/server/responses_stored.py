@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.server import prompts
 from kvtier.server import responses_background as background
@@ -168,12 +168,26 @@ class Keeper:
         return True
 
 
-async def retrieve(request: Request, response_id: str) -> JSONResponse:
-    if request.query_params.get("stream") in ("true", "1"):
-        raise bad_request("stream is not supported when retrieving a response (leave it out)", "stream")
+async def retrieve(request: Request, response_id: str) -> Response:
+    """The response as kept; ``stream=true``: a streamed background response's events, followed from
+    after ``starting_after`` (400 for one with no events kept here)."""
     response = (await _get(request, response_id)).response
     state = request.app.state
-    return JSONResponse(background.as_seen(response, state.background, state.engine.replica_id))
+    if request.query_params.get("stream") not in ("true", "1"):
+        return JSONResponse(background.as_seen(response, state.background, state.engine.replica_id))
+    log = state.background.log(response_id)
+    if log is None:
+        message = (
+            "this response has no events to stream here: only a response created with background and "
+            "stream has them, on the replica that made it, for a while (leave stream out to read it)"
+        )
+        raise bad_request(message, "stream")
+    after = request.query_params.get("starting_after", "-1")
+    if not after.lstrip("-").isdigit() or int(after) < -1:
+        raise bad_request(
+            f"starting_after must be an event's sequence number, got {clip(after)!r}", "starting_after"
+        )
+    return background.followed(log, int(after))
 
 
 async def cancel(request: Request, response_id: str) -> JSONResponse:
