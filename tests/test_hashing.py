@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -113,17 +114,32 @@ def test_incremental_extension_equals_hashing_from_scratch(
 
 
 def test_extension_only_hashes_new_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvtier.kv.hashing as hashing
 
-    calls: list[int] = []
-    real = hashing.hash_block
-    monkeypatch.setattr(hashing, "hash_block", lambda p, t: calls.append(len(t)) or real(p, t))
+    calls = count_hashes(monkeypatch)
     chain: list = []
     tokens = list(range(40))
     assert extend_block_hashes(chain, tokens[:16], 4, ROOT) == 4
     assert extend_block_hashes(chain, tokens[:18], 4, ROOT) == 0
     assert extend_block_hashes(chain, tokens[:20], 4, ROOT) == 1
-    assert len(calls) == 5  # never rehashed from block 0
+    assert calls[0] == 5  # never rehashed from block 0
+
+
+def test_a_chain_hashed_at_once_is_hash_block_block_by_block() -> None:
+    """``hash_full_blocks`` encodes a whole prompt's tokens at once; its hashes are ``hash_block``'s, the
+    spec, for any start, block size and int64 token (the largest included)."""
+    gen = random.Random(3)
+    for _ in range(100):
+        bs, start = gen.choice([1, 3, 16, 32]), gen.randrange(4)
+        tokens = [gen.choice([0, 1, 2**63 - 1, gen.randrange(300_000)]) for _ in range(gen.randrange(200))]
+        want, parent = [], ROOT
+        for b in range(start, len(tokens) // bs):
+            parent = hash_block(parent, tokens[b * bs : (b + 1) * bs])
+            want.append(parent)
+        assert (
+            hash_full_blocks(tokens, bs, ROOT, start)
+            == want
+            == hash_full_blocks(tuple(tokens), bs, ROOT, start)
+        )
 
 
 _CHILD = (
@@ -161,14 +177,16 @@ def test_known_answer_pins_the_encoding() -> None:
 
 # ------------------------------------------------------------------------------ ChainMemo
 def count_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``[n]``: the blocks hashed from now on (each one's hash starts from a copy of the block hasher)."""
     calls = [0]
-    real = hashing.hash_block
+    real = hashing._BLOCK_HASHER
 
-    def counted(parent: bytes, token_ids: object) -> bytes:
-        calls[0] += 1
-        return real(parent, token_ids)  # type: ignore[arg-type]
+    class Counted:
+        def copy(self) -> object:
+            calls[0] += 1
+            return real.copy()
 
-    monkeypatch.setattr(hashing, "hash_block", counted)
+    monkeypatch.setattr(hashing, "_BLOCK_HASHER", Counted())
     return calls
 
 

@@ -96,12 +96,25 @@ def test_free_releases_tail_first_so_the_prefix_survives_longest() -> None:
 
 def test_collision_guard_same_hash_other_tokens_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     """Force every block at the same chain position to collide: lookups must still miss."""
-    real = hashing.hash_block
+    real = hashing._BLOCK_HASHER
 
-    def colliding(parent: BlockHash, token_ids: Any) -> BlockHash:
-        return real(parent, [len(token_ids)])
+    class Blind:  # a block's hash of its parent and token count, not of its tokens
+        def __init__(self) -> None:
+            self.h, self.parts = real.copy(), 0
 
-    monkeypatch.setattr(hashing, "hash_block", colliding)  # every chain the manager hashes goes through it
+        def update(self, data: bytes) -> None:
+            self.parts += 1
+            if self.parts < 3:  # the parent, the count; the tokens come third
+                self.h.update(data)
+
+        def digest(self) -> bytes:
+            return self.h.digest()
+
+    class Colliding:
+        def copy(self) -> Blind:
+            return Blind()
+
+    monkeypatch.setattr(hashing, "_BLOCK_HASHER", Colliding())  # every chain the manager hashes starts here
     kv = new_manager(8)
     prefill(kv, "A", [1, 2, 3, 4, 5])
     other = [9, 9, 9, 9, 5]
@@ -242,9 +255,9 @@ def test_preempted_sequence_recomputes_from_its_own_cached_blocks() -> None:
 
 
 def test_incremental_hashing_never_rehashes_the_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = hashing.hash_block
-    monkeypatch.setattr(hashing, "hash_block", lambda p, t: calls.append(1) or real(p, t))
+    from tests.test_hashing import count_hashes
+
+    calls = count_hashes(monkeypatch)
     kv = new_manager(16)
     tokens = [1]
     assert kv.allocate_slots("A", tokens, 0, 1)
@@ -253,7 +266,7 @@ def test_incremental_hashing_never_rehashes_the_prefix(monkeypatch: pytest.Monke
         tokens.append(step)
         assert kv.allocate_slots("A", tokens, len(tokens) - 1, 1)
     kv.cache_blocks("A", tokens, len(tokens))
-    assert len(calls) == len(tokens) // BS == kv.pool.num_cached_blocks
+    assert calls[0] == len(tokens) // BS == kv.pool.num_cached_blocks
     kv.check_integrity()
 
 

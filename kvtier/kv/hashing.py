@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import NewType
 
@@ -50,6 +52,7 @@ _DOMAIN = b"kvtier-block-v%d" % HASH_SPEC_VERSION
 _ROOT_TAG = b"\x00root"
 _BLOCK_TAG = b"\x01block"
 _GROUP_TAG = b"\x02group"
+_BLOCK_HASHER = hashlib.sha256(_DOMAIN + _BLOCK_TAG)  # each block's hash starts as a copy of it
 
 ExtraKey = str | bytes | int
 
@@ -99,7 +102,7 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     if len(parent) != BLOCK_HASH_NUM_BYTES:
         raise ValueError(f"parent hash must be {BLOCK_HASH_NUM_BYTES} bytes, got {len(parent)}")
     num_tokens = len(token_ids)
-    h = hashlib.sha256(_DOMAIN + _BLOCK_TAG)
+    h = _BLOCK_HASHER.copy()
     h.update(parent)
     h.update(struct.pack(f"<Q{num_tokens}q", num_tokens, *token_ids))
     return BlockHash(h.digest())
@@ -127,10 +130,25 @@ def hash_full_blocks(
         num_tokens = len(token_ids)
     elif not 0 <= num_tokens <= len(token_ids):
         raise ValueError(f"num_tokens {num_tokens} out of range for {len(token_ids)} tokens")
+    num_blocks = num_tokens // block_size - start_block
+    if num_blocks <= 0:
+        return []
+    if len(parent) != BLOCK_HASH_NUM_BYTES:
+        raise ValueError(f"parent hash must be {BLOCK_HASH_NUM_BYTES} bytes, got {len(parent)}")
+    # hash_block's bytes, all blocks' tokens encoded at once: int64 little endian, then sliced per block
+    lo = start_block * block_size
+    tokens = array("q", token_ids[lo : lo + num_blocks * block_size])
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    data, step = memoryview(tokens).cast("B"), 8 * block_size
+    count = struct.pack("<Q", block_size)
     hashes: list[BlockHash] = []
-    for block_index in range(start_block, num_tokens // block_size):
-        start = block_index * block_size
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    for i in range(num_blocks):
+        h = _BLOCK_HASHER.copy()
+        h.update(parent)
+        h.update(count)
+        h.update(data[i * step : (i + 1) * step])
+        parent = BlockHash(h.digest())
         hashes.append(parent)
     return hashes
 
