@@ -335,6 +335,20 @@ def streamed(text: str, size: int) -> tuple[str | None, list[tuple[str, str]]]:
     return (content or None) if calls else content, [tuple(calls[i]) for i in sorted(calls)]
 
 
+def test_a_call_cut_by_max_tokens_never_shows_its_markup() -> None:
+    """An output cut anywhere inside a ``<tool_call>`` block: the text before it, and the call once its
+    name and ``"arguments":`` were written (its arguments as far as they went); never the block's markup
+    as text. A client reads ``finish_reason: length`` and knows the call was cut."""
+    text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    opened, named = text.index("<tool_call>") + len("<tool_call>"), text.index('"arguments":') + 12
+    for end in range(opened, text.index("</tool_call>")):
+        cut = text[:end]
+        args = cut[named:].lstrip()[: len('{"city": "Paris"}')] if end >= named else None
+        want = ("Sure.", [] if args is None else [("get_weather", args)])
+        for size in (1, 3, len(cut)):
+            assert streamed(cut, size) == want, (cut, size)
+
+
 def test_arguments_stream_before_the_call_closes() -> None:
     parser = ToolCallParser(NAMES)
     assert [(e.kind, e.text) for e in parser.feed("Checking <tool")] == [

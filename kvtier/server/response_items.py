@@ -67,7 +67,7 @@ class OutputItems:
         if self._open != "reasoning":
             item = {
                 "type": "reasoning",
-                "id": new_item_id("rs", self.response_id),
+                "id": self._id("rs"),
                 "summary": [],
                 "content": [],
             }
@@ -92,7 +92,7 @@ class OutputItems:
             elif e.kind == "call":
                 item = {
                     "type": "function_call",
-                    "id": new_item_id("fc", self.response_id),
+                    "id": self._id("fc"),
                     "call_id": e.call_id,
                     "name": e.name,
                 }

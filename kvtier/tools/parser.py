@@ -248,6 +248,11 @@ class ToolCallParser:
         if self._head == "streaming":
             self._skip_space = True
             return  # the call and its arguments went out already
+        if not closed and self._head == "partial":  # the output ended (max_tokens) in a call's head:
+            status, name, _ = _match_head(body)  # the call, its arguments not begun, or nothing of it
+            if status == "match" and name in self.names:
+                self._add_call(events, name, "")
+            return  # never its markup as text (finish_reason "length" tells the client it was cut)
         try:
             calls = _as_calls(json.loads(body), self.names, bare=False)
         except ValueError:
