@@ -376,15 +376,11 @@ class TierCoordinator:
         """``_store`` of warm ``blocks`` with no external tier in use, in one host reservation (it takes the
         keys as one by one, held ones skipped); a key the host tier cannot take has nowhere else to go:
         dropped, as ``_store`` drops it."""
-        first_block: dict[BlockKey, int] = {}
-        groups = []
+        first: dict[BlockKey, tuple[int, int]] = {}  # key -> (device block, group), its first block's
         for block, key in zip(blocks, keys, strict=True):
-            if key not in first_block:
-                first_block[key] = block.block_id
-                groups.append(block.group)
-        spec = self.host.prepare_store(list(first_block), groups)
-        devices = [first_block[key] for key in spec.keys]
-        self._plan.stores.extend(zip(devices, map(int, spec.addresses), strict=True))  # type: ignore[arg-type]
+            first.setdefault(key, (block.block_id, block.group))
+        spec = self.host.prepare_store(list(first), [group for _, group in first.values()])
+        self._plan.stores += [(first[k][0], int(a)) for k, a in zip(spec.keys, spec.addresses, strict=True)]  # type: ignore[call-overload]
         self._plan.store_keys.extend(spec.keys)
 
     def _pair_stores(self, first: int) -> None:
