@@ -228,6 +228,9 @@ def test_the_same_answer_as_chat_streamed_and_not(client: OpenAI) -> None:
     )
     cut = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [item.status for item in cut.output] == ["incomplete"] and r.output[-1].status == (
+        "completed" if r.status == "completed" else "incomplete"
+    )
 
 
 @pytest.mark.slow

@@ -58,9 +58,10 @@ class OutputItems:
     def feed(self, delta: str) -> list[dict[str, Any]]:
         return self._apply(self._answer.feed(delta))
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The end of the text: what the stream held back, then the open item closed."""
-        return [*self._apply(self._answer.finish()), *self._close()]
+    def finish(self, cut: bool = False) -> list[dict[str, Any]]:
+        """The end of the text: what the stream held back, then the open item closed (``cut``: by
+        ``max_output_tokens``, the item is ``incomplete``)."""
+        return [*self._apply(self._answer.finish()), *self._close(cut)]
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events = []
@@ -129,7 +130,7 @@ class OutputItems:
     def _place(self) -> dict[str, Any]:
         return {"item_id": self.items[-1]["id"], "output_index": len(self.items) - 1, "content_index": 0}
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, cut: bool = False) -> list[dict[str, Any]]:
         if self._open is None:
             return []
         item, kind, self._open = self.items[-1], self._open, None
@@ -149,7 +150,7 @@ class OutputItems:
                 {"type": "response.function_call_arguments.done", **done, "arguments": item["arguments"]}
             )
         if kind != "reasoning":
-            item["status"] = "completed"
+            item["status"] = "incomplete" if cut else "completed"
         events.append(
             {"type": "response.output_item.done", "output_index": len(self.items) - 1, "item": _copy(item)}
         )

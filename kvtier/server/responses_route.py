@@ -159,19 +159,21 @@ class ResponsesFormatter:
             self.stored = await self.keeper.keep(self.response_id, response)
         return {**response, "store": self.stored}
 
-    def _items(self, out: RequestOutput) -> OutputItems:
+    def _items(self, out: RequestOutput, cut: bool) -> OutputItems:
         items = OutputItems(self.tool_names, self.reasoning_parser, self.response_id)
         items.feed(out.outputs[0].text)
-        items.finish()
+        items.finish(cut)
         return items
 
     def snapshot(self, status: str, out: RequestOutput | None = None) -> dict[str, Any]:
-        """The response at ``status`` (a background run's): no output yet, or ``out``'s so far (no usage)."""
-        return self._response(status, None if out is None else self._items(out), None)
+        """The response at ``status`` (a background run's): no output yet, or ``out``'s so far (its last
+        item incomplete; no usage)."""
+        return self._response(status, None if out is None else self._items(out, cut=True), None)
 
     async def response(self, finals: list[RequestOutput]) -> dict[str, Any]:
         (out,) = finals
-        return await self.keep(self._response(self._status(out), self._items(out), out))
+        status = self._status(out)
+        return await self.keep(self._response(status, self._items(out, status == "incomplete"), out))
 
     def _event(self, payload: dict[str, Any]) -> str:
         self._sequence += 1
@@ -192,9 +194,9 @@ class ResponsesFormatter:
                     yield self._event(payload)
                 if c.finish_reason is None:
                     continue
-                for payload in items.finish():
-                    yield self._event(payload)
                 status = self._status(out)
+                for payload in items.finish(cut=status == "incomplete"):
+                    yield self._event(payload)
                 final = await self.keep(self._response(status, items, out))
                 yield self._event({"type": f"response.{status}", "response": final})
                 return
