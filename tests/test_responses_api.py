@@ -483,7 +483,10 @@ def test_story_a_streamed_background_response_is_followed_again_after_its_client
     key = {"Authorization": "Bearer unused"}  # the client's: the same owner
     with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=key, timeout=120) as first:
         events = sse_events(first.iter_lines())
-        seen = [next(events) for _ in range(4)]  # created, in_progress, output_item.added, content_part.added
+        seen = [next(events) for _ in range(4)]
+    assert [e["type"] for e in seen] == [
+        "response.created", "response.queued", "response.in_progress", "response.output_item.added"
+    ] and seen[0]["response"]["status"] == "queued"  # fmt: skip
     rid, last = seen[0]["response"]["id"], seen[-1]["sequence_number"]
     assert client.responses.retrieve(rid).status in ("queued", "in_progress")  # running without its client
     url, query = server.url + f"/v1/responses/{rid}", {"stream": "true", "starting_after": str(last)}

@@ -185,7 +185,12 @@ class ResponsesFormatter:
         """The events as the outputs come; an engine failure is an ``error`` event."""
         items = OutputItems(self.tool_names, self.reasoning_parser, self.response_id)
         started = self._response("in_progress", None, None)
-        yield self._event({"type": "response.created", "response": started})
+        if self.body.background:  # created queued, as its stored copy was
+            queued = {**started, "status": "queued"}
+            yield self._event({"type": "response.created", "response": queued})
+            yield self._event({"type": "response.queued", "response": queued})
+        else:
+            yield self._event({"type": "response.created", "response": started})
         yield self._event({"type": "response.in_progress", "response": started})
         try:
             async for _, out in outputs:
