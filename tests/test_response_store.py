@@ -4,6 +4,7 @@ and two replicas sharing it continue each other's responses."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -110,7 +111,8 @@ def test_the_router_sends_a_continued_conversation_where_it_is_kept() -> None:
 
 def test_a_background_response_its_replica_no_longer_runs_reads_failed() -> None:
     """A restarted replica finds its background responses stored queued or in progress, and runs none
-    of them: GET answers them failed. Another replica's, a running one and a finished one read as stored."""
+    of them: GET answers them failed. Another replica's, a running one and a finished one read as stored,
+    unless the lease their replica renews while it runs them ran out."""
     from kvtier.server.responses_background import BackgroundRuns, as_seen
 
     runs = BackgroundRuns()
@@ -123,6 +125,13 @@ def test_a_background_response_its_replica_no_longer_runs_reads_failed() -> None
     assert as_seen(mine, runs, "b:2") == mine and as_seen(mine, runs, None) == mine
     runs._runs[mine["id"]] = None  # type: ignore[assignment]  # running here
     assert as_seen(mine, runs, "a:1") == mine
+    # any replica reads a response whose lease ran out failed: the replica running it went down
+    leased = {**mine, "kvtier": {"lease_until": time.time() + 30}}
+    assert as_seen(leased, BackgroundRuns(), "b:2") == leased
+    lapsed = as_seen({**leased, "kvtier": {"lease_until": time.time() - 1}}, BackgroundRuns(), "b:2")
+    assert (
+        lapsed["status"] == "failed" and "went down" in lapsed["error"]["message"] and "kvtier" not in lapsed
+    )
 
 
 # ----------------------------------------------------------------------------------------- served

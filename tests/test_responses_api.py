@@ -17,6 +17,7 @@ from openai import BadRequestError, NotFoundError, OpenAI
 from kvtier.router.app import create_app as router_app
 from kvtier.router.core import RouterSettings
 from kvtier.router.prompt import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, parse_prompt
+from kvtier.server import responses_background as background
 from kvtier.server.api_errors import APIError
 from kvtier.server.app import ServerSettings
 from kvtier.server.async_engine import EngineDeadError
@@ -413,7 +414,7 @@ LONG = {"format": {"type": "json_schema", "name": "numbers", "strict": True,  # 
 
 @pytest.mark.slow
 def test_story_a_background_response_is_polled_and_another_cancelled(
-    server: BackgroundServer, client: OpenAI
+    server: BackgroundServer, client: OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``background: true``: the POST answers at once, queued; polling reads it in progress, then the
     answer a foreground request gives. A long one is cancelled midway: it stays cancelled with its output
@@ -430,11 +431,20 @@ def test_story_a_background_response_is_polled_and_another_cancelled(
         and done.usage.output_tokens == foreground.usage.output_tokens
     )
     assert done.background is True and foreground.background is False
+    monkeypatch.setattr(background, "LEASE_S", 0.6)  # renewed every 0.2 s while it runs
     long = client.responses.create(
         model=MODEL, input="Count.", text=LONG, max_output_tokens=2000, background=True
     )  # type: ignore[arg-type]
     running = until_status(client, long.id, ("in_progress",))
     assert running.usage is None
+    leases = [running.kvtier["lease_until"]]  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while len(leases) < 3:  # renewed as it runs, with its output so far
+        assert time.monotonic() < deadline, f"the lease was not renewed: {leases}"
+        time.sleep(0.1)
+        if (polled := client.responses.retrieve(long.id)).kvtier["lease_until"] > leases[-1]:  # type: ignore[attr-defined]
+            leases.append(polled.kvtier["lease_until"])  # type: ignore[attr-defined]
+    assert polled.status == "in_progress" and polled.output
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and cancelled.output and cancelled.output_text.startswith("[")
     assert client.responses.retrieve(long.id).status == "cancelled"

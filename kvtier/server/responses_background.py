@@ -12,7 +12,9 @@ polling ``GET /v1/responses/{id}`` and stopped by ``POST /v1/responses/{id}/canc
                                      cancelled before: answered as stored (idempotent); a response made
                                      without background: 400
     GET /v1/responses/{id}           as stored; queued or in progress, made by this replica yet not running
-                                     in it (the process restarted): failed
+                                     in it (the process restarted), or its lease run out (stored with
+                                     ``kvtier.lease_until``, renewed while it runs: its replica went
+                                     down): failed
 
 The answer is the same the client would have had in the foreground (the same formatter stores it). The
 runs of one server are ``app.state.background`` (:class:`BackgroundRuns`); a replica behind a router gets
@@ -23,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi.responses import StreamingResponse
@@ -38,6 +41,7 @@ from kvtier.server.response_store import owner_tag, replica_tag
 
 logger = logging.getLogger("kvtier.server.responses")
 ACTIVE = ("queued", "in_progress")
+LEASE_S = 60.0  # a running response's stored copy is renewed every third of it (kvtier.lease_until)
 MAX_LOGS = 256  # streamed background responses whose events are kept after their end
 
 
@@ -98,17 +102,35 @@ class _Run:
     log: EventLog | None  # streamed: its events
     last: RequestOutput | None = None
     error: Exception | None = None
+    beat: asyncio.Task[None] | None = None  # renews the stored copy's lease while the run lives
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             async for out in self.stream:
-                if self.last is None:
-                    await self.fmt.keep(self.fmt.snapshot("in_progress", out))
-                self.last = out
+                first, self.last = self.last is None, out
+                if out.finished:
+                    await self.stop_beat()  # its last write lands before the answer's
+                elif first:
+                    await keep_active(self.fmt, "in_progress", out)
                 yield 0, out
         except Exception as exc:
             self.error = exc
             raise
+
+    async def heartbeat(self) -> None:
+        """Store the response again every third of ``LEASE_S`` (its lease renewed, its output so far)."""
+        while not await _ended(self.ended, LEASE_S / 3):
+            try:
+                await keep_active(self.fmt, "queued" if self.last is None else "in_progress", self.last)
+            except Exception:  # a store's own failures are logged by it; the run goes on regardless
+                logger.exception("background response %s: lease not renewed", self.fmt.response_id)
+
+    async def stop_beat(self) -> None:
+        """No more lease renewals; returns once a write in flight has landed."""
+        self.ended.set()
+        if self.beat is not None:
+            await self.beat
 
     async def answer(self) -> None:
         """The run to its end: the answer stored as a foreground one is (by the formatter)."""
@@ -147,7 +169,7 @@ class BackgroundRuns:
     ) -> dict[str, Any] | EventLog:
         """Store the response queued and start its run; returns the queued response (the POST's answer),
         or, ``streamed``, the run's events to follow."""
-        queued = await fmt.keep(fmt.snapshot("queued"))
+        queued = await keep_active(fmt, "queued")
         if not queued["store"]:  # nobody could read it back: not started
             stream.abort()
             raise unavailable(
@@ -178,19 +200,39 @@ class BackgroundRuns:
 
     async def _run(self, run: _Run) -> None:
         fmt = run.fmt
+        run.beat = asyncio.create_task(run.heartbeat())
         try:
             await run.answer()
         except asyncio.CancelledError:
             run.stream.abort()
+            await run.stop_beat()
             self._cancelled[fmt.response_id] = await fmt.keep(fmt.snapshot("cancelled", run.last))
         except Exception as exc:  # the engine's error (shutting down, dead): the response failed
             run.stream.abort()
+            await run.stop_beat()
             logger.warning("background response %s failed: %s", fmt.response_id, exc)
             failed = fmt.snapshot("failed", run.last)
             await fmt.keep({**failed, "error": {"code": "server_error", "message": str(exc)}})
         finally:
+            run.ended.set()
             if run.log is not None:
                 run.log.close()
+
+
+async def keep_active(fmt: _Formatter, status: str, out: RequestOutput | None = None) -> dict[str, Any]:
+    """Store the response ``status`` (queued, in progress) with a lease: ``kvtier.lease_until``, when a
+    reader may take it for lost unless renewed (its replica went down)."""
+    lease = {"lease_until": round(time.time() + LEASE_S, 3)}
+    return await fmt.keep({**fmt.snapshot(status, out), "kvtier": lease})
+
+
+async def _ended(event: asyncio.Event, timeout: float) -> bool:
+    """Whether ``event`` is set within ``timeout`` seconds."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 def followed(log: EventLog, after: int = -1) -> StreamingResponse:
@@ -207,17 +249,18 @@ def check_cancellable(response: dict[str, Any]) -> None:
 
 
 def as_seen(response: dict[str, Any], runs: BackgroundRuns, replica_id: str | None) -> dict[str, Any]:
-    """A stored response as ``GET`` answers it: one still queued or in progress that this replica made
-    but does not run (its process restarted since) failed."""
+    """A stored response as ``GET`` answers it: one still queued or in progress failed when its lease
+    ran out (the replica running it went down) or when this replica made it but does not run it (its
+    process restarted since)."""
     rid = response.get("id")
-    if (
-        not response.get("background")
-        or response.get("status") not in ACTIVE
-        or replica_id is None
-        or not isinstance(rid, str)
-        or runs.running(rid)
-        or owner_tag(rid) != replica_tag(replica_id)
-    ):
+    if not response.get("background") or response.get("status") not in ACTIVE or not isinstance(rid, str):
         return response
-    message = "the server restarted before this background response finished; create it again"
-    return {**response, "status": "failed", "error": {"code": "server_error", "message": message}}
+    lease = (response.get("kvtier") or {}).get("lease_until")
+    if isinstance(lease, (int, float)) and lease < time.time() and not runs.running(rid):
+        message = "the replica running this background response went down before it finished; create it again"
+    elif replica_id is not None and not runs.running(rid) and owner_tag(rid) == replica_tag(replica_id):
+        message = "the server restarted before this background response finished; create it again"
+    else:
+        return response
+    failed = {k: v for k, v in response.items() if k != "kvtier"}
+    return {**failed, "status": "failed", "error": {"code": "server_error", "message": message}}
