@@ -29,9 +29,8 @@ the route and its events are :mod:`.responses_route`.
 ``previous_response_id`` continues a stored response (:mod:`.response_store`): its input and output
 items come first (``chat(history)``), its ``instructions`` do not carry over, as OpenAI's. An
 ``item_reference`` is replaced by the stored item before (``responses_stored.resolve_references``). A
-400: ``background`` without ``store``, other tools (web search, files...), images
-and files in the input,
-``top_logprobs`` and ``max_tool_calls``. Errors name the Responses field (``input[2].call_id``,
+400: ``background`` without ``store``, other tools (web search, files...), images and files in the
+input, ``top_logprobs`` and ``max_tool_calls``. Errors name the Responses field (``input[2].call_id``,
 ``max_output_tokens``, ``tools[0].parameters``).
 """
 

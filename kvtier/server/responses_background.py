@@ -154,9 +154,6 @@ class BackgroundRuns:
         self._cancelled: dict[str, dict[str, Any]] = {}  # what a cancel stored, for the cancel to answer
         self._logs: OrderedDict[str, EventLog] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._runs)
-
     def running(self, response_id: str) -> bool:
         return response_id in self._runs
 

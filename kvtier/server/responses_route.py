@@ -264,11 +264,11 @@ async def create_response(request: Request, serving: Serving) -> Response:
     body = await bodies.parse(request, ResponsesRequest)
     serving.check_open(request)
     state = request.app.state
-    response_id = new_response_id(state.engine.replica_id)
-    run = await _prepare(request, body, response_id)
-    if body.background and not responses_stored.Keeper(request, []).enabled:
+    if body.background and not responses_stored.keeps(request):
         message = "background is not supported by this server (it keeps no responses: --response-store off)"
         raise bad_request(message, "background")
+    response_id = new_response_id(state.engine.replica_id)
+    run = await _prepare(request, body, response_id)
     chat = run.chat
     authorization = request.headers.get("authorization", "")
     salt = tenant_salt(authorization, chat.user, None, state.settings.prefix_cache_scope)

@@ -58,6 +58,11 @@ def _store(request: Request) -> ResponseStore | None:
     return request.app.state.responses
 
 
+def keeps(request: Request) -> bool:
+    """Whether this server keeps responses (``--response-store`` is not off)."""
+    return _store(request) is not None
+
+
 async def _get(request: Request, response_id: str, param: str | None = None) -> StoredResponse:
     """The stored response ``response_id`` of this request's credentials (404 otherwise)."""
     store = _store(request)
@@ -151,7 +156,7 @@ class Keeper:
 
     @property
     def enabled(self) -> bool:
-        return _store(self.request) is not None
+        return keeps(self.request)
 
     async def keep(self, response_id: str, response: dict[str, Any]) -> bool:
         """Whether ``response`` is stored now (a store that failed is logged: the answer still goes)."""

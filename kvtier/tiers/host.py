@@ -84,17 +84,13 @@ class HostTier(KVTier):
 
     # ------------------------------------------------------------------------ loads
     def prepare_load(self, keys: Sequence[BlockKey]) -> LoadSpec:
-        host_block_ids = []
-        for key in keys:
-            if key not in self._held:
-                raise KeyError(f"host tier: load of a key it does not hold ({key.hex()[:12]})")
-            host_block_ids.append(self._held[key])
+        host_block_ids = self.pinned_blocks(keys)
         self.pin(keys)
         return LoadSpec(tuple(keys), tuple(host_block_ids))
 
     def pinned_blocks(self, keys: Sequence[BlockKey]) -> list[int]:
-        """The host blocks of held ``keys`` the caller pinned already (``pin``): ``prepare_load`` without
-        a second pin, the caller's carrying the load through to ``complete_load``."""
+        """The host blocks of held ``keys`` (a ``KeyError`` for one it does not hold): ``prepare_load``
+        without its pin, for a caller whose own pins (``pin``) carry the load to ``complete_load``."""
         held = self._held
         try:
             return [held[key] for key in keys]
@@ -119,9 +115,11 @@ class HostTier(KVTier):
         accepted: list[BlockKey] = []
         evicted: dict[BlockKey, None] = {}  # in order
         room = len(free)
-        for key in dict.fromkeys(keys):  # in order, without duplicates, as if stored one by one (a held
-            if key in reserved or (key in held and key not in evicted):  # key evicted for an earlier
-                continue  # one is stored again)
+        # in order, without duplicates, as if stored one by one: a held key that an earlier key of the
+        # batch evicted is stored again
+        for key in dict.fromkeys(keys):
+            if key in reserved or (key in held and key not in evicted):
+                continue
             if room:
                 room -= 1
             else:
